@@ -1,0 +1,1 @@
+"""CLI commands, one module each; every module exports ``COMMANDS`` (a list of click commands)."""

@@ -1,0 +1,45 @@
+"""Per-decision output columns shared by the kernels and the reference.
+
+Both engines return a ``dict[str, np.ndarray]`` with exactly these keys, each
+array of shape ``(n_requests, n_configs)`` and the dtype given here, rows in the
+trace's sorted request order, columns in the grid's config order.  "None"
+values use the sentinel in the third column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# name, dtype, null sentinel, meaning
+DECISION_FIELDS: tuple[tuple[str, type, object, str], ...] = (
+    ("worker", np.int32, -1, "selected worker id; -1 when the selection failed"),
+    ("reason", np.int8, -1, "labels.REASONS code; -1 on failure"),
+    ("policy_reason", np.int8, -1, "labels.POLICY_REASONS code; -1 on failure"),
+    ("decision", np.int8, -1, "labels.DECISIONS code; -1 on failure (503 books nothing)"),
+    ("failure", np.int8, -1, "labels.FAILURES code; -1 when a worker was selected"),
+    ("matched_blocks", np.int64, 0, "min(best_prefix_blocks, query_blocks); 0 without a signal"),
+    ("selected_blocks", np.int64, 0, "min(first match entry blocks of the chosen worker, matched)"),
+    ("uncached_tokens", np.int64, -1, "L - H for the chosen worker (section 0 item 16); -1 on failure"),
+    ("gate_rejected", np.int32, 0, "queue_gate_rejected_candidates (0 when no resolution ran)"),
+    ("admission_evaluated", np.int32, 0, "admission_evaluated_candidates"),
+    ("admission_rejected", np.int32, 0, "admission_rejected_candidates"),
+    ("best_rejected_blocks", np.int64, 0, "queue_gate_best_rejected_blocks"),
+    ("fleet_all_queued", np.bool_, False, "fleet_is_all_queued of the resolution"),
+    ("fell_back", np.bool_, False, "queue_gate_fell_back of the resolution"),
+    ("guard_compared", np.int32, 0, "pressure_guard_compared_pairs"),
+    ("guard_overrides", np.int32, 0, "pressure_guard_overrides"),
+    ("pressure_source", np.int8, -1, "labels.PRESSURE_SOURCES code of the resolution; -1 when none ran"),
+    ("selected_waiting", np.int64, -1, "fresh basic num_waiting_reqs (summed) of the chosen worker; -1 if none"),
+    ("selected_waiting_uncached", np.int64, -1, "fresh native waiting_uncached of the chosen worker; -1 if none"),
+    ("selected_queue_ms", np.float64, np.nan, "estimated_prefill_queue_ms of the chosen worker; NaN if none"),
+)
+
+FIELD_NAMES = tuple(f[0] for f in DECISION_FIELDS)
+
+
+def empty_decisions(n_requests: int, n_configs: int) -> dict[str, np.ndarray]:
+    """Arrays for every decision field, filled with their null sentinel."""
+    return {
+        name: np.full((n_requests, n_configs), null, dtype=dtype)
+        for name, dtype, null, _ in DECISION_FIELDS
+    }
