@@ -73,6 +73,21 @@ class Trace:
     # --- provenance ----------------------------------------------------------
     files: dict[str, dict] = field(default_factory=dict)  # name -> {path, bytes, sha256}
     facts: dict = field(default_factory=dict)               # validate-style data facts
+    # --- additions (load_trace) ---------------------------------------------
+    # Position of each request in the time-sorted *whole* trace (the
+    # ``request_index`` of docs/replay-model.md); differs from arange only when
+    # ``load_trace(model=...)`` kept the requests of one model.  None -> arange.
+    req_index: np.ndarray | None = None
+    # With a workers table: True for workers listed in it.  Workers seen only
+    # in loads.parquet get worker_model == -1 and role decode (never a fleet
+    # member).  Without a table: all True.
+    worker_listed: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.req_index is None:
+            self.req_index = np.arange(self.req_ts.shape[0], dtype=np.int64)
+        if self.worker_listed is None:
+            self.worker_listed = np.ones(len(self.workers), dtype=bool)
 
     @property
     def n_requests(self) -> int:
@@ -94,3 +109,460 @@ class Trace:
             return np.arange(self.n_workers, dtype=np.int32)
         mask = (self.worker_model == model) & (self.worker_role != labels.ROLE_DECODE)
         return np.nonzero(mask)[0].astype(np.int32)
+
+
+# ===========================================================================
+# Loading
+# ===========================================================================
+
+import hashlib  # noqa: E402
+import os  # noqa: E402
+
+import polars as pl  # noqa: E402
+
+from . import labels  # noqa: E402
+
+REQUESTS = "requests.parquet"
+LOADS = "loads.parquet"
+WORKERS = "workers.parquet"
+
+DEFAULT_MODEL = "default"
+MAX_VALUE = 2**53 - 1          # counts must be < 2**53
+MAX_INT32 = 2**31 - 1
+TAIL_COLUMNS = (
+    "num_waiting_uncached_tokens",
+    "num_total_tokens",
+    "max_running_requests",
+    "total_prefill_uncached_tokens",
+    "total_prefill_busy_us",
+)
+LOAD_REQUIRED = ("num_running_reqs", "num_waiting_reqs", "num_tokens", "max_total_num_tokens")
+FRESHNESS_NS = 5_000_000_000
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class _File:
+    """Error helpers bound to one file name (messages: file, column, row)."""
+
+    def __init__(self, name: str, df: pl.DataFrame):
+        self.name = name
+        self.df = df
+
+    def fail(self, col: str, msg: str, row: int | None = None):
+        where = f"column '{col}'" + (f" row {row}" if row is not None else "")
+        raise TraceError(f"{self.name}: {where}: {msg}")
+
+    def has(self, col: str) -> bool:
+        return col in self.df.columns
+
+    def require(self, col: str) -> pl.Series:
+        if col not in self.df.columns:
+            self.fail(col, "missing (required column)")
+        return self.df.get_column(col)
+
+    # -- typed column readers ------------------------------------------------
+    def ints(self, col: str, *, nullable: bool, fill: int = -1, lo: int = 0,
+             hi: int = MAX_VALUE, s: pl.Series | None = None) -> np.ndarray:
+        """Integer column -> int64 numpy (nulls -> ``fill``), checked lo <= v <= hi."""
+        s = self.require(col) if s is None else s
+        dtype = s.dtype
+        if not dtype.is_integer():
+            self.fail(col, f"wrong type {dtype}, expected an integer type")
+        if not nullable and s.null_count():
+            self.fail(col, "null value in a required integer column", int(s.is_null().arg_max()))
+        row = _first_out_of_range(s, lo, hi)
+        if row is not None:
+            v = s[row]
+            msg = f"must be >= {lo}, got {v}" if v < lo else f"must be <= {hi}, got {v}"
+            if hi == MAX_VALUE and v > hi:
+                msg = f"must be < 2**53, got {v}"
+            self.fail(col, msg, row)
+        return s.cast(pl.Int64).fill_null(fill).to_numpy()
+
+    def strings(self, col: str, *, nullable: bool, s: pl.Series | None = None) -> pl.Series:
+        s = self.require(col) if s is None else s
+        if isinstance(s.dtype, (pl.Categorical, pl.Enum)):
+            s = s.cast(pl.String)
+        if s.dtype != pl.String:
+            self.fail(col, f"wrong type {s.dtype}, expected a string type")
+        if not nullable and s.null_count():
+            self.fail(col, "null value in a required string column", int(s.is_null().arg_max()))
+        return s
+
+    def timestamps(self, col: str = "ts") -> np.ndarray:
+        s = self.require(col)
+        if isinstance(s.dtype, pl.Datetime):
+            if s.null_count():
+                self.fail(col, "null timestamp", int(s.is_null().arg_max()))
+            return s.dt.epoch("ns").cast(pl.Int64).to_numpy()
+        if s.dtype.is_integer():
+            return self.ints(col, nullable=False, lo=-(2**63), hi=2**63 - 1, s=s)
+        self.fail(col, f"wrong type {s.dtype}, expected int64 nanoseconds or a Datetime")
+
+
+def _first_out_of_range(s: pl.Series, lo: int, hi: int) -> int | None:
+    """First row (0-based) of an integer series outside [lo, hi], or None."""
+    mn, mx = s.min(), s.max()
+    if mn is None or (lo <= mn and mx <= hi):
+        return None
+    wide = s.cast(pl.Int128)
+    return int(((wide < lo) | (wide > hi)).fill_null(False).arg_max())
+
+
+def _read(dirpath: str, name: str, *, required: bool) -> tuple[pl.DataFrame | None, dict | None]:
+    path = os.path.join(dirpath, name)
+    if not os.path.exists(path):
+        if required:
+            raise TraceError(f"{name}: file not found in {dirpath}")
+        return None, None
+    if not os.path.isfile(path):
+        raise TraceError(f"{name}: not a regular file: {path}")
+    try:
+        df = pl.read_parquet(path)
+    except Exception as err:  # polars / arrow raise many kinds
+        raise TraceError(f"{name}: unreadable Parquet ({type(err).__name__}: {_one_line(err)})") from None
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    info = {"path": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": digest}
+    return df, info
+
+
+def _map_names(s: pl.Series, names: list[str]) -> np.ndarray:
+    """String series -> int32 index into ``names`` (-1 for null / unknown)."""
+    if len(s) == 0:
+        return np.zeros(0, dtype=np.int32)
+    out = s.replace_strict(names, list(range(len(names))), default=-1, return_dtype=pl.Int32)
+    return out.fill_null(-1).to_numpy().astype(np.int32, copy=False)
+
+
+def _stable_order(ts: np.ndarray) -> np.ndarray | None:
+    """Stable argsort by ts, or None when already sorted."""
+    if ts.shape[0] < 2 or bool(np.all(ts[1:] >= ts[:-1])):
+        return None
+    return np.argsort(ts, kind="stable")
+
+
+def _permute_csr(offsets: np.ndarray, perm: np.ndarray, *cols: np.ndarray):
+    lens = np.diff(offsets)[perm]
+    new_off = np.zeros(perm.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_off[1:])
+    total = int(new_off[-1])
+    gather = np.repeat(offsets[:-1][perm] - new_off[:-1], lens) + np.arange(total, dtype=np.int64)
+    return new_off, [c[gather] for c in cols]
+
+
+def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-row max of a CSR column (0 for empty rows)."""
+    n = offsets.shape[0] - 1
+    out = np.zeros(n, dtype=np.int64)
+    lens = np.diff(offsets)
+    nz = np.nonzero(lens > 0)[0]
+    if nz.shape[0]:
+        out[nz] = np.maximum.reduceat(values, offsets[nz])
+    return out
+
+
+def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
+    """Read, check and encode a trace directory (see ``traces/README.md``).
+
+    ``path`` holds ``requests.parquet``, ``loads.parquet`` and optionally
+    ``workers.parquet``.  Rows are sorted by ``ts`` (stable) in memory; the
+    files are never modified.  With ``model``, only that model's requests
+    are kept (``Trace.req_index`` keeps their position in the whole
+    time-sorted trace); an unknown model is an error.
+
+    Raises :class:`TraceError` (one line: file, column, first bad row,
+    0-based in the file as given) on any bad input.
+    """
+    dirpath = os.fspath(path)
+    if not os.path.isdir(dirpath):
+        raise TraceError(f"{dirpath}: not a trace directory (expected {REQUESTS}, {LOADS})")
+    files: dict[str, dict] = {}
+    req_df, info = _read(dirpath, REQUESTS, required=True)
+    files[REQUESTS] = info
+    load_df, info = _read(dirpath, LOADS, required=True)
+    files[LOADS] = info
+    wk_df, info = _read(dirpath, WORKERS, required=False)
+    if wk_df is not None:
+        files[WORKERS] = info
+    facts: dict = {}
+
+    # ---------------- workers.parquet ----------------
+    R = _File(REQUESTS, req_df)
+    L = _File(LOADS, load_df)
+    table = None
+    if wk_df is not None:
+        W = _File(WORKERS, wk_df)
+        t_name = W.strings("worker", nullable=False)
+        dup = ~t_name.is_first_distinct()
+        if dup.any():
+            row = int(dup.arg_max())
+            W.fail("worker", f"duplicate worker {t_name[row]!r}", row)
+        t_model = (W.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if W.has("model")
+                   else pl.Series([DEFAULT_MODEL] * wk_df.height, dtype=pl.String))
+        if W.has("role"):
+            roles = W.strings("role", nullable=True).fill_null("plain")
+            bad = ~roles.is_in(list(labels.ROLES))
+            if bad.any():
+                row = int(bad.arg_max())
+                W.fail("role", f"must be one of prefill|decode|plain, got {roles[row]!r}", row)
+            t_role = roles.replace_strict(list(labels.ROLES), [labels.ROLES.index(r) for r in labels.ROLES],
+                                          return_dtype=pl.Int8).to_numpy()
+        else:
+            t_role = np.full(wk_df.height, labels.ROLE_PLAIN, dtype=np.int8)
+        t_dp = (W.ints("dp_size", nullable=True, fill=0, lo=1, hi=MAX_INT32) if W.has("dp_size")
+                else np.zeros(wk_df.height, dtype=np.int64))
+        table = (t_name.to_list(), t_model.to_list(), t_role, t_dp)
+
+    # ---------------- requests.parquet: columns ----------------
+    req_ts = R.timestamps("ts")
+    rid_s = R.require("request_id")
+    if rid_s.dtype.is_integer():
+        request_id = R.ints("request_id", nullable=False, lo=-(2**63), hi=2**63 - 1, s=rid_s)
+    else:
+        rid_s = R.strings("request_id", nullable=False, s=rid_s)
+        request_id = None
+    dup = ~rid_s.is_first_distinct()
+    if dup.any():
+        row = int(dup.arg_max())
+        first = int((rid_s == rid_s[row]).arg_max())
+        R.fail("request_id", f"duplicate request_id {rid_s[row]!r} (first at row {first})", row)
+    if request_id is None:
+        request_id = rid_s.to_numpy()
+    req_model_s = (R.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if R.has("model")
+                   else pl.Series("model", [DEFAULT_MODEL] * req_df.height, dtype=pl.String))
+    input_tokens = R.ints("input_tokens", nullable=False)
+    qb_s = R.require("query_blocks")
+    query_blocks = R.ints("query_blocks", nullable=True, fill=0, s=qb_s)
+    facts["query_blocks_null"] = int(qb_s.null_count())
+
+    # matches: list<struct{worker, blocks}>
+    m_s = R.require("matches")
+    if isinstance(m_s.dtype, pl.Array):
+        m_s = m_s.cast(pl.List(m_s.dtype.inner))
+    inner = m_s.dtype.inner if isinstance(m_s.dtype, pl.List) else None
+    fields = {f.name: f.dtype for f in inner.fields} if isinstance(inner, pl.Struct) else None
+    if (fields is None or "worker" not in fields or "blocks" not in fields):
+        R.fail("matches", f"wrong type {m_s.dtype}, expected list<struct{{worker: string, blocks: integer}}>")
+    m_len = m_s.list.len().fill_null(0).cast(pl.Int64).to_numpy()
+    m_off = np.zeros(req_df.height + 1, dtype=np.int64)
+    np.cumsum(m_len, out=m_off[1:])
+    ex = (pl.DataFrame({"row": np.arange(req_df.height, dtype=np.int64), "m": m_s})
+          .filter(pl.Series(m_len > 0)).explode("m"))
+    ent = ex.get_column("m")
+    ent_row = ex.get_column("row").to_numpy()
+    if ent.null_count():
+        i = int(ent.is_null().arg_max())
+        R.fail("matches", f"entry {i - m_off[ent_row[i]]} is null", int(ent_row[i]))
+    ent_worker = ent.struct.field("worker")
+    ent_blocks = ent.struct.field("blocks")
+    for name, col, kind in (("worker", ent_worker, "string"), ("blocks", ent_blocks, "int")):
+        ok = (col.dtype.is_integer() if kind == "int"
+              else col.dtype == pl.String or isinstance(col.dtype, (pl.Categorical, pl.Enum)))
+        if not ok:
+            R.fail("matches", f"wrong type {m_s.dtype}, expected list<struct{{worker: string, blocks: integer}}>")
+        if col.null_count():
+            i = int(col.is_null().arg_max())
+            R.fail("matches", f"entry {i - m_off[ent_row[i]]} has a null {name}", int(ent_row[i]))
+    ent_worker = ent_worker.cast(pl.String)
+    i = _first_out_of_range(ent_blocks, 0, MAX_VALUE)
+    if i is not None:
+        v = ent_blocks[i]
+        R.fail("matches", f"entry {i - m_off[ent_row[i]]} blocks must be "
+               + (f">= 0, got {v}" if v < 0 else f"< 2**53, got {v}"), int(ent_row[i]))
+    match_blocks = ent_blocks.cast(pl.Int64).to_numpy()
+
+    if R.has("best_prefix_blocks"):
+        best_prefix = R.ints("best_prefix_blocks", nullable=True, fill=-1)
+    else:
+        best_prefix = None
+    sel_s = R.strings("selected_worker", nullable=True) if R.has("selected_worker") else None
+
+    # ---------------- loads.parquet: columns ----------------
+    load_ts = L.timestamps("ts")
+    lw_s = L.strings("worker", nullable=False)
+    load_rank = (L.ints("dp_rank", nullable=True, fill=0, hi=MAX_INT32) if L.has("dp_rank")
+                 else np.zeros(load_df.height, dtype=np.int64))
+    load_req = [L.ints(c, nullable=False) for c in LOAD_REQUIRED]
+    tails = []
+    tail_valid = np.ones(load_df.height, dtype=bool)
+    tail_any = np.zeros(load_df.height, dtype=bool)
+    for c in TAIL_COLUMNS:
+        if L.has(c):
+            v = L.ints(c, nullable=True, fill=-1)
+            tail_valid &= v >= 0
+            tail_any |= v >= 0
+        else:
+            v = np.full(load_df.height, -1, dtype=np.int64)
+            tail_valid[:] = False
+        tails.append(v)
+    tails = [np.where(tail_valid, v, 0) for v in tails]
+    inflight = (L.ints("router_inflight", nullable=True, fill=-1) if L.has("router_inflight")
+                else np.full(load_df.height, -1, dtype=np.int64))
+
+    # ---------------- worker universe ----------------
+    load_names = lw_s.unique().to_list()
+    if table is None:
+        names = sorted(set(load_names) | set(ent_worker.unique().to_list()))
+        workers = names
+        models = sorted(set(req_model_s.unique().to_list())) or [DEFAULT_MODEL]
+        worker_model = np.zeros(len(workers), dtype=np.int32)
+        worker_role = np.full(len(workers), labels.ROLE_PLAIN, dtype=np.int8)
+        worker_dp = np.zeros(len(workers), dtype=np.int32)
+        worker_listed = np.ones(len(workers), dtype=bool)
+        non_fleet_load = []
+    else:
+        t_name, t_model, t_role, t_dp = table
+        listed = set(t_name)
+        non_fleet_load = sorted(set(load_names) - listed)
+        workers = sorted(listed | set(non_fleet_load))
+        models = sorted(set(t_model) | set(req_model_s.unique().to_list()))
+        pos = {w: i for i, w in enumerate(workers)}
+        mid = {m: i for i, m in enumerate(models)}
+        n = len(workers)
+        worker_model = np.full(n, -1, dtype=np.int32)
+        worker_role = np.full(n, labels.ROLE_DECODE, dtype=np.int8)
+        worker_dp = np.zeros(n, dtype=np.int32)
+        worker_listed = np.zeros(n, dtype=bool)
+        idx = np.array([pos[w] for w in t_name], dtype=np.int64)
+        if idx.size:
+            worker_model[idx] = [mid[m] for m in t_model]
+            worker_role[idx] = t_role
+            worker_dp[idx] = t_dp
+            worker_listed[idx] = True
+    # match addresses: with a table only listed workers are known
+    known = workers if table is None else [w for w, ok in zip(workers, worker_listed) if ok]
+    known_ids = np.array([workers.index(w) for w in known], dtype=np.int32) if table is not None else None
+    mw = _map_names(ent_worker, known)
+    if known_ids is not None and mw.size:
+        mw = np.where(mw >= 0, known_ids[np.maximum(mw, 0)], -1).astype(np.int32)
+    match_worker = mw
+    load_worker = _map_names(lw_s, workers)
+    req_model = _map_names(req_model_s, models)
+    if sel_s is not None:
+        sel = _map_names(sel_s, workers)
+        facts["selected_worker_null"] = int(sel_s.null_count())
+        facts["selected_worker_unknown"] = int(((sel < 0) & sel_s.is_not_null().to_numpy()).sum())
+    else:
+        sel = None
+
+    # best_prefix default: max of match blocks (0 if none)
+    if best_prefix is None or (best_prefix < 0).any():
+        dflt = _segment_max(match_blocks, m_off)
+        best_prefix = dflt if best_prefix is None else np.where(best_prefix < 0, dflt, best_prefix)
+
+    # ---------------- data facts (whole trace, before any model filter) ----
+    unknown = match_worker < 0
+    facts["requests"] = int(req_df.height)
+    facts["requests_with_matches"] = int((m_len > 0).sum())
+    facts["requests_without_prefix_signal"] = int(((m_len == 0) | (query_blocks == 0)).sum())
+    facts["match_entries"] = int(match_worker.shape[0])
+    facts["unknown_match_entries"] = int(unknown.sum())
+    unk_names = ent_worker.filter(pl.Series(unknown)).unique().sort().to_list() if unknown.any() else []
+    facts["unknown_match_addresses"] = len(unk_names)
+    facts["unknown_match_address_examples"] = unk_names[:5]
+    if req_df.height:
+        facts["span_start_ns"] = int(req_ts.min())
+        facts["span_end_ns"] = int(req_ts.max())
+        facts["span_s"] = (facts["span_end_ns"] - facts["span_start_ns"]) / 1e9
+    facts["requests_sorted_on_disk"] = _stable_order(req_ts) is None
+    facts["load_rows"] = int(load_df.height)
+    facts["loads_sorted_on_disk"] = _stable_order(load_ts) is None
+    facts["workers"] = len(workers)
+    facts["models"] = {m: int(c) for m, c in zip(models, np.bincount(req_model, minlength=len(models)))}
+    facts["has_workers_table"] = table is not None
+    facts["non_fleet_load_workers"] = non_fleet_load
+    facts["load_rows_with_tail"] = int(tail_valid.sum())
+    facts["load_rows_partial_tail"] = int((tail_any & ~tail_valid).sum())
+    facts["load_rows_without_tail"] = int((~tail_any).sum())
+    facts["has_router_inflight"] = L.has("router_inflight")
+    dp_of_row = worker_dp[load_worker] if load_worker.size else np.zeros(0, dtype=np.int32)
+    ignored = (dp_of_row > 0) & (load_rank >= dp_of_row)
+    facts["ignored_rank_rows"] = int(ignored.sum())
+    if load_df.height:
+        rk = (pl.DataFrame({"w": load_worker, "r": load_rank}).unique()
+              .group_by("w").agg(pl.col("r").sort()).sort("w"))
+        facts["ranks_per_worker"] = {workers[w]: [int(x) for x in r]
+                                     for w, r in zip(rk["w"].to_list(), rk["r"].to_list())}
+    else:
+        facts["ranks_per_worker"] = {}
+    facts["workers_without_samples"] = sorted(set(workers) - set(facts["ranks_per_worker"]))
+    facts["has_selected_worker"] = sel is not None
+
+    # ---------------- sort (stable, in memory) ----------------
+    perm = _stable_order(req_ts)
+    if perm is not None:
+        req_ts = req_ts[perm]
+        request_id = request_id[perm]
+        req_model = req_model[perm]
+        input_tokens = input_tokens[perm]
+        query_blocks = query_blocks[perm]
+        best_prefix = best_prefix[perm]
+        if sel is not None:
+            sel = sel[perm]
+        m_off, (match_worker, match_blocks) = _permute_csr(m_off, perm, match_worker, match_blocks)
+    lperm = _stable_order(load_ts)
+    load_cols = [load_ts, load_worker, load_rank, *load_req, tail_valid, *tails, inflight]
+    if lperm is not None:
+        load_cols = [c[lperm] for c in load_cols]
+    (load_ts, load_worker, load_rank, l_run, l_wait, l_tok, l_max, tail_valid,
+     t_wu, t_tot, t_mr, t_pt, t_pb, inflight) = load_cols
+
+    req_index = None
+    if model is not None:
+        if model not in models or facts["models"].get(model, 0) == 0:
+            raise TraceError(f"{REQUESTS}: column 'model': no request has model {model!r} "
+                             f"(models: {', '.join(models)})")
+        keep = np.nonzero(req_model == models.index(model))[0]
+        facts["model_filter"] = model
+        facts["requests_kept"] = int(keep.shape[0])
+        req_index = keep.astype(np.int64)
+        m_off, (match_worker, match_blocks) = _permute_csr(m_off, keep, match_worker, match_blocks)
+        req_ts, request_id, req_model = req_ts[keep], request_id[keep], req_model[keep]
+        input_tokens, query_blocks, best_prefix = input_tokens[keep], query_blocks[keep], best_prefix[keep]
+        if sel is not None:
+            sel = sel[keep]
+
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+    return Trace(
+        path=os.path.abspath(dirpath),
+        workers=workers,
+        models=models,
+        worker_model=i32(worker_model),
+        worker_role=np.ascontiguousarray(worker_role, dtype=np.int8),
+        worker_dp_size=i32(worker_dp),
+        has_workers_table=table is not None,
+        request_id=request_id,
+        req_ts=i64(req_ts),
+        req_model=i32(req_model),
+        req_input_tokens=i64(input_tokens),
+        req_query_blocks=i64(query_blocks),
+        req_best_prefix_blocks=i64(best_prefix),
+        match_offsets=i64(m_off),
+        match_worker=i32(match_worker),
+        match_blocks=i64(match_blocks),
+        req_selected_worker=None if sel is None else i32(sel),
+        load_ts=i64(load_ts),
+        load_worker=i32(load_worker),
+        load_rank=i32(load_rank),
+        load_running=i64(l_run),
+        load_waiting=i64(l_wait),
+        load_num_tokens=i64(l_tok),
+        load_max_total=i64(l_max),
+        load_has_tail=np.ascontiguousarray(tail_valid, dtype=bool),
+        load_waiting_uncached=i64(t_wu),
+        load_total_tokens=i64(t_tot),
+        load_max_running=i64(t_mr),
+        load_prefill_tokens=i64(t_pt),
+        load_prefill_busy_us=i64(t_pb),
+        load_router_inflight=i64(inflight),
+        files=files,
+        facts=facts,
+        req_index=req_index,
+        worker_listed=worker_listed,
+    )
