@@ -566,3 +566,47 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
         req_index=req_index,
         worker_listed=worker_listed,
     )
+
+
+def fresh_fleet_sample_mask(trace: Trace, freshness_ns: int = FRESHNESS_NS) -> np.ndarray:
+    """Per request: True when *some* fleet worker of its model has a load sample
+    (of a counted rank) with ``0 <= request_ts - sample_ts <= freshness``.
+
+    Not the rank-exact all-ranks rule of the snapshot: a cheap, vectorised
+    data fact ("no fresh sample from any fleet worker" is its negation).
+    """
+    out = np.zeros(trace.n_requests, dtype=bool)
+    dp = trace.worker_dp_size[trace.load_worker] if trace.load_ts.size else np.zeros(0, np.int32)
+    counted = (dp == 0) | (trace.load_rank < dp)
+    for m in np.unique(trace.req_model):          # loop over models, not rows
+        in_fleet = np.zeros(trace.n_workers, dtype=bool)
+        in_fleet[trace.fleet(int(m))] = True
+        fts = trace.load_ts[counted & in_fleet[trace.load_worker]]   # already sorted
+        sel = np.nonzero(trace.req_model == m)[0]
+        if fts.size == 0:
+            continue
+        rts = trace.req_ts[sel]
+        idx = np.searchsorted(fts, rts, side="right") - 1
+        ok = idx >= 0
+        out[sel[ok]] = (rts[ok] - fts[idx[ok]]) <= freshness_ns
+    return out
+
+
+def validate_trace(path: str | os.PathLike, *, freshness_ms: int = 5000) -> dict:
+    """Load a trace (raising :class:`TraceError` on bad input) and return its data facts.
+
+    Adds to ``Trace.facts``: ``requests_without_fresh_fleet_sample`` (and its
+    ``share``), the freshness used, the fleet size per model and the files.
+    """
+    trace = load_trace(path)
+    facts = dict(trace.facts)
+    fresh = fresh_fleet_sample_mask(trace, int(freshness_ms) * 1_000_000)
+    stale = int((~fresh).sum())
+    facts["freshness_ms"] = int(freshness_ms)
+    facts["requests_without_fresh_fleet_sample"] = stale
+    facts["share_without_fresh_fleet_sample"] = stale / trace.n_requests if trace.n_requests else 0.0
+    facts["fleet_workers"] = {m: int(trace.fleet(i).shape[0]) for i, m in enumerate(trace.models)}
+    facts["roles"] = {r: int((trace.worker_role == i).sum()) for i, r in enumerate(labels.ROLES)}
+    facts["files"] = trace.files
+    facts["path"] = trace.path
+    return facts

@@ -1,0 +1,44 @@
+"""``router-replay generate OUT_DIR``: write a seeded synthetic trace."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from ..cli import user_errors
+from ..errors import ReplayError
+
+
+@click.command("generate")
+@click.argument("out_dir", type=click.Path(file_okay=False, dir_okay=True))
+@click.option("--requests", "n_requests", type=click.IntRange(min=0), default=3000, show_default=True)
+@click.option("--workers", "n_workers", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Prefill fleet size (decode peers are added on top).")
+@click.option("--dp-size", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--sample-interval-ms", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--max-matches", type=click.IntRange(min=0), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--rate", "rate_per_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Mean requests per second (default: ~280/s, span >= 60 s).")
+@click.option("--no-router-inflight", is_flag=True, help="Omit the router_inflight column.")
+@click.option("--force", is_flag=True, help="Write into a non-empty OUT_DIR.")
+@user_errors
+def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_matches, seed,
+             rate_per_s, no_router_inflight, force) -> None:
+    """Write a synthetic trace directory (requests, loads, workers Parquet)."""
+    from ..generate import generate_trace
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ReplayError(f"{out_dir}: exists and is not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise ReplayError(f"{out_dir}: directory is not empty (use --force to write into it)")
+    info = generate_trace(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                          sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
+                          rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
+    click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows, "
+               f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
+               f"{info['span_s']} s")
+
+
+COMMANDS = [generate]

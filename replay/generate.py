@@ -1,0 +1,302 @@
+"""Seeded synthetic trace generator (vectorised numpy + pyarrow).
+
+``generate_trace`` writes a valid trace directory (``requests.parquet``,
+``loads.parquet``, ``workers.parquet``) whose shape exercises every branch of
+the router's cache-aware decision under worker-queue limits of 2..16:
+
+* arrivals: Poisson with a slowly varying base rate plus bursts of 1.3x-2.6x
+  the fleet's service capacity, so that queues build on the whole fleet
+  (queue gate, fleet-all-queued / fell-back tier and saturation pin fire);
+* prefix groups (shared system prompts and sessions, Zipf popularity): a
+  request's ``matches`` name its group's owners in provider order with
+  non-increasing block counts (up to ``max_matches`` entries);
+  ``query_blocks = ceil(input_tokens / block_size)``; input lengths lognormal;
+* per-rank load samples every ``sample_interval_ms`` (random phase, jitter);
+  waiting queues follow a Lindley recursion driven by the same arrivals;
+  most samples carry the native tail, some workers never do (old publishers),
+  some periods drop it, a handful of rows carry a partial tail;
+* stale gaps: per-rank publisher pauses of 6-20 s and one fleet-wide pause;
+* decode peers in the load table (role ``decode`` in ``workers.parquet``),
+  a few unknown match addresses, zero-block and duplicate match entries,
+  ``selected_worker`` on part of the requests, optional ``router_inflight``.
+
+Everything is a pure function of the arguments (``seed`` included).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+NS = 1_000_000_000
+
+
+def worker_url(i: int) -> str:
+    return f"http://10.0.{i // 200}.{10 + i % 200}:30000"
+
+
+def _write(table: pa.Table, path: str) -> None:
+    pq.write_table(table, path, compression="zstd", row_group_size=1 << 20)
+
+
+def generate_trace(
+    out_dir: str | os.PathLike,
+    *,
+    n_requests: int,
+    n_workers: int,
+    dp_size: int,
+    sample_interval_ms: int = 100,
+    max_matches: int = 8,
+    seed: int = 0,
+    rate_per_s: float | None = None,
+    block_size: int = 512,
+    n_decode: int | None = None,
+    router_inflight: bool = True,
+    start_ns: int = 1_767_225_600 * NS,  # 2026-01-01T00:00:00Z
+) -> dict:
+    """Write a synthetic trace directory; return a small summary dict.
+
+    ``rate_per_s`` defaults to ``n_requests / max(60, n_requests / 280)``:
+    about 280 requests per second (1M requests span about an hour), and at
+    least a 60 s span for small traces.  ``n_decode`` decode peers (default
+    1, 2 from 16 workers) publish load samples but are not fleet members.
+    The directory is created if needed; existing trace files are overwritten.
+    """
+    if n_requests < 0 or n_workers < 1 or dp_size < 1 or sample_interval_ms < 1 or max_matches < 0:
+        raise ValueError("need n_requests >= 0, n_workers >= 1, dp_size >= 1, "
+                         "sample_interval_ms >= 1, max_matches >= 0")
+    rng = np.random.default_rng(seed)
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    n_decode = (1 if n_workers < 16 else 2) if n_decode is None else n_decode
+    duration_s = max(60.0, n_requests / 280.0) if rate_per_s is None else max(1.0, n_requests / rate_per_s)
+    n_sec = int(np.ceil(duration_s))
+    urls = [worker_url(i) for i in range(n_workers + n_decode)]
+    fleet_urls = urls[:n_workers]
+    decode_urls = urls[n_workers:]
+    unknown_urls = [f"http://10.9.0.{i}:30000" for i in range(1, 4)]
+
+    # ---------------- arrival-rate profile (1 s bins) ----------------
+    t = np.arange(n_sec, dtype=np.float64)
+    mult = 1.0 + 0.15 * np.sin(2 * np.pi * t / 900.0 + rng.uniform(0, 2 * np.pi))
+    n_bursts = max(2, rng.poisson(n_sec / 120.0))
+    b_start = rng.uniform(0, n_sec, n_bursts)
+    b_start[:2] = [0.25 * n_sec, 0.6 * n_sec]          # always at least two bursts
+    b_len = rng.uniform(5, 40, n_bursts)
+    b_len[:2] = np.minimum(b_len[:2], max(5.0, 0.15 * n_sec))
+    b_amp = rng.uniform(1.3, 2.6, n_bursts)
+    for s0, ln, a in zip(b_start, b_len, b_amp):        # loop over bursts, not rows
+        sl = slice(int(s0), min(n_sec, int(s0 + ln)))
+        mult[sl] *= a                                   # base load is ~0.72 of capacity
+    p = mult / mult.sum()
+    per_sec = rng.multinomial(n_requests, p)
+    req_ts = (np.repeat(np.arange(n_sec, dtype=np.int64), per_sec) * NS
+              + rng.integers(0, NS, n_requests))
+    req_ts.sort()
+    req_ts += start_ns
+
+    # ---------------- prefix groups and matches ----------------
+    n_groups = max(8, n_requests // 50)
+    pop = 1.0 / np.arange(1, n_groups + 1) ** 1.05
+    group = rng.choice(n_groups, size=n_requests, p=pop / pop.sum())
+    sys_tokens = np.round(rng.lognormal(np.log(1500), 0.8, n_groups)).astype(np.int64)
+    user_tokens = np.round(rng.lognormal(np.log(1200), 1.0, n_requests)).astype(np.int64)
+    input_tokens = sys_tokens[group] + user_tokens
+    input_tokens = np.minimum(input_tokens, 131_072)
+    query_blocks = -(-input_tokens // block_size)
+    k_max = max(0, min(max_matches, n_workers))
+    if k_max:
+        keys = rng.random((n_groups, n_workers))
+        owners = np.argsort(keys, axis=1)[:, :k_max].astype(np.int64)
+        g_k = rng.integers(1, k_max + 1, n_groups)
+        req_k = np.minimum(g_k[group], rng.integers(1, k_max + 1, n_requests))
+    else:
+        owners = np.zeros((n_groups, 1), dtype=np.int64)
+        req_k = np.zeros(n_requests, dtype=np.int64)
+    empty = rng.random(n_requests) < 0.10               # brand-new prefixes
+    req_k[empty] = 0
+    null_list = empty & (rng.random(n_requests) < 0.5)  # half of them null, half []
+    offsets = np.zeros(n_requests + 1, dtype=np.int64)
+    np.cumsum(req_k, out=offsets[1:])
+    total = int(offsets[-1])
+    e_req = np.repeat(np.arange(n_requests), req_k)
+    e_pos = np.arange(total) - offsets[:-1][e_req]
+    e_worker = owners[group[e_req], e_pos]
+    # owner 0 holds the system prompt plus part of the session; later owners less
+    top = (sys_tokens[group] // block_size
+           + (rng.random(n_requests) * user_tokens / block_size).astype(np.int64))
+    top = np.clip(top, 1, query_blocks)
+    decay = rng.uniform(0.45, 0.95, n_requests)
+    e_blocks = np.maximum(1, np.floor(top[e_req] * decay[e_req] ** e_pos)).astype(np.int64)
+    r = rng.random(total)
+    e_blocks[r < 0.005] = 0                              # zero-block entries (skipped by the router)
+    e_name = e_worker.astype(np.int64)
+    unk = r > 0.998                                     # unknown match addresses
+    e_name[unk] = n_workers + n_decode + rng.integers(0, len(unknown_urls), int(unk.sum()))
+    dup = (r > 0.995) & (r <= 0.998) & (e_pos > 0)       # repeat of the previous worker
+    e_name[dup] = e_name[np.nonzero(dup)[0] - 1]
+    all_names = pa.array(urls + unknown_urls, pa.string())
+    entries = pa.StructArray.from_arrays(
+        [all_names.take(pa.array(e_name)), pa.array(e_blocks, pa.int64())], names=["worker", "blocks"])
+    matches = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), entries,
+                                       mask=pa.array(null_list))
+    best = np.zeros(n_requests, dtype=np.int64)
+    nz = np.nonzero(req_k > 0)[0]
+    if nz.size:
+        best[nz] = np.maximum.reduceat(e_blocks, offsets[nz])
+    # selected_worker: ~60% of requests; the top owner mostly, else a random fleet worker
+    first_owner = np.where(req_k > 0, owners[group, 0], rng.integers(0, n_workers, n_requests))
+    sel_idx = np.where(rng.random(n_requests) < 0.8, first_owner, rng.integers(0, n_workers, n_requests))
+    sel_mask = rng.random(n_requests) >= 0.6
+    selected = pa.array(fleet_urls, pa.string()).take(pa.array(sel_idx))
+    selected = pa.compute.if_else(pa.array(sel_mask), pa.nulls(n_requests, pa.string()), selected)
+    req_ids = pa.compute.binary_join_element_wise(
+        "req-", pa.array(np.arange(n_requests)).cast(pa.string()), "")
+    qb = pa.array(query_blocks, pa.int64(), mask=(req_k == 0) & (rng.random(n_requests) < 0.05))
+    requests = pa.table({
+        "ts": pa.array(req_ts, pa.int64()),
+        "request_id": req_ids,
+        "model": pa.DictionaryArray.from_arrays(np.zeros(n_requests, np.int32), ["default"]).cast(pa.string()),
+        "input_tokens": pa.array(input_tokens, pa.int64()),
+        "query_blocks": qb,
+        "matches": matches,
+        "best_prefix_blocks": pa.array(best, pa.int64()),
+        "selected_worker": selected,
+    })
+    _write(requests, os.path.join(out_dir, "requests.parquet"))
+
+    # ---------------- load samples ----------------
+    interval_ns = sample_interval_ms * 1_000_000
+    n_ticks = int(np.ceil(n_sec * NS / interval_ns)) + 1
+    n_pub_workers = n_workers + n_decode
+    n_pub = n_pub_workers * dp_size
+    pub_worker = np.repeat(np.arange(n_pub_workers), dp_size)
+    pub_rank = np.tile(np.arange(dp_size), n_pub_workers)
+    # arrivals per tick per publisher, driven by the real request stream
+    tick_of_req = (req_ts - start_ns) // interval_ns
+    per_tick = np.bincount(tick_of_req, minlength=n_ticks)[:n_ticks].astype(np.float64)
+    share = rng.lognormal(0, 0.35, n_pub)
+    share[n_workers * dp_size:] *= 0.6                   # decode peers: their own traffic
+    share /= share[: n_workers * dp_size].sum()
+    mean_per_tick = n_requests / n_ticks
+    cap = (mean_per_tick / 0.72) * share * rng.uniform(0.85, 1.15, n_pub)  # service per tick
+    arr = rng.poisson(np.outer(per_tick, share))          # (n_ticks, n_pub)
+    S = np.cumsum(arr - cap[None, :], axis=0)
+    queue = S - np.minimum(0.0, np.minimum.accumulate(S, axis=0))   # Lindley, vectorised
+    waiting = np.floor(queue).astype(np.int64)
+    del S, queue
+    max_running = np.where(rng.random(n_pub) < 0.5, 48, 64).astype(np.int64)
+    # utilisation: moving average of arrivals / capacity over ~2 s
+    w = max(1, int(2000 / sample_interval_ms))
+    c = np.cumsum(arr, axis=0, dtype=np.float64)
+    c[w:] = c[w:] - c[:-w]
+    util = c / (np.minimum(np.arange(1, n_ticks + 1), w)[:, None] * cap[None, :])
+    del c
+    running = np.minimum(max_running[None, :],
+                         np.round(max_running[None, :] * np.clip(0.2 + 0.7 * util, 0, 1)
+                                  + (waiting > 0) * max_running[None, :])).astype(np.int64)
+    running = np.maximum(running - (rng.random(running.shape) < 0.3), 0)
+    del util
+    max_total = np.where(rng.random(n_pub) < 0.5, 300_000, 400_000).astype(np.int64)
+    num_tokens = np.minimum(max_total[None, :],
+                            running * rng.integers(2200, 3800, running.shape)).astype(np.int64)
+    waiting_uncached = waiting * rng.integers(600, 2600, waiting.shape)
+    total_tokens = np.minimum(num_tokens + waiting_uncached, 2 * max_total[None, :])
+    # monotonic prefill counters: served tokens and busy microseconds
+    served = np.minimum(arr + (waiting > 0), np.ceil(cap)[None, :] + 1) * rng.integers(500, 2500, arr.shape)
+    served[rng.random(served.shape) < 0.05] = 0          # idle ticks (no throughput)
+    thr = rng.uniform(8_000, 20_000, n_pub)              # tokens/s per rank
+    busy = np.minimum(interval_ns // 1000, np.ceil(served * 1e6 / thr[None, :])).astype(np.int64)
+    prefill_tokens = np.cumsum(served, axis=0).astype(np.int64)
+    prefill_busy = np.cumsum(busy, axis=0).astype(np.int64)
+    del served, busy, arr
+
+    ts = (np.arange(n_ticks, dtype=np.int64)[:, None] * interval_ns
+          + rng.integers(0, interval_ns, n_pub)[None, :]
+          + rng.integers(0, max(1, interval_ns // 20), (n_ticks, n_pub)))
+    keep = np.ones((n_ticks, n_pub), dtype=bool)
+    tick_s = interval_ns / NS
+    # per-rank publisher pauses of 6-20 s
+    n_pauses = max(2, int(n_pub * n_sec / 1800))
+    for pr, p0, pl_ in zip(rng.integers(0, n_pub, n_pauses), rng.uniform(0, n_sec, n_pauses),
+                           rng.uniform(6, 20, n_pauses)):
+        keep[int(p0 / tick_s): int((p0 + pl_) / tick_s), pr] = False
+    # one fleet-wide pause (every publisher silent for 7 s)
+    f0 = rng.uniform(0.4, 0.5) * n_sec
+    keep[int(f0 / tick_s): int((f0 + 7) / tick_s), :] = False
+    keep &= ts < n_sec * NS
+    # native tail: absent for old-publisher workers and some periods; partial on a few rows
+    tail = np.ones((n_ticks, n_pub), dtype=bool)
+    old = rng.random(n_pub_workers) < 0.12
+    old[0] = False
+    tail[:, old[pub_worker]] = False
+    n_gaps = max(1, int(n_pub * n_sec / 3600))
+    for pr, p0, pl_ in zip(rng.integers(0, n_pub, n_gaps), rng.uniform(0, n_sec, n_gaps),
+                           rng.uniform(10, 60, n_gaps)):
+        tail[int(p0 / tick_s): int((p0 + pl_) / tick_s), pr] = False
+    partial = tail & (rng.random(tail.shape) < 0.0005)
+
+    flat = keep.ravel()
+    rows = np.nonzero(flat)[0]
+    order = np.argsort(ts.ravel()[rows], kind="stable")
+    rows = rows[order]
+
+    def col(a):
+        return a.ravel()[rows]
+
+    pub = np.broadcast_to(np.arange(n_pub)[None, :], (n_ticks, n_pub))
+    l_pub = col(pub)
+    has_tail = col(tail)
+    l_partial = col(partial)
+    tail_mask = ~has_tail
+    n_rows = rows.shape[0]
+    partial_field = rng.integers(0, 5, n_rows)
+
+    def tail_col(a, k):
+        return pa.array(col(a), pa.int64(), mask=tail_mask | (l_partial & (partial_field == k)))
+
+    l_rank = pub_rank[l_pub].astype(np.int32)
+    stray = rng.random(n_rows) < 0.0003                 # a rank outside dp_size: ignored by the replay
+    l_rank[stray] = dp_size
+    load_names = pa.array(urls, pa.string()).take(pa.array(pub_worker[l_pub]))
+    l_wait = col(waiting)
+    l_run = col(running)
+    table = {
+        "ts": pa.array(col(ts) + start_ns, pa.int64()),
+        "worker": load_names,
+        "dp_rank": pa.array(l_rank, pa.int32()),
+        "num_running_reqs": pa.array(l_run, pa.int64()),
+        "num_waiting_reqs": pa.array(l_wait, pa.int64()),
+        "num_tokens": pa.array(col(num_tokens), pa.int64()),
+        "max_total_num_tokens": pa.array(max_total[l_pub], pa.int64()),
+        "num_waiting_uncached_tokens": tail_col(waiting_uncached, 0),
+        "num_total_tokens": tail_col(total_tokens, 1),
+        "max_running_requests": tail_col(np.broadcast_to(max_running[None, :], (n_ticks, n_pub)), 2),
+        "total_prefill_uncached_tokens": tail_col(prefill_tokens, 3),
+        "total_prefill_busy_us": tail_col(prefill_busy, 4),
+    }
+    if router_inflight:
+        inflight = (l_run + l_wait) * dp_size
+        table["router_inflight"] = pa.array(inflight, pa.int64(), mask=rng.random(n_rows) < 0.05)
+    _write(pa.table(table), os.path.join(out_dir, "loads.parquet"))
+
+    workers = pa.table({
+        "worker": pa.array(urls, pa.string()),
+        "model": pa.array(["default"] * len(urls), pa.string()),
+        "role": pa.array(["prefill"] * n_workers + ["decode"] * n_decode, pa.string()),
+        "dp_size": pa.array([dp_size] * len(urls), pa.int32()),
+    })
+    _write(workers, os.path.join(out_dir, "workers.parquet"))
+    return {
+        "out_dir": out_dir,
+        "requests": n_requests,
+        "load_rows": int(n_rows),
+        "workers": n_workers,
+        "decode_peers": n_decode,
+        "dp_size": dp_size,
+        "span_s": n_sec,
+        "match_entries": total,
+    }
