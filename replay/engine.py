@@ -1,0 +1,216 @@
+"""The grid replay engine: a Trace and a list of configs in, decisions out, chunk by chunk.
+
+This is the Python side of ``replay/kernels``: it encodes configs into flat
+arrays, keeps the snapshot sweep's state between chunks, and hands each
+chunk's decisions to a consumer.  ``decide_all`` returns the whole result in
+the same form as ``reference.replay`` (for tests and small traces).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from .config import RouterConfig
+from .fields import DECISION_FIELDS, empty_decisions
+from .kernels import grid as kgrid
+from .kernels.snapshot import S_NCOLS, new_rank_table
+from .trace import Trace
+
+DEFAULT_FRESHNESS_NS = 5_000_000_000
+# decisions held at once (requests x configs) before a chunk is handed on
+DEFAULT_CHUNK_DECISIONS = 1 << 20
+
+
+@dataclass
+class EncodedConfigs:
+    """Configs as kernel arrays, with the memo layout of kernels/grid.py."""
+
+    cfg_i: np.ndarray      # int64[n, 9]: limit, floor, k, margin, guard, abs_tokens, min_tokens, cmin, cmax
+    cfg_f: np.ndarray      # float64[n, 4]: abs_ms, rel, min_ratio, cratio
+    group: np.ndarray      # int64[n]: index of the config's other knobs
+    li: np.ndarray         # int64[n]: index into lim_vals
+    fi: np.ndarray         # int64[n]: index into fl_vals
+    lim_vals: np.ndarray   # int64: distinct limits (-1 = None)
+    fl_vals: np.ndarray    # int64: distinct floors (-1 = None)
+    n_groups: int
+
+
+def _int(v) -> int:
+    return -1 if v is None else int(v)
+
+
+def _float(v) -> float:
+    return math.nan if v is None else float(v)
+
+
+def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
+    n = len(configs)
+    cfg_i = np.zeros((n, 9), dtype=np.int64)
+    cfg_f = np.zeros((n, 4), dtype=np.float64)
+    groups: dict[tuple, int] = {}
+    group = np.zeros(n, dtype=np.int64)
+    lim_list: list[int] = []
+    fl_list: list[int] = []
+    li = np.zeros(n, dtype=np.int64)
+    fi = np.zeros(n, dtype=np.int64)
+    for c, cfg in enumerate(configs):
+        row_i = (
+            _int(cfg.worker_queue_limit), _int(cfg.saturation_queue_floor), int(cfg.min_load_choices),
+            int(cfg.cache_switch_margin_tokens), int(bool(cfg.pressure_guard)),
+            int(cfg.pressure_abs_threshold_tokens), _int(cfg.cache_affinity_min_matched_tokens),
+            int(cfg.cache_candidate_min_workers), int(cfg.cache_candidate_max_workers),
+        )
+        row_f = (
+            _float(cfg.pressure_abs_threshold_ms), float(cfg.pressure_rel_threshold),
+            _float(cfg.cache_affinity_min_match_ratio), float(cfg.cache_candidate_ratio),
+        )
+        cfg_i[c] = row_i
+        cfg_f[c] = row_f
+        other = (row_i[2:], tuple("nan" if math.isnan(x) else x for x in row_f))
+        group[c] = groups.setdefault(other, len(groups))
+        if row_i[0] not in lim_list:
+            lim_list.append(row_i[0])
+        if row_i[1] not in fl_list:
+            fl_list.append(row_i[1])
+        li[c] = lim_list.index(row_i[0])
+        fi[c] = fl_list.index(row_i[1])
+    return EncodedConfigs(cfg_i, cfg_f, group, li, fi, np.array(lim_list or [-1], dtype=np.int64),
+                          np.array(fl_list or [-1], dtype=np.int64), max(len(groups), 1))
+
+
+@dataclass
+class Chunk:
+    """Decisions of requests ``start..stop`` (sorted trace order) under every config."""
+
+    start: int
+    stop: int
+    out_i: np.ndarray  # int64[stop-start, n_configs, O_NCOLS]
+    out_f: np.ndarray  # float64[stop-start, n_configs]: selected_queue_ms
+
+
+def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n_models = max(len(trace.models), 1)
+    offs = [0]
+    members: list[np.ndarray] = []
+    in_fleet = np.zeros((n_models, max(trace.n_workers, 1)), dtype=np.bool_)
+    for m in range(n_models):
+        f = np.asarray(trace.fleet(m), dtype=np.int64)
+        members.append(f)
+        in_fleet[m, f] = True
+        offs.append(offs[-1] + len(f))
+    fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
+    return np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet
+
+
+def n_rank_slots(trace: Trace) -> int:
+    top = int(trace.load_rank.max()) + 1 if trace.load_rank.size else 1
+    dp = int(trace.worker_dp_size.max()) if trace.worker_dp_size.size else 0
+    return max(top, dp, 1)
+
+
+def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
+                freshness_ns: int = DEFAULT_FRESHNESS_NS,
+                chunk_decisions: int = DEFAULT_CHUNK_DECISIONS,
+                threads: int | None = None,
+                progress: Callable[[int], None] | None = None) -> Iterator[Chunk]:
+    """Replay the trace under every config; yield decisions chunk by chunk, in request order.
+
+    ``progress(n)`` is called with the number of requests finished after each chunk.
+    """
+    if not configs:
+        return
+    enc = encode_configs(configs)
+    n_cfg = len(configs)
+    n_req = trace.n_requests
+    n_w = max(trace.n_workers, 1)
+    chunk = max(1, min(n_req, chunk_decisions // n_cfg)) if n_req else 1
+    fleet_off, fleet_w, in_fleet = _fleet_tables(trace)
+    table, inflight = new_rank_table(n_w, n_rank_slots(trace))
+    dp = trace.worker_dp_size.astype(np.int64)
+    if dp.size < n_w:
+        dp = np.zeros(n_w, dtype=np.int64)
+    m_off = trace.match_offsets.astype(np.int64)
+    m_worker = trace.match_worker.astype(np.int64)
+    m_blocks = trace.match_blocks.astype(np.int64)
+    sizes = np.diff(m_off)
+    max_matches = int(sizes.max()) if sizes.size else 0
+    loads = (trace.load_ts, trace.load_worker.astype(np.int64), trace.load_rank.astype(np.int64),
+             trace.load_running, trace.load_waiting, trace.load_num_tokens, trace.load_max_total,
+             trace.load_has_tail.astype(np.bool_), trace.load_waiting_uncached, trace.load_total_tokens,
+             trace.load_max_running, trace.load_prefill_tokens, trace.load_prefill_busy_us,
+             trace.load_router_inflight)
+    loads = tuple(np.ascontiguousarray(a) for a in loads)
+    if threads is not None:
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    n_blocks = max(1, numba.get_num_threads() * 4)
+    ptr = 0
+    snap = np.zeros((chunk, n_w, S_NCOLS), dtype=np.int64)
+    est = np.zeros((chunk, n_w), dtype=np.float64)
+    for start in range(0, n_req, chunk):
+        stop = min(n_req, start + chunk)
+        n = stop - start
+        ptr = kgrid.snapshot_chunk_nb(ptr, trace.req_ts[start:stop], int(freshness_ns), *loads,
+                                      dp, table, inflight, snap[:n], est[:n])
+        out_i = np.empty((n, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
+        out_f = np.empty((n, n_cfg), dtype=np.float64)
+        a, b = m_off[start], m_off[stop]
+        kgrid.decide_chunk_nb(
+            start, trace.req_input_tokens[start:stop].astype(np.int64),
+            trace.req_query_blocks[start:stop].astype(np.int64),
+            trace.req_best_prefix_blocks[start:stop].astype(np.int64),
+            trace.req_model[start:stop].astype(np.int64), m_off[start:stop + 1] - a,
+            m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w, snap[:n], est[:n],
+            enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi, enc.lim_vals, enc.fl_vals,
+            enc.n_groups, int(seed), max_matches, out_i, out_f, min(n_blocks, n))
+        if progress is not None:
+            progress(n)
+        yield Chunk(start, stop, out_i, out_f)
+
+
+# kernel column -> decision field name (fields.py order); selected_queue_ms comes from out_f
+_COLUMN_OF_FIELD = {
+    "worker": kgrid.O_WORKER, "reason": kgrid.O_REASON, "policy_reason": kgrid.O_POLICY_REASON,
+    "decision": kgrid.O_DECISION, "failure": kgrid.O_FAILURE, "matched_blocks": kgrid.O_MATCHED,
+    "selected_blocks": kgrid.O_SELECTED_BLOCKS, "uncached_tokens": kgrid.O_UNCACHED,
+    "gate_rejected": kgrid.O_GATE_REJECTED, "admission_evaluated": kgrid.O_EVALUATED,
+    "admission_rejected": kgrid.O_ADM_REJECTED, "best_rejected_blocks": kgrid.O_BEST_REJECTED,
+    "fleet_all_queued": kgrid.O_ALL_QUEUED, "fell_back": kgrid.O_FELL_BACK,
+    "guard_compared": kgrid.O_COMPARED, "guard_overrides": kgrid.O_OVERRIDES,
+    "pressure_source": kgrid.O_SOURCE, "selected_waiting": kgrid.O_SEL_WAITING,
+    "selected_waiting_uncached": kgrid.O_SEL_WU,
+}
+
+
+def chunk_fields(ch: Chunk) -> dict[str, np.ndarray]:
+    """A chunk's decisions as the typed per-field arrays of fields.py, shape (n, n_configs)."""
+    out = {}
+    for name, dtype, _null, _doc in DECISION_FIELDS:
+        if name == "selected_queue_ms":
+            out[name] = ch.out_f.astype(dtype, copy=True)
+        else:
+            out[name] = ch.out_i[:, :, _COLUMN_OF_FIELD[name]].astype(dtype)
+    return out
+
+
+def decide_all(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
+               freshness_ns: int = DEFAULT_FRESHNESS_NS, **kw) -> dict[str, np.ndarray]:
+    """Every decision of the trace under every config, as one dict of (n_requests, n_configs) arrays.
+
+    Same form as ``reference.replay``; meant for tests and small traces (the
+    sweep streams chunks instead).
+    """
+    result = empty_decisions(trace.n_requests, len(configs))
+    for ch in iter_chunks(trace, configs, seed=seed, freshness_ns=freshness_ns, **kw):
+        for name, arr in chunk_fields(ch).items():
+            result[name][ch.start:ch.stop] = arr
+    return result
+
+
+def default_threads() -> int:
+    return int(os.environ.get("NUMBA_NUM_THREADS", numba.config.NUMBA_NUM_THREADS))

@@ -1,0 +1,602 @@
+"""Decision kernels: one prefill selection (ROUTER_SEMANTICS.md sections 2-5).
+
+Everything here sees a captured snapshot (``snap[w, S_*]`` int64 and
+``est[w]`` float64, indexed by worker id), the request's scalars and one
+config's knobs.  Worker ids are ascending in the router's stable-id order, so
+"worker id" tie-breaks are integer comparisons.  None-valued knobs arrive as
+-1 (integers) or NaN (floats).
+
+Each function names the spec section it implements; the pure-Python
+``replay/reference.py`` implements the same sections independently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import labels as L_
+from ._jit import njit
+from .rng import draw_nb
+from .snapshot import (
+    S_BASIC,
+    S_INFLIGHT,
+    S_MAXRUN,
+    S_MAXTOT,
+    S_NATIVE,
+    S_RUNNING,
+    S_TOTAL,
+    S_WAITING,
+    S_WU,
+)
+
+# label codes as module constants numba can freeze
+PRIMARY = L_.PRIMARY
+CACHE_CANDIDATE = L_.CACHE_CANDIDATE
+BACKUP_PRIMARY_ADMISSION = L_.BACKUP_PRIMARY_ADMISSION
+RANGE_FALLBACK = L_.RANGE_FALLBACK
+CAPACITY_FALLBACK = L_.CAPACITY_FALLBACK_POWER_OF_TWO
+SATURATION_PIN = L_.SATURATION_PIN
+CACHE_HIT = L_.CACHE_HIT
+CACHE_MISS = L_.CACHE_MISS
+CACHE_WORKER_QUEUED = L_.CACHE_WORKER_QUEUED
+ALL_QUEUED = L_.ALL_QUEUED
+FAIL_PREFILL = L_.FAIL_PREFILL_ADMISSION_EXHAUSTED
+FAIL_CACHE = L_.FAIL_CACHE_CANDIDATES_EXHAUSTED
+FAIL_EMPTY = L_.FAIL_PROPOSAL_EMPTY
+SRC_MS = L_.SRC_ESTIMATED_MS
+SRC_TOKENS = L_.SRC_NATIVE_TOKENS
+SRC_LOCAL = L_.SRC_ROUTER_LOCAL
+
+# Candidate table columns (int64), one row per prepared candidate.
+C_WORKER = 0
+C_H = 1          # matched_prefix_tokens
+C_E = 2          # uncached_tokens
+C_BLOCKS = 3     # capped matched blocks
+C_BUDGET = 4     # max_pending_prefill_tokens, -1 = None
+C_NCOLS = 5
+
+# Resolution audit (int64 vector), section 3.9.
+A_SELECTED = 0
+A_REASON = 1
+A_EVALUATED = 2
+A_ADM_REJECTED = 3
+A_GATE_REJECTED = 4
+A_BEST_REJECTED = 5
+A_FELL_BACK = 6
+A_ALL_QUEUED = 7
+A_COMPARED = 8
+A_OVERRIDES = 9
+A_SOURCE = 10
+A_NCOLS = 11
+
+
+# ---------------------------------------------------------------------------
+# Section 3.1 / 3.2 / 3.6: queue readings
+@njit
+def gate_admits_nb(snap, w, limit):
+    """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit."""
+    if limit < 0:
+        return True
+    if snap[w, S_BASIC] == 0:
+        return True
+    return snap[w, S_WAITING] < limit
+
+
+@njit
+def fleet_all_queued_nb(snap, fleet, limit):
+    """fleet_is_all_queued (3.2): a limit, a non-empty fleet, every worker gated out."""
+    if limit < 0 or fleet.shape[0] == 0:
+        return False
+    for w in fleet:
+        if gate_admits_nb(snap, w, limit):
+            return False
+    return True
+
+
+@njit
+def any_fresh_queue_below_nb(snap, fleet, floor):
+    """any_fresh_queue_below (3.6): some fleet worker with a fresh basic sample reads waiting < floor."""
+    for w in fleet:
+        if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] < floor:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Section 3.5 / 4.1: capacity
+@njit
+def has_kv_capacity_nb(snap, w, tokens):
+    if snap[w, S_NATIVE] == 0:
+        return True
+    return snap[w, S_RUNNING] + 1 <= snap[w, S_MAXRUN] and snap[w, S_TOTAL] + tokens <= snap[w, S_MAXTOT]
+
+
+@njit
+def cache_candidate_admitted_nb(snap, w, L, uncached, budget):
+    """is_cache_candidate_admitted: KV check on the full input, pending budget on uncached work."""
+    if snap[w, S_NATIVE] == 0:
+        return True
+    if not has_kv_capacity_nb(snap, w, L):
+        return False
+    return budget < 0 or snap[w, S_WU] + uncached <= budget
+
+
+@njit
+def prefill_admitted_nb(snap, w, L):
+    """is_prefill_admitted with no range pending budget (no bucket config, section 0 item 8)."""
+    return has_kv_capacity_nb(snap, w, L)
+
+
+# ---------------------------------------------------------------------------
+# Section 3.7: pressure comparisons (-1 less, 0 equal, 1 greater)
+@njit
+def _cmp_int(a, b):
+    if a < b:
+        return -1
+    if a > b:
+        return 1
+    return 0
+
+
+@njit
+def cmp_tuple_nb(snap, a, b):
+    """(waiting_uncached, waiting_reqs, running_reqs) lexicographically."""
+    c = _cmp_int(snap[a, S_WU], snap[b, S_WU])
+    if c != 0:
+        return c
+    c = _cmp_int(snap[a, S_WAITING], snap[b, S_WAITING])
+    if c != 0:
+        return c
+    return _cmp_int(snap[a, S_RUNNING], snap[b, S_RUNNING])
+
+
+@njit
+def cmp_load_nb(snap, est, a, b):
+    """compare_prefill_load: both estimates -> ms, then the tuple; else the tuple."""
+    ea = est[a]
+    eb = est[b]
+    if not math.isnan(ea) and not math.isnan(eb):
+        if ea < eb:
+            return -1
+        if ea > eb:
+            return 1
+    return cmp_tuple_nb(snap, a, b)
+
+
+@njit
+def cmp_set_nb(snap, est, a, b, engine):
+    """CandidateLoads.compare_prefill_pressure for a set whose coverage flag is ``engine``."""
+    if engine:
+        c = cmp_load_nb(snap, est, a, b)
+        if c != 0:
+            return c
+    return _cmp_int(snap[a, S_INFLIGHT], snap[b, S_INFLIGHT])
+
+
+@njit
+def cmp_pair_nb(snap, est, a, b):
+    """The free pairwise compare_prefill_pressure(a, b, snapshot) used by the sampler."""
+    return cmp_set_nb(snap, est, a, b, snap[a, S_NATIVE] == 1 and snap[b, S_NATIVE] == 1)
+
+
+@njit
+def set_coverage_nb(snap, est, workers, n):
+    """(compare_engine, every native entry has an estimate) of CandidateLoads over workers[:n]."""
+    if n == 0:
+        return False, False
+    all_est = True
+    for i in range(n):
+        w = workers[i]
+        if snap[w, S_NATIVE] == 0:
+            return False, False
+        if math.isnan(est[w]):
+            all_est = False
+    return True, all_est
+
+
+@njit
+def pressure_source_nb(engine, all_est):
+    if engine and all_est:
+        return SRC_MS
+    if engine:
+        return SRC_TOKENS
+    return SRC_LOCAL
+
+
+# ---------------------------------------------------------------------------
+# Section 2: cache candidate preparation
+@njit
+def candidate_limit_nb(n_fleet, cmin, cratio, cmax):
+    """K = min(n_fleet, max_workers, max(min_workers, ceil(clamp(ratio, 0, 1) * n_fleet)))."""
+    r = cratio
+    if r < 0.0:
+        r = 0.0
+    if r > 1.0:
+        r = 1.0
+    k = max(cmin, int(math.ceil(r * n_fleet)))
+    return min(n_fleet, cmax, k)
+
+
+@njit
+def estimate_matched_tokens_nb(L, blocks, query_blocks):
+    """H = floor(L * blocks / max(query_blocks, 1)) with blocks already capped."""
+    return (L * blocks) // max(query_blocks, 1)
+
+
+@njit
+def _seed_before(snap, est, cand, i, j, engine, all_est):
+    """Seed order (2, step 8; section 0 item 7): H desc, pressure asc over the set, id asc."""
+    hi = cand[i, C_H]
+    hj = cand[j, C_H]
+    if hi != hj:
+        return hi > hj
+    a = cand[i, C_WORKER]
+    b = cand[j, C_WORKER]
+    if engine:
+        if all_est:
+            if est[a] != est[b]:
+                return est[a] < est[b]
+        c = cmp_tuple_nb(snap, a, b)
+        if c != 0:
+            return c < 0
+    c = _cmp_int(snap[a, S_INFLIGHT], snap[b, S_INFLIGHT])
+    if c != 0:
+        return c < 0
+    return a < b
+
+
+@njit
+def prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
+                          min_tokens, min_ratio, cmin, cratio, cmax, seen, cand, tmp_workers):
+    """cache_candidate_proposal: fill ``cand`` rows in seed order; return the kept count.
+
+    0 means no proposal (the caller has already checked the signal).  ``seen``
+    is a bool scratch vector over worker ids, left all-False on return.
+    """
+    if query_blocks <= 0 or n_fleet == 0:
+        return 0
+    n = 0
+    for e in range(m_worker.shape[0]):
+        w = m_worker[e]
+        if w < 0 or not in_fleet[w]:
+            continue  # unknown address (step 1)
+        b = m_blocks[e]
+        if b == 0 or seen[w]:
+            continue  # zero-block entries never mark a worker as seen (section 0 item 13)
+        seen[w] = True
+        blocks = min(b, query_blocks)
+        H = estimate_matched_tokens_nb(L, blocks, query_blocks)
+        if min_tokens >= 0 and H < min_tokens:
+            continue
+        if not math.isnan(min_ratio):
+            if not (L > 0 and H / L >= min_ratio):
+                continue
+        cand[n, C_WORKER] = w
+        cand[n, C_H] = H
+        cand[n, C_E] = max(L - H, 0)
+        cand[n, C_BLOCKS] = blocks
+        cand[n, C_BUDGET] = -1
+        n += 1
+    for e in range(m_worker.shape[0]):
+        w = m_worker[e]
+        if w >= 0:
+            seen[w] = False
+    if n == 0:
+        return 0
+    K = candidate_limit_nb(n_fleet, cmin, cratio, cmax)
+    if K <= 0:
+        return 0
+    for i in range(n):
+        tmp_workers[i] = cand[i, C_WORKER]
+    engine, all_est = set_coverage_nb(snap, est, tmp_workers, n)
+    # insertion sort (small n; stable, and the key is total)
+    for i in range(1, n):
+        j = i
+        while j > 0 and _seed_before(snap, est, cand, j, j - 1, engine, all_est):
+            for col in range(C_NCOLS):
+                t = cand[j, col]
+                cand[j, col] = cand[j - 1, col]
+                cand[j - 1, col] = t
+            j -= 1
+    return min(n, K)
+
+
+# ---------------------------------------------------------------------------
+# Section 3.8: the tournament's pairwise compare
+@njit
+def _materially_more(snap, est, x, y, engine, abs_tokens, abs_ms, rel):
+    if not engine:
+        return False
+    if not math.isnan(abs_ms) and not math.isnan(est[x]) and not math.isnan(est[y]):
+        return est[x] - est[y] > abs_ms and est[x] > est[y] * rel
+    wx = snap[x, S_WU]
+    wy = snap[y, S_WU]
+    diff = wx - wy if wx > wy else 0
+    return diff > abs_tokens and wx > wy * rel
+
+
+@njit
+def _tournament_cmp(snap, est, lw, le, rw, re, engine, margin, guard, abs_tokens, abs_ms, rel):
+    d = le - re if le > re else re - le
+    if d <= margin and guard:
+        if _materially_more(snap, est, lw, rw, engine, abs_tokens, abs_ms, rel):
+            return 1
+        if _materially_more(snap, est, rw, lw, engine, abs_tokens, abs_ms, rel):
+            return -1
+    c = _cmp_int(le, re)
+    if c != 0:
+        return c
+    c = cmp_set_nb(snap, est, lw, rw, engine)
+    if c != 0:
+        return c
+    return _cmp_int(lw, rw)
+
+
+# ---------------------------------------------------------------------------
+# Section 3: resolve_cache_candidates
+@njit
+def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
+                     abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp):
+    """Resolve prepared candidates ``cand[:n]``; write the audit; return the selected worker or -1.
+
+    ``ev``, ``rj``, ``adm`` and ``tmp`` are int64 scratch vectors of length >= n
+    (candidate row indices / worker ids).
+    """
+    for j in range(A_NCOLS):
+        audit[j] = 0
+    audit[A_SELECTED] = -1
+    audit[A_REASON] = -1
+    all_queued = fleet_all_queued_nb(snap, fleet, limit)
+    # 3.3 gate pass
+    n_ev = 0
+    n_rj = 0
+    best_rej = 0
+    for i in range(n):
+        w = cand[i, C_WORKER]
+        if gate_admits_nb(snap, w, limit):
+            ev[n_ev] = i
+            n_ev += 1
+        else:
+            rj[n_rj] = i
+            n_rj += 1
+            if cand[i, C_BLOCKS] > best_rej:
+                best_rej = cand[i, C_BLOCKS]
+    # 3.4 fell-back tier (a configured floor supersedes it)
+    fell_back = n_ev == 0 and n_rj > 0 and all_queued and floor < 0
+    if fell_back:
+        for i in range(n):
+            ev[i] = i
+        n_ev = n
+    audit[A_GATE_REJECTED] = n_rj
+    audit[A_BEST_REJECTED] = best_rej
+    audit[A_FELL_BACK] = 1 if fell_back else 0
+    audit[A_ALL_QUEUED] = 1 if all_queued else 0
+    audit[A_EVALUATED] = n_ev
+    # 3.5 admission over the evaluated set
+    for i in range(n_ev):
+        tmp[i] = cand[ev[i], C_WORKER]
+    engine, all_est = set_coverage_nb(snap, est, tmp, n_ev)
+    audit[A_SOURCE] = pressure_source_nb(engine, all_est)
+    n_adm = 0
+    for k in range(n_ev):
+        i = ev[k]
+        if cache_candidate_admitted_nb(snap, cand[i, C_WORKER], L, cand[i, C_E], cand[i, C_BUDGET]):
+            adm[n_adm] = i
+            n_adm += 1
+    audit[A_ADM_REJECTED] = n_ev - n_adm
+    if n_adm == 0:
+        # 3.6 saturation pin
+        if n_rj > 0 and floor >= 0 and not any_fresh_queue_below_nb(snap, fleet, floor):
+            for k in range(n_rj):
+                tmp[k] = cand[rj[k], C_WORKER]
+            pin_engine, _unused = set_coverage_nb(snap, est, tmp, n_rj)
+            best = -1
+            for k in range(n_rj):
+                i = rj[k]
+                w = cand[i, C_WORKER]
+                if not cache_candidate_admitted_nb(snap, w, L, cand[i, C_E], cand[i, C_BUDGET]):
+                    continue
+                if best < 0:
+                    best = w
+                    continue
+                c = cmp_set_nb(snap, est, w, best, pin_engine)
+                if c < 0 or (c == 0 and w < best):
+                    best = w
+            if best >= 0:
+                audit[A_SELECTED] = best
+                audit[A_REASON] = SATURATION_PIN
+        return audit[A_SELECTED]
+    # work floor: first admitted candidate with minimal E
+    floor_i = adm[0]
+    for k in range(1, n_adm):
+        if cand[adm[k], C_E] < cand[floor_i, C_E]:
+            floor_i = adm[k]
+    # 3.8 tournament
+    ceiling = cand[floor_i, C_E] + margin
+    win = floor_i
+    compared = 0
+    overrides = 0
+    for k in range(n_adm):
+        c = adm[k]
+        if c == win or cand[c, C_E] > ceiling:
+            continue
+        ww = cand[win, C_WORKER]
+        cw = cand[c, C_WORKER]
+        base = _tournament_cmp(snap, est, ww, cand[win, C_E], cw, cand[c, C_E], engine,
+                               margin, False, abs_tokens, abs_ms, rel)
+        res = base
+        if guard and engine:
+            compared += 1
+            g = _tournament_cmp(snap, est, ww, cand[win, C_E], cw, cand[c, C_E], engine,
+                                margin, True, abs_tokens, abs_ms, rel)
+            if g != base:
+                overrides += 1
+            res = g
+        if res > 0:
+            win = c
+    audit[A_COMPARED] = compared
+    audit[A_OVERRIDES] = overrides
+    audit[A_SELECTED] = cand[win, C_WORKER]
+    audit[A_REASON] = CACHE_CANDIDATE
+    return audit[A_SELECTED]
+
+
+# ---------------------------------------------------------------------------
+# Section 4.2: the min-load sampler
+@njit
+def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, idx):
+    """best_two_of_sample over the queue-gate tier of ``workers``.
+
+    Returns (best, runner_up, next_draw_index); best = -1 for an empty list.
+    """
+    m = 0
+    if limit >= 0:
+        for w in workers:
+            if gate_admits_nb(snap, w, limit):
+                pool[m] = w
+                m += 1
+    if m == 0:
+        for w in workers:
+            pool[m] = w
+            m += 1
+    if m == 0:
+        return -1, -1, draw
+    kk = max(k, 1)
+    if kk >= m:
+        for i in range(m):
+            idx[i] = i
+        n_s = m
+    elif kk == 1:
+        idx[0] = np.int64(draw_nb(seed, req_index, draw) % np.uint64(m))
+        draw += 1
+        n_s = 1
+    else:
+        for i in range(m):
+            idx[i] = i
+        for i in range(kk):
+            j = i + np.int64(draw_nb(seed, req_index, draw) % np.uint64(m - i))
+            draw += 1
+            t = idx[i]
+            idx[i] = idx[j]
+            idx[j] = t
+        n_s = kk
+    best = pool[idx[0]]
+    runner = -1
+    for s in range(1, n_s):
+        w = pool[idx[s]]
+        if cmp_pair_nb(snap, est, w, best) < 0:
+            runner = best
+            best = w
+        elif runner < 0 or cmp_pair_nb(snap, est, w, runner) < 0:
+            runner = w
+    return best, runner, draw
+
+
+# ---------------------------------------------------------------------------
+# Section 4.1: resolve_prefill_admitted (strict, with the two-tier range fallback)
+@njit
+def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, pool):
+    """Returns (worker, reason) or (-1, -1)."""
+    p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit)
+    if p_ok:
+        return primary, PRIMARY  # cache-aware pairs carry no guard hints: never BackupPressureGuard
+    if backup >= 0 and prefill_admitted_nb(snap, backup, L) and gate_admits_nb(snap, backup, limit):
+        return backup, BACKUP_PRIMARY_ADMISSION
+    # range fallback: tier 1 = capacity-admitted and gate-admitted; tier 2 = capacity-admitted
+    m = 0
+    if limit >= 0:
+        for w in legal:
+            if prefill_admitted_nb(snap, w, L) and gate_admits_nb(snap, w, limit):
+                pool[m] = w
+                m += 1
+    if m == 0:
+        for w in legal:
+            if prefill_admitted_nb(snap, w, L):
+                pool[m] = w
+                m += 1
+    if m == 0:
+        return -1, -1
+    engine, _unused = set_coverage_nb(snap, est, pool, m)
+    best = pool[0]
+    for i in range(1, m):
+        if cmp_set_nb(snap, est, pool[i], best, engine) < 0:
+            best = pool[i]
+    return best, RANGE_FALLBACK
+
+
+# ---------------------------------------------------------------------------
+# Section 5.3
+@njit
+def fallback_decision_nb(rejected, evaluated, all_queued):
+    """cache_aware_fallback_decision(rejected, evaluated, fleet_all_queued)."""
+    if rejected == 0:
+        return CACHE_MISS
+    if all_queued:
+        return ALL_QUEUED
+    if evaluated > 0:
+        return CACHE_MISS
+    return CACHE_WORKER_QUEUED
+
+
+# ---------------------------------------------------------------------------
+# Section 8: the whole selection of one request under one config
+@njit
+def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est,
+                      limit, floor, k, margin, guard, abs_tokens, abs_ms, rel,
+                      min_tokens, min_ratio, cmin, cratio, cmax, seed, req_index,
+                      audit, scratch_i, cand, seen):
+    """Run the ladder; return (worker, reason, decision, failure).
+
+    ``audit`` receives the cache resolution's audit (A_* columns; A_REASON = -2
+    when no resolution ran).  ``scratch_i`` is an int64 matrix with at least 6
+    rows of length >= max(n_workers, matches); ``cand`` has >= matches rows.
+    """
+    n_fleet = fleet.shape[0]
+    failure = FAIL_EMPTY
+    resolved = False
+    for j in range(A_NCOLS):
+        audit[j] = 0
+    audit[A_SELECTED] = -1
+    audit[A_REASON] = -2
+    audit[A_SOURCE] = -1
+    if query_blocks > 0 and m_worker.shape[0] > 0:
+        n = prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
+                                  min_tokens, min_ratio, cmin, cratio, cmax, seen, cand,
+                                  scratch_i[0])
+        if n > 0:
+            resolved = True
+            w = resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
+                                 abs_tokens, abs_ms, rel, audit, scratch_i[1], scratch_i[2],
+                                 scratch_i[3], scratch_i[4])
+            if w >= 0:
+                reason = audit[A_REASON]
+                if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:
+                    return w, reason, ALL_QUEUED, -1
+                return w, reason, CACHE_HIT, -1
+            failure = FAIL_CACHE
+    if resolved:
+        label = fallback_decision_nb(audit[A_GATE_REJECTED], audit[A_EVALUATED], audit[A_ALL_QUEUED] == 1)
+    else:
+        label = CACHE_MISS
+    if n_fleet == 0:
+        return -1, -1, -1, failure
+    pool = scratch_i[0]
+    idx = scratch_i[5]
+    draw = 0
+    # pass 1: strict
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    if w >= 0:
+        return w, reason, label, -1
+    failure = FAIL_PREFILL
+    # pass 2: strict with a fresh pair, then the capacity fallback
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    if w >= 0:
+        return w, reason, label, -1
+    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    if w >= 0:
+        return w, CAPACITY_FALLBACK, label, -1
+    return -1, -1, -1, failure

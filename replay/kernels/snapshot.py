@@ -1,0 +1,176 @@
+"""Load-snapshot kernels (ROUTER_SEMANTICS.md section 1).
+
+The per-rank table is a set of 2-D arrays indexed ``[worker, rank]`` that a
+sweep updates in time order (``advance_nb``); ``capture_nb`` then builds the
+per-worker fresh aggregates a request sees.  Snapshot rows are int64 vectors
+indexed by the ``S_*`` column constants below plus one float64 estimate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import njit
+
+# Columns of a captured snapshot row (int64), one row per worker.
+S_BASIC = 0      # 1 when the basic aggregate is present
+S_WAITING = 1    # sum of num_waiting_reqs over required ranks
+S_NATIVE = 2     # 1 when the native aggregate is present
+S_RUNNING = 3    # sum of num_running_reqs
+S_WU = 4         # sum of num_waiting_uncached_tokens
+S_TOTAL = 5      # sum of num_total_tokens
+S_MAXTOT = 6     # sum of max_total_num_tokens
+S_MAXRUN = 7     # sum of max_running_requests
+S_INFLIGHT = 8   # router-local in-flight count (section 0, items 3 and 15)
+S_NCOLS = 9
+
+# Columns of the per-rank table (int64), indexed [worker, rank, column].
+R_HAS = 0
+R_AT = 1
+R_RUNNING = 2
+R_WAITING = 3
+R_TOKENS = 4
+R_MAXTOT = 5
+R_TAIL = 6
+R_WU = 7
+R_TOTAL = 8
+R_MAXRUN = 9
+R_PTOK = 10
+R_PBUSY = 11
+R_PREV_OK = 12   # previous stored sample had a native tail
+R_PREV_PTOK = 13
+R_PREV_PBUSY = 14
+R_NCOLS = 15
+
+
+def new_rank_table(n_workers: int, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """An empty per-rank table and per-worker in-flight vector."""
+    return (
+        np.zeros((n_workers, max(n_ranks, 1), R_NCOLS), dtype=np.int64),
+        np.zeros(n_workers, dtype=np.int64),
+    )
+
+
+@njit
+def advance_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
+               load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
+               load_ptok, load_pbusy, load_inflight, dp_size, table, inflight):
+    """Apply every load sample with ``ts <= upto_ts`` from ``ptr`` on; return the new pointer.
+
+    Last value wins per (worker, rank); the previous sample's native tail is
+    kept for throughput deltas whatever its age (section 1.2).  Samples of a
+    rank outside ``0..dp_size-1`` are ignored for loads, but their
+    ``router_inflight`` still counts (section 0, item 15: any rank).
+    """
+    n = load_ts.shape[0]
+    while ptr < n and load_ts[ptr] <= upto_ts:
+        w = load_worker[ptr]
+        r = load_rank[ptr]
+        if load_inflight[ptr] >= 0:
+            inflight[w] = load_inflight[ptr]
+        dp = dp_size[w]
+        if dp > 0 and r >= dp:
+            ptr += 1
+            continue
+        row = table[w, r]
+        if row[R_HAS] == 1 and row[R_TAIL] == 1:
+            row[R_PREV_OK] = 1
+            row[R_PREV_PTOK] = row[R_PTOK]
+            row[R_PREV_PBUSY] = row[R_PBUSY]
+        else:
+            row[R_PREV_OK] = 0
+        row[R_HAS] = 1
+        row[R_AT] = load_ts[ptr]
+        row[R_RUNNING] = load_running[ptr]
+        row[R_WAITING] = load_waiting[ptr]
+        row[R_TOKENS] = load_tokens[ptr]
+        row[R_MAXTOT] = load_maxtot[ptr]
+        if load_tail[ptr]:
+            row[R_TAIL] = 1
+            row[R_WU] = load_wu[ptr]
+            row[R_TOTAL] = load_total[ptr]
+            row[R_MAXRUN] = load_maxrun[ptr]
+            row[R_PTOK] = load_ptok[ptr]
+            row[R_PBUSY] = load_pbusy[ptr]
+        else:
+            row[R_TAIL] = 0
+        ptr += 1
+    return ptr
+
+
+@njit
+def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est):
+    """Fill snapshot row ``out`` (and ``out_est[0]``) for worker ``w`` at time ``now``.
+
+    Basic: every required rank observed and fresh (inclusive window); sums.
+    Native: additionally every rank has the tail, max_total_num_tokens != 0 and
+    max_running_requests != 0.  Estimate: every rank has a valid rate.
+    """
+    for j in range(S_NCOLS):
+        out[j] = 0
+    out[S_INFLIGHT] = inflight[w]
+    out_est[0] = np.nan
+    dp = dp_size[w]
+    n_ranks = dp if dp > 0 else table.shape[1]
+    count = 0
+    native = True
+    rates_ok = True
+    rate_sum = 0.0
+    waiting = 0
+    running = 0
+    wu = 0
+    total = 0
+    maxtot = 0
+    maxrun = 0
+    for r in range(n_ranks):
+        row = table[w, r]
+        if row[R_HAS] == 0:
+            if dp > 0:
+                return
+            continue
+        if now - row[R_AT] > freshness:
+            return
+        count += 1
+        waiting += row[R_WAITING]
+        running += row[R_RUNNING]
+        maxtot += row[R_MAXTOT]
+        if row[R_TAIL] == 1 and row[R_MAXTOT] != 0 and row[R_MAXRUN] != 0:
+            wu += row[R_WU]
+            total += row[R_TOTAL]
+            maxrun += row[R_MAXRUN]
+            dtok = row[R_PTOK] - row[R_PREV_PTOK]
+            dbusy = row[R_PBUSY] - row[R_PREV_PBUSY]
+            if row[R_PREV_OK] == 1 and dtok > 0 and dbusy > 0:
+                rate = 1e6 * dtok / dbusy
+                if math.isfinite(rate) and rate > 0.0:
+                    rate_sum += rate
+                else:
+                    rates_ok = False
+            else:
+                rates_ok = False
+        else:
+            native = False
+    if count == 0:
+        return
+    out[S_BASIC] = 1
+    out[S_WAITING] = waiting
+    if native:
+        out[S_NATIVE] = 1
+        out[S_RUNNING] = running
+        out[S_WU] = wu
+        out[S_TOTAL] = total
+        out[S_MAXTOT] = maxtot
+        out[S_MAXRUN] = maxrun
+        if rates_ok:
+            out_est[0] = 1000.0 * wu / rate_sum
+
+
+@njit
+def capture_all_nb(table, inflight, dp_size, now, freshness, snap, est):
+    """Capture every worker at ``now`` into ``snap[w]`` / ``est[w]``."""
+    tmp = np.empty(1, dtype=np.float64)
+    for w in range(snap.shape[0]):
+        capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], tmp)
+        est[w] = tmp[0]
