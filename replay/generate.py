@@ -82,12 +82,13 @@ def generate_trace(
     # ---------------- arrival-rate profile (1 s bins) ----------------
     t = np.arange(n_sec, dtype=np.float64)
     mult = 1.0 + 0.15 * np.sin(2 * np.pi * t / 900.0 + rng.uniform(0, 2 * np.pi))
-    n_bursts = max(2, rng.poisson(n_sec / 120.0))
+    n_bursts = max(2, rng.poisson(n_sec / 240.0))
     b_start = rng.uniform(0, n_sec, n_bursts)
     b_start[:2] = [0.25 * n_sec, 0.6 * n_sec]          # always at least two bursts
     b_len = rng.uniform(5, 40, n_bursts)
     b_len[:2] = np.minimum(b_len[:2], max(5.0, 0.15 * n_sec))
     b_amp = rng.uniform(1.3, 2.6, n_bursts)
+    b_amp[:2] = rng.uniform(2.2, 2.8, 2)              # ... that saturate the whole fleet
     for s0, ln, a in zip(b_start, b_len, b_amp):        # loop over bursts, not rows
         sl = slice(int(s0), min(n_sec, int(s0 + ln)))
         mult[sl] *= a                                   # base load is ~0.72 of capacity
@@ -181,7 +182,7 @@ def generate_trace(
     share = rng.lognormal(0, 0.35, n_pub)
     share[n_workers * dp_size:] *= 0.6                   # decode peers: their own traffic
     share /= share[: n_workers * dp_size].sum()
-    mean_per_tick = n_requests / n_ticks
+    mean_per_tick = max(n_requests, 1) / n_ticks
     cap = (mean_per_tick / 0.72) * share * rng.uniform(0.85, 1.15, n_pub)  # service per tick
     arr = rng.poisson(np.outer(per_tick, share))          # (n_ticks, n_pub)
     S = np.cumsum(arr - cap[None, :], axis=0)
