@@ -1197,8 +1197,13 @@ def replay(
         fleet = fleets[model]
         L = int(trace.req_input_tokens[i])
         signal = _request_signal(trace, i)
+        # docs/replay-model.md: request_index = position in the time-sorted whole
+        # trace (Trace.req_index; equal to the row index unless load_trace kept
+        # the requests of one model).
+        req_index = int(trace.req_index[i]) if getattr(trace, "req_index", None) is not None else i
         for c, cfg in enumerate(configs):
-            rng = DrawStream(seed, i)
+            # Section 0 item 4: the draw counter of each (request, config) starts at 0.
+            rng = DrawStream(seed, req_index)
             sel = select_prefill(L, signal, fleet, snap, cfg, rng)
             _store(out, i, c, sel, L, signal, snap)
     return out
