@@ -1,0 +1,119 @@
+"""``router-replay sweep TRACE_DIR --out RUN_DIR [knobs]``: the grid replay."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..cli import user_errors
+from ..config import KNOBS, Grid
+
+_EXAMPLE = """
+Every router knob takes one value, a comma list, an inclusive range a..b, or
+`none` where the router allows unset; the grid is their cartesian product.
+Combinations the router would refuse are skipped (listed in run.json).
+
+\b
+Example:
+  router-replay sweep traces/sample --out reports/sample \\
+      --worker-queue-limit none,2,4,8 --saturation-queue-floor none,1..4
+"""
+
+
+def _knob_options(fn):
+    for name in reversed(list(KNOBS)):
+        spec = KNOBS[name]
+        if spec.kind == "bool":
+            fn = click.option(
+                spec.flag, f"knob_{name}", default=None, is_flag=False, flag_value="true",
+                metavar="[BOOL,...]",
+                help="Disable the pressure guard; `true,false` sweeps both (router default: enabled).",
+            )(fn)
+        else:
+            default = getattr(__import__("replay.config", fromlist=["RouterConfig"]).RouterConfig(), name)
+            fn = click.option(
+                spec.flag, f"knob_{name}", default=None, metavar="VALUES",
+                help=f"Values for {spec.flag} (router default: {'none' if default is None else default}).",
+            )(fn)
+    return fn
+
+
+@click.command(epilog=_EXAMPLE)
+@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--out", "out", required=True, type=click.Path(path_type=str),
+              help="Run directory to write (summary, decisions, run.json).")
+@_knob_options
+@click.option("--freshness-ms", default=5000, show_default=True, type=click.IntRange(min=0),
+              help="Load-sample freshness window (inclusive).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+              help="Seed of the power-of-k sampler's draws.")
+@click.option("--model", default=None, help="Replay only the requests of this model.")
+@click.option("--decisions/--no-decisions", default=True, show_default=True,
+              help="Write decisions.parquet (one row per request and config).")
+@click.option("--per-dp-rank", is_flag=True,
+              help="Read limit and floor values per rank and multiply them by the fleet's dp_size.")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="Kernel threads (results never depend on it).")
+@click.option("--force", is_flag=True, help="Replace an existing non-empty RUN_DIR.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@user_errors
+def sweep(trace_dir, out, freshness_ms, seed, model, decisions, per_dp_rank, threads, force, quiet,
+          **knobs):
+    """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
+    from ..sweep import check_run_dir, run_sweep
+    from pathlib import Path
+
+    check_run_dir(Path(out), force)
+    texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
+    grid_spec = Grid.from_texts(texts) if not per_dp_rank else texts
+    if isinstance(grid_spec, Grid) and grid_spec.warning_line() and not quiet:
+        click.echo(f"warning: {grid_spec.warning_line()}", err=True)
+    show_bar = not quiet and sys.stderr.isatty()
+    bar = None
+
+    def on_start(n):
+        nonlocal bar
+        if show_bar:
+            bar = click.progressbar(length=n, label="replaying", file=sys.stderr)
+            bar.__enter__()
+
+    def progress(n):
+        if bar is not None:
+            bar.update(n)
+
+    try:
+        result = run_sweep(trace_dir, grid_spec, out=out, seed=seed, freshness_ms=freshness_ms,
+                           model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force,
+                           threads=threads, progress=progress, on_start=on_start)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if per_dp_rank and result.grid.warning_line() and not quiet:
+        click.echo(f"warning: {result.grid.warning_line()}", err=True)
+    if not quiet:
+        s = result.summary
+        t = result.timings
+        n_dec = result.trace.n_requests * s.height
+        click.echo(f"replayed {result.trace.n_requests:,} requests x {s.height} configs "
+                   f"= {n_dec:,} decisions in {t['total_s']:.2f} s -> {out}")
+        _print_top(s)
+
+
+def _print_top(s) -> None:
+    cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor", "hit_rate",
+                        "owner_rate", "pinned", "diverted", "selected_waiting_p99") if c in s.columns]
+    head = s.select(cols).sort("hit_rate", descending=True, nulls_last=True).head(5)
+    click.echo("best configs by hit rate:")
+    click.echo("  " + "  ".join(f"{c:>22}" for c in cols))
+    for row in head.iter_rows():
+        cells = []
+        for v in row:
+            if isinstance(v, float):
+                cells.append(f"{v:>22.4f}")
+            else:
+                cells.append(f"{'none' if v is None else v!s:>22}")
+        click.echo("  " + "  ".join(cells))
+
+
+COMMANDS = [sweep]
