@@ -180,7 +180,10 @@ class LoadTable:
         per = self.ranks.setdefault(worker, {})
         old = per.get(rank)
         # "the previous sample's native tail (whatever was stored before this set,
-        # regardless of its age)": None when the previous sample had no tail.
+        # regardless of its age)".
+        # REPLAY CHOICE: it is the tail of the *immediately* previous sample of
+        # this rank, so a tail-less sample in between leaves no previous tail
+        # (throughput None at the next sample); we do not skip back to an older one.
         prev_native = old.sample.native if old is not None else None
         per[rank] = _RankEntry(sample=sample, prev_native=prev_native, at=at)
         self.version += 1
@@ -236,8 +239,9 @@ class LoadTable:
         if not entries:
             return None
         waiting_uncached = sum(e.sample.native.waiting_uncached for e in entries)
-        # Throughput: Σ rate_r over the required ranks (ascending rank order),
-        # None if any rank lacks a valid rate.
+        # Throughput: Σ rate_r, None if any required rank lacks a valid rate.
+        # REPLAY CHOICE: the float sum runs over ranks in ascending order, starting
+        # from 0.0 (fixes the rounding the kernels must reproduce).
         throughput: Optional[float] = 0.0
         for e in entries:
             rate = rank_prefill_rate(e)
@@ -512,6 +516,8 @@ def prepare_candidates(
     prepared: list[Candidate] = []
     # Step 1: provider order, exact address match, skip unknown / zero / repeats.
     for address, blocks in signal.matches:
+        # REPLAY CHOICE: a known worker outside this request's fleet (decode peer,
+        # other model) is matched like an unknown address: skipped, not marked seen.
         if address is None or address not in fleet_set:
             continue
         if blocks == 0:
@@ -689,7 +695,9 @@ def resolve_cache_candidates(
                 if target is None:
                     target = c
                     continue
-                # min by pressure then worker id (min_by keeps the earlier on Equal).
+                # min by pressure then worker id.
+                # REPLAY CHOICE: scanned in rejected (seed) order like Rust's min_by:
+                # the current target is replaced only when it compares Greater.
                 k = pin_loads.compare_prefill_pressure(target.worker, c.worker)
                 if k == 0:
                     k = _cmp(target.worker, c.worker)
