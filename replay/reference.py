@@ -1229,19 +1229,23 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[P
         out["guard_compared"][i, c] = res.pressure_guard_compared_pairs
         out["guard_overrides"][i, c] = res.pressure_guard_overrides
         out["pressure_source"][i, c] = res.prefill_pressure_source
+    # REPLAY CHOICE: matched_blocks is a property of the request (fields.py:
+    # "min(best_prefix_blocks, query_blocks); 0 without a signal"), so it is
+    # set even when the selection failed; selected_blocks needs a chosen worker
+    # and stays 0 on a failure.  (The router books no triple on a 503: mask
+    # with decision >= 0 to reproduce its counters.)
+    triple = locality_triple(signal, sel.worker)
+    if triple is not None:
+        out["matched_blocks"][i, c] = triple[1]
     if sel.worker is None:
         out["failure"][i, c] = sel.failure
-        # REPLAY CHOICE: a failed selection books no locality triple (section
-        # 4 step 3), so matched_blocks / selected_blocks stay 0.
         return
     w = sel.worker
     out["worker"][i, c] = w
     out["reason"][i, c] = sel.reason
     out["policy_reason"][i, c] = sel.policy_reason
     out["decision"][i, c] = sel.decision
-    triple = locality_triple(signal, w)
     if triple is not None:
-        out["matched_blocks"][i, c] = triple[1]
         out["selected_blocks"][i, c] = triple[2]
     out["uncached_tokens"][i, c] = selected_uncached_tokens(L, signal, w)
     b = snap.basic_of(w)

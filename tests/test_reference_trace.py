@@ -290,4 +290,6 @@ def test_empty_fleet_fails_with_proposal_empty():
     assert out["failure"][0, 0] == labels.FAIL_PROPOSAL_EMPTY
     assert out["decision"][0, 0] == labels.NO_DECISION
     assert out["uncached_tokens"][0, 0] == -1
-    assert out["matched_blocks"][0, 0] == 0
+    # matched_blocks is a request property (kept on a failure); nothing was selected.
+    assert out["matched_blocks"][0, 0] == 4
+    assert out["selected_blocks"][0, 0] == 0
