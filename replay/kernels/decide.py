@@ -527,6 +527,28 @@ def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, pool):
 
 
 # ---------------------------------------------------------------------------
+# Section 5.4 and section 0 items 10, 13, 16
+@njit
+def locality_nb(L, query_blocks, best_prefix, m_worker, m_blocks, w):
+    """(query, matched, selected, uncached_tokens) of a decision that chose worker ``w``.
+
+    A worker's blocks are those of its first entry in ``matches`` (0 if none),
+    capped by the query for the token estimate and by ``matched`` for the
+    triple.  Without a prefix signal the triple is zeros and uncached = L.
+    """
+    if query_blocks <= 0:
+        return 0, 0, 0, L
+    matched = min(best_prefix, query_blocks) if m_worker.shape[0] > 0 else 0
+    blocks = 0
+    for e in range(m_worker.shape[0]):
+        if m_worker[e] == w:
+            blocks = min(m_blocks[e], query_blocks)
+            break
+    H = estimate_matched_tokens_nb(L, blocks, query_blocks)
+    return query_blocks, matched, min(blocks, matched), max(L - H, 0)
+
+
+# ---------------------------------------------------------------------------
 # Section 5.3
 @njit
 def fallback_decision_nb(rejected, evaluated, all_queued):

@@ -30,6 +30,7 @@ from .decide import (
     A_REASON,
     A_SOURCE,
     C_NCOLS,
+    locality_nb,
     select_prefill_nb,
 )
 from .snapshot import S_BASIC, S_NATIVE, S_NCOLS, S_WAITING, S_WU, advance_nb, capture_all_nb
@@ -74,14 +75,6 @@ def snapshot_chunk_nb(ptr, req_ts, freshness, load_ts, load_worker, load_rank, l
                          inflight)
         capture_all_nb(table, inflight, dp_size, req_ts[i], freshness, snap[i], est[i])
     return ptr
-
-
-@njit
-def _first_entry_blocks(m_worker, m_blocks, w):
-    for e in range(m_worker.shape[0]):
-        if m_worker[e] == w:
-            return m_blocks[e]
-    return 0
 
 
 @njit
@@ -152,12 +145,9 @@ def _decide_request(i, req_index, L, qb, best_prefix, m_worker, m_blocks, in_fle
         row[O_OVERRIDES] = audit[A_OVERRIDES]
         row[O_SOURCE] = audit[A_SOURCE] if resolved else -1
         if w >= 0:
-            blocks = 0
-            if has_signal:
-                blocks = min(_first_entry_blocks(m_worker, m_blocks, w), qb)
-            row[O_SELECTED_BLOCKS] = min(blocks, matched)
-            H = (L * blocks) // max(qb, 1) if has_signal else 0
-            row[O_UNCACHED] = max(L - H, 0)
+            _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+            row[O_SELECTED_BLOCKS] = sel_blocks
+            row[O_UNCACHED] = uncached
             row[O_SEL_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
             row[O_SEL_WU] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
             out_f[i, c] = est[w]
@@ -172,13 +162,14 @@ def _decide_request(i, req_index, L, qb, best_prefix, m_worker, m_blocks, in_fle
 
 
 @njit_parallel
-def decide_chunk_nb(first_index, req_L, req_qb, req_best, req_model, m_off, m_worker, m_blocks,
+def decide_chunk_nb(req_index, req_L, req_qb, req_best, req_model, m_off, m_worker, m_blocks,
                     in_fleet, fleet_off, fleet_w, snap, est, cfg_i, cfg_f, cfg_group, cfg_li,
                     cfg_fi, lim_vals, fl_vals, n_groups, seed, max_matches, out_i, out_f, n_blocks):
     """Decide every request of the chunk under every config (parallel over request blocks).
 
-    Row ``i`` of the chunk is request ``first_index + i`` of the sorted trace;
-    results depend on nothing but (trace, config, seed), never on threads.
+    ``req_index[i]`` is row ``i``'s request index for the generator (its position
+    in the whole time-sorted trace); results depend on nothing but (trace,
+    config, seed), never on threads or chunking.
     """
     n = req_L.shape[0]
     n_workers = snap.shape[1]
@@ -204,7 +195,7 @@ def decide_chunk_nb(first_index, req_L, req_qb, req_best, req_model, m_off, m_wo
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
             a = m_off[i]
             b = m_off[i + 1]
-            _decide_request(i, first_index + i, req_L[i], req_qb[i], req_best[i],
+            _decide_request(i, req_index[i], req_L[i], req_qb[i], req_best[i],
                             m_worker[a:b], m_blocks[a:b], in_fleet[mdl], fleet, snap[i], est[i],
                             cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed,
                             out_i, out_f, memo, lclass, fclass, audit, scratch_i, cand, seen)
