@@ -161,7 +161,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         out_f = np.empty((n, n_cfg), dtype=np.float64)
         a, b = m_off[start], m_off[stop]
         kgrid.decide_chunk_nb(
-            start, trace.req_input_tokens[start:stop].astype(np.int64),
+            trace.req_index[start:stop].astype(np.int64), trace.req_input_tokens[start:stop].astype(np.int64),
             trace.req_query_blocks[start:stop].astype(np.int64),
             trace.req_best_prefix_blocks[start:stop].astype(np.int64),
             trace.req_model[start:stop].astype(np.int64), m_off[start:stop + 1] - a,
