@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import labels
+from .config import KNOBS
 from .engine import Chunk
 from .kernels import grid as kg
 from .kernels._jit import njit
@@ -220,7 +221,26 @@ class Accumulator:
         if has_selected:
             cols["agreement"] = ratio(a[:, ACC_AGREE], a[:, ACC_AGREE_KNOWN])
             cols["agreement_requests"] = a[:, ACC_AGREE_KNOWN]
-        return pl.DataFrame(cols, strict=False)
+        return pl.DataFrame(cols, schema_overrides=_summary_dtypes(cols), strict=False)
+
+
+_KIND_DTYPE = {"int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean}
+_INT_SUMMARY = ("config_id", "dp_size", "per_rank_limit", "per_rank_floor",
+                "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_max_bucket")
+
+
+def _summary_dtypes(cols: dict) -> dict:
+    """Fixed dtypes for the summary columns that can be all-None (a knob left at a
+    None default, a metric with no known value), so the schema never depends on values."""
+    out = {}
+    for name, values in cols.items():
+        if name in KNOBS:
+            out[name] = _KIND_DTYPE[KNOBS[name].kind]
+        elif name in _INT_SUMMARY:
+            out[name] = pl.Int64
+        elif isinstance(values, list):
+            out[name] = pl.Float64  # ratios and means
+    return out
 
 
 def _quantiles(hist: np.ndarray, q: float) -> list:
