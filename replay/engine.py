@@ -18,8 +18,9 @@ import numpy as np
 
 from .config import RouterConfig
 from .fields import DECISION_FIELDS, empty_decisions
+from .kernels import accumulate as kacc
 from .kernels import grid as kgrid
-from .kernels.snapshot import S_NCOLS, new_rank_table
+from .kernels.snapshot import new_rank_table
 from .trace import Trace
 
 DEFAULT_FRESHNESS_NS = 5_000_000_000
@@ -86,12 +87,42 @@ def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
 
 @dataclass
 class Chunk:
-    """Decisions of requests ``start..stop`` (sorted trace order) under every config."""
+    """Decisions of requests ``start..stop`` (sorted trace order) under every config.
+
+    ``out_i``/``out_f`` are None when the run keeps no decisions.
+    """
 
     start: int
     stop: int
-    out_i: np.ndarray  # int64[stop-start, n_configs, O_NCOLS]
-    out_f: np.ndarray  # float64[stop-start, n_configs]: selected_queue_ms
+    out_i: np.ndarray | None  # int64[stop-start, n_configs, O_NCOLS]
+    out_f: np.ndarray | None  # float64[stop-start, n_configs]: selected_queue_ms
+
+
+class Totals:
+    """Per-config accumulators of a run (kernels/accumulate.py), one slice per thread block.
+
+    Every field is a count, a sum or a fixed-bucket histogram, so blocks,
+    chunks and shards merge exactly; :meth:`merged` folds the blocks.
+    """
+
+    def __init__(self, n_blocks: int, n_configs: int):
+        self.acc = np.zeros((n_blocks, kacc.N_ACC, n_configs), dtype=np.int64)
+        self.hist_wait = np.zeros((n_blocks, kacc.WAIT_HIST, n_configs), dtype=np.int64)
+        self.hist_div = np.zeros((n_blocks, kacc.N_DIV, n_configs), dtype=np.int64)
+
+    def add(self, other: "Totals") -> None:
+        """Fold another run's totals (same configs) into this one, block by block summed."""
+        self.acc[0] += other.acc.sum(axis=0)
+        self.hist_wait[0] += other.hist_wait.sum(axis=0)
+        self.hist_div[0] += other.hist_div.sum(axis=0)
+
+    def merged(self) -> "Totals":
+        """A one-block Totals holding the exact (integer) sum over blocks."""
+        out = Totals(1, self.acc.shape[2])
+        out.acc[0] = self.acc.sum(axis=0)
+        out.hist_wait[0] = self.hist_wait.sum(axis=0)
+        out.hist_div[0] = self.hist_div.sum(axis=0)
+        return out
 
 
 def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,13 +145,29 @@ def n_rank_slots(trace: Trace) -> int:
     return max(top, dp, 1)
 
 
+# Requests a chunk holds when no decisions are kept (bookkeeping only).
+CHUNK_REQUESTS = 1 << 17
+
+
+def _blocks_per_chunk(threads: int | None) -> int:
+    n = threads if threads is not None else numba.get_num_threads()
+    return max(1, 2 * int(n))
+
+
 def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                 freshness_ns: int = DEFAULT_FRESHNESS_NS,
                 chunk_decisions: int = DEFAULT_CHUNK_DECISIONS,
-                threads: int | None = None,
+                threads: int | None = None, keep: bool = True, totals: Totals | None = None,
+                blocks: int | None = None,
                 progress: Callable[[int], None] | None = None) -> Iterator[Chunk]:
     """Replay the trace under every config; yield decisions chunk by chunk, in request order.
 
+    With ``keep`` each chunk carries every decision (``out_i``/``out_f``);
+    without it the chunks are bookkeeping only.  With ``totals`` (made by
+    :func:`new_totals`), the per-config accumulators are filled as well.
+    Each chunk is split into ``blocks`` slices (default: two per thread), each
+    replayed by one thread from its own exact copy of the load state, so no
+    result depends on threads, chunk or block sizes.
     ``progress(n)`` is called with the number of requests finished after each chunk.
     """
     if not configs:
@@ -129,7 +176,10 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     n_cfg = len(configs)
     n_req = trace.n_requests
     n_w = max(trace.n_workers, 1)
-    chunk = max(1, min(n_req, chunk_decisions // n_cfg)) if n_req else 1
+    chunk = max(1, chunk_decisions // n_cfg) if keep else CHUNK_REQUESTS
+    if threads is not None:
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
     fleet_off, fleet_w, in_fleet = _fleet_tables(trace)
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
     dp = trace.worker_dp_size.astype(np.int64)
@@ -145,32 +195,63 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
              trace.load_has_tail.astype(np.bool_), trace.load_waiting_uncached, trace.load_total_tokens,
              trace.load_max_running, trace.load_prefill_tokens, trace.load_prefill_busy_us,
              trace.load_router_inflight)
-    loads = tuple(np.ascontiguousarray(a) for a in loads)
-    if threads is not None:
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-    n_blocks = max(1, numba.get_num_threads() * 4)
+    loads = tuple(np.ascontiguousarray(a, dtype=np.bool_ if a.dtype == np.bool_ else np.int64)
+                  for a in loads)
+    req = (np.ascontiguousarray(trace.req_ts, dtype=np.int64),
+           np.ascontiguousarray(trace.req_index, dtype=np.int64),
+           np.ascontiguousarray(trace.req_input_tokens, dtype=np.int64),
+           np.ascontiguousarray(trace.req_query_blocks, dtype=np.int64),
+           np.ascontiguousarray(trace.req_best_prefix_blocks, dtype=np.int64),
+           np.ascontiguousarray(trace.req_model, dtype=np.int64))
+    selected = (np.ascontiguousarray(trace.req_selected_worker, dtype=np.int64)
+                if trace.req_selected_worker is not None else None)
+    if totals is None:
+        totals = Totals(blocks_per_chunk, n_cfg)
+    if totals.acc.shape[0] < blocks_per_chunk:
+        raise ValueError("totals has fewer block slots than a chunk has blocks")
+    tables = np.zeros((blocks_per_chunk,) + table.shape, dtype=np.int64)
+    inflights = np.zeros((blocks_per_chunk, n_w), dtype=np.int64)
+    ptrs = np.zeros(blocks_per_chunk, dtype=np.int64)
+    empty_sel = np.zeros(0, dtype=np.int64)
+    dummy_i = np.zeros((1, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
+    dummy_f = np.zeros((1, n_cfg), dtype=np.float64)
     ptr = 0
-    snap = np.zeros((chunk, n_w, S_NCOLS), dtype=np.int64)
-    est = np.zeros((chunk, n_w), dtype=np.float64)
     for start in range(0, n_req, chunk):
         stop = min(n_req, start + chunk)
         n = stop - start
-        ptr = kgrid.snapshot_chunk_nb(ptr, trace.req_ts[start:stop], int(freshness_ns), *loads,
-                                      dp, table, inflight, snap[:n], est[:n])
-        out_i = np.empty((n, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
-        out_f = np.empty((n, n_cfg), dtype=np.float64)
+        block = -(-n // blocks_per_chunk)
+        lo = np.arange(0, n, block, dtype=np.int64)
+        nb = lo.shape[0]
+        block_lo = np.append(lo, n).astype(np.int64)
+        ptr = kgrid.split_states_nb(ptr, req[0][start:stop][lo], *loads, dp, table, inflight,
+                                    tables[:nb], inflights[:nb], ptrs[:nb])
+        if keep:
+            out_i = np.empty((n, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
+            out_f = np.empty((n, n_cfg), dtype=np.float64)
+        else:
+            out_i, out_f = dummy_i, dummy_f
         a, b = m_off[start], m_off[stop]
-        kgrid.decide_chunk_nb(
-            trace.req_index[start:stop].astype(np.int64), trace.req_input_tokens[start:stop].astype(np.int64),
-            trace.req_query_blocks[start:stop].astype(np.int64),
-            trace.req_best_prefix_blocks[start:stop].astype(np.int64),
-            trace.req_model[start:stop].astype(np.int64), m_off[start:stop + 1] - a,
-            m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w, snap[:n], est[:n],
-            enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi, enc.lim_vals, enc.fl_vals,
-            enc.n_groups, int(seed), max_matches, out_i, out_f, min(n_blocks, n))
+        kgrid.run_chunk_nb(
+            block_lo, ptrs[:nb], tables[:nb], inflights[:nb],
+            *(col[start:stop] for col in req),
+            selected[start:stop] if selected is not None else empty_sel,
+            m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w,
+            *loads, dp, int(freshness_ns), enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi,
+            enc.lim_vals, enc.fl_vals, enc.n_groups, int(seed), max_matches, keep, out_i, out_f,
+            totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb])
+        # the next chunk starts where the last block ended
+        table[...] = tables[nb - 1]
+        inflight[...] = inflights[nb - 1]
+        ptr = int(ptrs[nb - 1])
         if progress is not None:
             progress(n)
-        yield Chunk(start, stop, out_i, out_f)
+        yield Chunk(start, stop, out_i if keep else None, out_f if keep else None)
+
+
+def new_totals(n_configs: int, *, threads: int | None = None, blocks: int | None = None) -> Totals:
+    """Accumulators sized for ``iter_chunks`` with the same ``threads``/``blocks``."""
+    n = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
+    return Totals(n, n_configs)
 
 
 # kernel column -> decision field name (fields.py order); selected_queue_ms comes from out_f

@@ -14,161 +14,41 @@ import pyarrow.parquet as pq
 
 from . import labels
 from .config import KNOBS
-from .engine import Chunk
+from .engine import Chunk, Totals
+from .kernels import accumulate as kacc
 from .kernels import grid as kg
-from .kernels._jit import njit
 from .trace import Trace
 
-# ---------------------------------------------------------------------------
-# accumulator columns (int64[n_configs, N_ACC])
-_ACC = (
-    "requests", "routed", "failed",
-    *(f"decision_{d}" for d in labels.DECISIONS),
-    *(f"policy_{p}" for p in labels.POLICY_REASONS),
-    *(f"failure_{f}" for f in labels.FAILURES),
-    "query_blocks", "matched_blocks", "selected_blocks",
-    "owner_hits", "owner_chances", "diverted", "pinned", "fell_back", "fleet_all_queued",
-    "waiting_known", "waiting_sum", "waiting_uncached_known", "waiting_uncached_sum",
-    "queue_ms_known", "cold_prefill_tokens", "agree", "agree_known",
-    "guard_compared", "guard_overrides", "admission_evaluated", "admission_rejected",
-    "gate_rejected",
-)
-ACC = {name: i for i, name in enumerate(_ACC)}
-N_ACC = len(_ACC)
-_DEC0 = ACC["decision_cache_hit"]
-_POL0 = ACC["policy_cache_candidate"]
-_FAIL0 = ACC["failure_prefill_admission_exhausted"]
-
-# selected_waiting histogram: exact integer buckets 0..WAIT_HIST-2, last bucket = larger
-WAIT_HIST = 1 << 14
-N_DIV = len(labels.DIVERTED_BUCKETS) + 1
-
-
-ACC_QUERY = ACC["query_blocks"]
-ACC_MATCHED = ACC["matched_blocks"]
-ACC_SELECTED = ACC["selected_blocks"]
-ACC_OWNER_HITS = ACC["owner_hits"]
-ACC_OWNER_CHANCES = ACC["owner_chances"]
-ACC_DIVERTED = ACC["diverted"]
-ACC_PINNED = ACC["pinned"]
-ACC_FELL_BACK = ACC["fell_back"]
-ACC_ALL_QUEUED = ACC["fleet_all_queued"]
-ACC_WAIT_KNOWN = ACC["waiting_known"]
-ACC_WAIT_SUM = ACC["waiting_sum"]
-ACC_WU_KNOWN = ACC["waiting_uncached_known"]
-ACC_WU_SUM = ACC["waiting_uncached_sum"]
-ACC_MS_KNOWN = ACC["queue_ms_known"]
-ACC_COLD = ACC["cold_prefill_tokens"]
-ACC_AGREE = ACC["agree"]
-ACC_AGREE_KNOWN = ACC["agree_known"]
-ACC_COMPARED = ACC["guard_compared"]
-ACC_OVERRIDES = ACC["guard_overrides"]
-ACC_EVAL = ACC["admission_evaluated"]
-ACC_ADM_REJ = ACC["admission_rejected"]
-ACC_GATE_REJ = ACC["gate_rejected"]
-PIN = labels.SATURATION_PIN
-WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
-
-
-@njit
-def _accumulate_nb(out_i, out_f, query_blocks, sel_worker, acc, acc_ms, hist_wait, hist_div, div_bounds):
-    n, n_cfg = out_i.shape[0], out_i.shape[1]
-    has_sel = sel_worker.shape[0] == n
-    top = hist_wait.shape[1] - 1
-    for c in range(n_cfg):
-        a = acc[c]
-        for i in range(n):
-            row = out_i[i, c]
-            a[0] += 1
-            w = row[kg.O_WORKER]
-            if w < 0:
-                a[2] += 1
-                if row[kg.O_FAILURE] >= 0:
-                    a[_FAIL0 + row[kg.O_FAILURE]] += 1
-                continue
-            a[1] += 1
-            dec = row[kg.O_DECISION]
-            a[_DEC0 + dec] += 1
-            a[_POL0 + row[kg.O_POLICY_REASON]] += 1
-            matched = row[kg.O_MATCHED]
-            sel = row[kg.O_SELECTED_BLOCKS]
-            a[ACC_QUERY] += max(query_blocks[i], 0)
-            a[ACC_MATCHED] += matched
-            a[ACC_SELECTED] += sel
-            if matched > 0:
-                a[ACC_OWNER_CHANCES] += 1
-                if sel > 0:
-                    a[ACC_OWNER_HITS] += 1
-            reason = row[kg.O_REASON]
-            fell = row[kg.O_FELL_BACK] == 1
-            if reason == PIN:
-                a[ACC_PINNED] += 1
-            elif row[kg.O_GATE_REJECTED] > 0 and not fell:
-                a[ACC_DIVERTED] += 1
-            if fell:
-                a[ACC_FELL_BACK] += 1
-            if row[kg.O_ALL_QUEUED] == 1:
-                a[ACC_ALL_QUEUED] += 1
-            sw = row[kg.O_SEL_WAITING]
-            if sw >= 0:
-                a[ACC_WAIT_KNOWN] += 1
-                a[ACC_WAIT_SUM] += sw
-                hist_wait[c, min(sw, top)] += 1
-            wu = row[kg.O_SEL_WU]
-            if wu >= 0:
-                a[ACC_WU_KNOWN] += 1
-                a[ACC_WU_SUM] += wu
-            ms = out_f[i, c]
-            if not np.isnan(ms):
-                a[ACC_MS_KNOWN] += 1
-                acc_ms[c] += ms
-            a[ACC_COLD] += row[kg.O_UNCACHED]
-            if has_sel and sel_worker[i] >= 0:
-                a[ACC_AGREE_KNOWN] += 1
-                if sel_worker[i] == w:
-                    a[ACC_AGREE] += 1
-            a[ACC_COMPARED] += row[kg.O_COMPARED]
-            a[ACC_OVERRIDES] += row[kg.O_OVERRIDES]
-            a[ACC_EVAL] += row[kg.O_EVALUATED]
-            a[ACC_ADM_REJ] += row[kg.O_ADM_REJECTED]
-            a[ACC_GATE_REJ] += row[kg.O_GATE_REJECTED]
-            if dec == WORKER_QUEUED:
-                v = row[kg.O_BEST_REJECTED]
-                b = 0
-                while b < div_bounds.shape[0] and v > div_bounds[b]:
-                    b += 1
-                hist_div[c, b] += 1
-
+ACC = kacc.ACC
 
 
 class Accumulator:
-    """Per-config running totals over chunks of decisions (exactly mergeable)."""
+    """Per-config totals of a sweep, turned into the summary table.
 
-    def __init__(self, n_configs: int):
-        self.acc = np.zeros((n_configs, N_ACC), dtype=np.int64)
-        self.acc_ms = np.zeros(n_configs, dtype=np.float64)
-        self.hist_wait = np.zeros((n_configs, WAIT_HIST), dtype=np.int64)
-        self.hist_div = np.zeros((n_configs, N_DIV), dtype=np.int64)
+    Wraps the kernels' :class:`replay.engine.Totals` (counts, integer sums and
+    fixed-bucket histograms, so every merge is exact).
+    """
 
-    def add(self, chunk: Chunk, trace: Trace) -> None:
-        sel = trace.req_selected_worker
-        sel = (np.asarray(sel[chunk.start:chunk.stop], dtype=np.int64) if sel is not None
-               else np.zeros(0, dtype=np.int64))
-        _accumulate_nb(chunk.out_i, chunk.out_f,
-                       trace.req_query_blocks[chunk.start:chunk.stop].astype(np.int64), sel,
-                       self.acc, self.acc_ms, self.hist_wait, self.hist_div,
-                       np.array(labels.DIVERTED_BUCKETS, dtype=np.int64))
+    def __init__(self, n_configs: int, totals: Totals | None = None):
+        self.totals = totals if totals is not None else Totals(1, n_configs)
+
+    @property
+    def acc(self) -> np.ndarray:
+        """Merged counts and sums, ``[config, ACC field]``."""
+        return self.totals.merged().acc[0].T
 
     def merge(self, other: "Accumulator") -> None:
         """Fold another accumulator (same configs) into this one."""
-        self.acc += other.acc
-        self.acc_ms += other.acc_ms
-        self.hist_wait += other.hist_wait
-        self.hist_div += other.hist_div
+        merged = self.totals.merged()
+        merged.add(other.totals)
+        self.totals = merged
 
     def summary(self, config_rows: list[dict], *, has_selected: bool) -> pl.DataFrame:
         """One row per config: knobs, counts, rates and pressure (see docs/outputs.md)."""
-        a = self.acc
+        t = self.totals.merged()
+        a = t.acc[0].T  # [config, field]
+        hist_wait = t.hist_wait[0].T  # [config, value]
+        hist_div = t.hist_div[0].T
         cols: dict[str, object] = {}
         knob_names = [k for k in config_rows[0] if k != "config_id"] if config_rows else []
         cols["config_id"] = [r["config_id"] for r in config_rows]
@@ -190,37 +70,37 @@ class Accumulator:
                 r = num / den
             return [None if not np.isfinite(x) else float(x) for x in r]
 
-        q = a[:, ACC_QUERY]
+        q = a[:, ACC["query_blocks"]]
         cols["query_blocks"] = q
-        cols["matched_blocks"] = a[:, ACC_MATCHED]
-        cols["selected_blocks"] = a[:, ACC_SELECTED]
-        cols["hit_rate"] = ratio(a[:, ACC_SELECTED], q)
-        cols["matched_rate"] = ratio(a[:, ACC_MATCHED], q)
-        cols["owner_rate"] = ratio(a[:, ACC_OWNER_HITS], a[:, ACC_OWNER_CHANCES])
-        cols["diverted"] = a[:, ACC_DIVERTED]
-        cols["pinned"] = a[:, ACC_PINNED]
-        cols["fell_back"] = a[:, ACC_FELL_BACK]
-        cols["fleet_all_queued"] = a[:, ACC_ALL_QUEUED]
-        cols["selected_waiting_mean"] = ratio(a[:, ACC_WAIT_SUM], a[:, ACC_WAIT_KNOWN])
-        cols["selected_waiting_p50"] = _quantiles(self.hist_wait, 0.50)
-        cols["selected_waiting_p99"] = _quantiles(self.hist_wait, 0.99)
+        cols["matched_blocks"] = a[:, ACC["matched_blocks"]]
+        cols["selected_blocks"] = a[:, ACC["selected_blocks"]]
+        cols["hit_rate"] = ratio(a[:, ACC["selected_blocks"]], q)
+        cols["matched_rate"] = ratio(a[:, ACC["matched_blocks"]], q)
+        cols["owner_rate"] = ratio(a[:, ACC["owner_hits"]], a[:, ACC["owner_chances"]])
+        cols["diverted"] = a[:, ACC["diverted"]]
+        cols["pinned"] = a[:, ACC["pinned"]]
+        cols["fell_back"] = a[:, ACC["fell_back"]]
+        cols["fleet_all_queued"] = a[:, ACC["fleet_all_queued"]]
+        cols["selected_waiting_mean"] = ratio(a[:, ACC["waiting_sum"]], a[:, ACC["waiting_known"]])
+        cols["selected_waiting_p50"] = _quantiles(hist_wait, 0.50)
+        cols["selected_waiting_p99"] = _quantiles(hist_wait, 0.99)
         cols["selected_waiting_max_bucket"] = [
-            None if not h.any() else int(np.nonzero(h)[0][-1]) for h in self.hist_wait
+            None if not h.any() else int(np.nonzero(h)[0][-1]) for h in hist_wait
         ]
-        cols["selected_waiting_uncached_mean"] = ratio(a[:, ACC_WU_SUM], a[:, ACC_WU_KNOWN])
-        cols["selected_queue_ms_mean"] = ratio(self.acc_ms, a[:, ACC_MS_KNOWN])
-        cols["cold_prefill_tokens"] = a[:, ACC_COLD]
-        cols["guard_compared"] = a[:, ACC_COMPARED]
-        cols["guard_overrides"] = a[:, ACC_OVERRIDES]
-        cols["admission_evaluated"] = a[:, ACC_EVAL]
-        cols["admission_rejected"] = a[:, ACC_ADM_REJ]
-        cols["gate_rejected"] = a[:, ACC_GATE_REJ]
+        cols["selected_waiting_uncached_mean"] = ratio(a[:, ACC["waiting_uncached_sum"]], a[:, ACC["waiting_uncached_known"]])
+        cols["selected_queue_ms_mean"] = ratio(a[:, ACC["queue_us_sum"]] / 1000.0, a[:, ACC["queue_ms_known"]])
+        cols["cold_prefill_tokens"] = a[:, ACC["cold_prefill_tokens"]]
+        cols["guard_compared"] = a[:, ACC["guard_compared"]]
+        cols["guard_overrides"] = a[:, ACC["guard_overrides"]]
+        cols["admission_evaluated"] = a[:, ACC["admission_evaluated"]]
+        cols["admission_rejected"] = a[:, ACC["admission_rejected"]]
+        cols["gate_rejected"] = a[:, ACC["gate_rejected"]]
         for b, bound in enumerate(labels.DIVERTED_BUCKETS):
-            cols[f"diverted_overlap_le_{bound}"] = self.hist_div[:, b]
-        cols["diverted_overlap_le_inf"] = self.hist_div[:, -1]
+            cols[f"diverted_overlap_le_{bound}"] = hist_div[:, b]
+        cols["diverted_overlap_le_inf"] = hist_div[:, -1]
         if has_selected:
-            cols["agreement"] = ratio(a[:, ACC_AGREE], a[:, ACC_AGREE_KNOWN])
-            cols["agreement_requests"] = a[:, ACC_AGREE_KNOWN]
+            cols["agreement"] = ratio(a[:, ACC["agree"]], a[:, ACC["agree_known"]])
+            cols["agreement_requests"] = a[:, ACC["agree_known"]]
         return pl.DataFrame(cols, schema_overrides=_summary_dtypes(cols), strict=False)
 
 

@@ -112,7 +112,7 @@ def run_sweep(
     else:
         grid = Grid(grid or {}, dp_size=fleet_dp(trace) if per_dp_rank else None)
     configs = grid.configs
-    acc = Accumulator(len(configs))
+    totals = engine.new_totals(len(configs), threads=threads)
     tmp_dir: Path | None = None
     writer = None
     if out_path is not None:
@@ -128,17 +128,17 @@ def run_sweep(
         mark = time.perf_counter()
         for chunk in engine.iter_chunks(trace, configs, seed=seed,
                                         freshness_ns=int(freshness_ms) * 1_000_000,
-                                        threads=threads, progress=progress):
+                                        threads=threads, keep=writer is not None, totals=totals,
+                                        progress=progress):
             now = time.perf_counter()
             t_kernel += now - mark
-            acc.add(chunk, trace)
             if writer is not None:
                 writer.write(chunk)
             mark = time.perf_counter()
             t_write += mark - now
         if writer is not None:
             writer.close()
-        summary = acc.summary(_config_rows(grid), has_selected=trace.req_selected_worker is not None)
+        summary = Accumulator(len(configs), totals).summary(_config_rows(grid), has_selected=trace.req_selected_worker is not None)
         timings = {
             "load_s": round(t_load - t0, 4),
             "replay_s": round(t_kernel, 4),

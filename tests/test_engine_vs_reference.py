@@ -118,7 +118,10 @@ def test_results_do_not_depend_on_threads_chunks_or_config_order(parquet_trace):
     configs = mixed_configs()
     base = engine.decide_all(parquet_trace, configs, seed=9, threads=2)
     one = engine.decide_all(parquet_trace, configs, seed=9, threads=1, chunk_decisions=997)
-    assert_same(base, one, "threads/chunks")
+    assert_same(base, one, "threads")
+    # many small blocks (each starting from a pre-swept state) and many chunks
+    small = engine.decide_all(parquet_trace, configs, seed=9, chunk_decisions=5000, blocks=7)
+    assert_same(base, small, "blocks/chunks")
     order = np.random.default_rng(0).permutation(len(configs))
     shuffled = engine.decide_all(parquet_trace, [configs[i] for i in order], seed=9)
     assert_same(base, {k: v[:, np.argsort(order)] for k, v in shuffled.items()}, "config order")
@@ -140,3 +143,19 @@ def test_seed_changes_only_sampler_draws(parquet_trace):
     cache_rung = (a["reason"] == 1) | (a["reason"] == 6)
     assert (a["worker"][cache_rung] == b["worker"][cache_rung]).all()
     assert (a["worker"] != b["worker"]).any()  # the sampler did draw differently somewhere
+
+
+def test_totals_equal_with_and_without_kept_decisions(parquet_trace):
+    configs = mixed_configs()[:12]
+    totals = []
+    for keep, blocks in ((True, None), (False, None), (False, 29)):
+        t = engine.new_totals(len(configs), blocks=blocks)
+        for _ in engine.iter_chunks(parquet_trace, configs, seed=4, keep=keep, totals=t,
+                                    blocks=blocks):
+            pass
+        totals.append(t.merged())
+    for t in totals[1:]:
+        assert (t.acc == totals[0].acc).all()
+        assert (t.hist_wait == totals[0].hist_wait).all()
+        assert (t.hist_div == totals[0].hist_div).all()
+    assert totals[0].acc.sum() > 0

@@ -575,6 +575,24 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
     when no resolution ran).  ``scratch_i`` is an int64 matrix with at least 6
     rows of length >= max(n_workers, matches); ``cand`` has >= matches rows.
     """
+    n = 0
+    if query_blocks > 0 and m_worker.shape[0] > 0:
+        n = prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet.shape[0],
+                                  snap, est, min_tokens, min_ratio, cmin, cratio, cmax, seen, cand,
+                                  scratch_i[0])
+    return select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard,
+                              abs_tokens, abs_ms, rel, seed, req_index, audit, scratch_i)
+
+
+@njit
+def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
+                       abs_ms, rel, seed, req_index, audit, scratch_i):
+    """The ladder of ``select_prefill_nb`` after candidate preparation.
+
+    ``cand[:n]`` are the prepared candidates in seed order; ``n == 0`` means no
+    proposal (no signal, empty outcome, or no candidate survived).  The grid
+    pass prepares once per request and knob group and calls this per config.
+    """
     n_fleet = fleet.shape[0]
     failure = FAIL_EMPTY
     resolved = False
@@ -583,11 +601,8 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
     audit[A_SELECTED] = -1
     audit[A_REASON] = -2
     audit[A_SOURCE] = -1
-    if query_blocks > 0 and m_worker.shape[0] > 0:
-        n = prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
-                                  min_tokens, min_ratio, cmin, cratio, cmax, seen, cand,
-                                  scratch_i[0])
-        if n > 0:
+    if n > 0:
+        if True:
             resolved = True
             w = resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
                                  abs_tokens, abs_ms, rel, audit, scratch_i[1], scratch_i[2],

@@ -31,56 +31,82 @@ from .decide import (
     A_SOURCE,
     C_NCOLS,
     locality_nb,
-    select_prefill_nb,
+    prepare_candidates_nb,
+    select_prepared_nb,
 )
-from .snapshot import S_BASIC, S_NATIVE, S_NCOLS, S_WAITING, S_WU, advance_nb, capture_all_nb
+from .accumulate import accumulate_request_nb
+from .snapshot import (
+    S_BASIC,
+    S_NATIVE,
+    S_NCOLS,
+    S_WAITING,
+    S_WU,
+    advance_dirty_nb,
+    refresh_nb,
+)
 
-# Integer output columns of out_i[request, config, column]; the float column
-# (selected_queue_ms) lives in out_f[request, config].
-O_WORKER = 0
-O_REASON = 1
-O_POLICY_REASON = 2
-O_DECISION = 3
-O_FAILURE = 4
-O_MATCHED = 5
-O_SELECTED_BLOCKS = 6
-O_UNCACHED = 7
-O_GATE_REJECTED = 8
-O_EVALUATED = 9
-O_ADM_REJECTED = 10
-O_BEST_REJECTED = 11
-O_ALL_QUEUED = 12
-O_FELL_BACK = 13
-O_COMPARED = 14
-O_OVERRIDES = 15
-O_SOURCE = 16
-O_SEL_WAITING = 17
-O_SEL_WU = 18
-O_NCOLS = 19
+from .columns import (  # noqa: E402  (re-exported: results.py and engine.py read them here)
+    O_ADM_REJECTED,
+    O_ALL_QUEUED,
+    O_BEST_REJECTED,
+    O_COMPARED,
+    O_DECISION,
+    O_EVALUATED,
+    O_FAILURE,
+    O_FELL_BACK,
+    O_GATE_REJECTED,
+    O_MATCHED,
+    O_NCOLS,
+    O_OVERRIDES,
+    O_POLICY_REASON,
+    O_REASON,
+    O_SEL_WAITING,
+    O_SEL_WU,
+    O_SELECTED_BLOCKS,
+    O_SOURCE,
+    O_UNCACHED,
+    O_WORKER,
+)
 
 # policy reason of a DecisionReason code (labels.reason_to_policy_reason as a table)
 _POLICY_OF_REASON = np.array([2, 0, 3, 4, 5, 6, 1], dtype=np.int64)
 
 
 @njit
-def snapshot_chunk_nb(ptr, req_ts, freshness, load_ts, load_worker, load_rank, load_running,
-                      load_waiting, load_tokens, load_maxtot, load_tail, load_wu, load_total,
-                      load_maxrun, load_ptok, load_pbusy, load_inflight, dp_size, table, inflight,
-                      snap, est):
-    """Sweep load samples up to each request of the chunk and capture its snapshot."""
-    for i in range(req_ts.shape[0]):
-        ptr = advance_nb(ptr, req_ts[i], load_ts, load_worker, load_rank, load_running,
-                         load_waiting, load_tokens, load_maxtot, load_tail, load_wu, load_total,
-                         load_maxrun, load_ptok, load_pbusy, load_inflight, dp_size, table,
-                         inflight)
-        capture_all_nb(table, inflight, dp_size, req_ts[i], freshness, snap[i], est[i])
+def split_states_nb(ptr, block_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
+                    load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
+                    load_ptok, load_pbusy, load_inflight, dp_size, table, inflight, tables,
+                    inflights, ptrs):
+    """Per-block starting states for a chunk (a sequential pre-pass over the loads only).
+
+    Block ``b`` starts from every sample with ``ts <= block_ts[b]`` (its first
+    request's time); ``table``/``inflight``/``ptr`` enter at the chunk's start
+    and are left at the last block's start.
+    """
+    dirty = np.zeros(inflight.shape[0], dtype=np.bool_)
+    for b in range(block_ts.shape[0]):
+        ptr = advance_dirty_nb(ptr, block_ts[b], load_ts, load_worker, load_rank, load_running,
+                               load_waiting, load_tokens, load_maxtot, load_tail, load_wu,
+                               load_total, load_maxrun, load_ptok, load_pbusy, load_inflight,
+                               dp_size, table, inflight, dirty)
+        tables[b] = table
+        inflights[b] = inflight
+        ptrs[b] = ptr
     return ptr
 
 
 @njit
-def _decide_request(i, req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
+def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed,
-                    out_i, out_f, memo, lclass, fclass, audit, scratch_i, cand, seen):
+                    res_i, res_f, src_of, memo, lclass, fclass, audit, scratch_i, cands, group_n,
+                    seen):
+    """Decide one request under every config.
+
+    Each distinct outcome is computed once, into the column ``res_i[:, c]`` /
+    ``res_f[c]`` of the first config ``c`` that reaches it; ``src_of[c]`` names
+    the column holding config ``c``'s decision.  Candidates are prepared once
+    per knob group (``cands[g]``, ``group_n[g]``).
+    """
     n_fleet = fleet.shape[0]
     n_cfg = cfg_i.shape[0]
     # limit classes: number of fresh fleet workers reading below the limit
@@ -109,25 +135,33 @@ def _decide_request(i, req_index, L, qb, best_prefix, m_worker, m_blocks, in_fle
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
         matched = min(best_prefix, qb)
+    for g in range(group_n.shape[0]):
+        group_n[g] = -1  # not prepared yet for this request
     width = n_fleet + 2
     used = 0
     for c in range(n_cfg):
         key = (cfg_group[c] * width + lclass[cfg_li[c]]) * 3 + fclass[cfg_fi[c]]
         src = memo[key]
         if src >= 0:
-            for col in range(O_NCOLS):
-                out_i[i, c, col] = out_i[i, src, col]
-            out_f[i, c] = out_f[i, src]
+            src_of[c] = src
             continue
         memo[key] = c
+        src_of[c] = c
         scratch_i[6, used] = key
         used += 1
-        w, reason, decision, failure = select_prefill_nb(
-            L, qb, m_worker, m_blocks, in_fleet, fleet, snap, est,
+        g = cfg_group[c]
+        cand = cands[g]
+        if group_n[g] < 0:
+            group_n[g] = 0
+            if has_signal and m_worker.shape[0] > 0:
+                group_n[g] = prepare_candidates_nb(
+                    L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est, cfg_i[c, 6],
+                    cfg_f[c, 2], cfg_i[c, 7], cfg_f[c, 3], cfg_i[c, 8], seen, cand, scratch_i[0])
+        w, reason, decision, failure = select_prepared_nb(
+            group_n[g], cand, L, fleet, snap, est,
             cfg_i[c, 0], cfg_i[c, 1], cfg_i[c, 2], cfg_i[c, 3], cfg_i[c, 4] == 1, cfg_i[c, 5],
-            cfg_f[c, 0], cfg_f[c, 1], cfg_i[c, 6], cfg_f[c, 2], cfg_i[c, 7], cfg_f[c, 3],
-            cfg_i[c, 8], seed, req_index, audit, scratch_i, cand, seen)
-        row = out_i[i, c]
+            cfg_f[c, 0], cfg_f[c, 1], seed, req_index, audit, scratch_i)
+        row = res_i[:, c]
         row[O_WORKER] = w
         row[O_REASON] = reason
         row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
@@ -150,52 +184,83 @@ def _decide_request(i, req_index, L, qb, best_prefix, m_worker, m_blocks, in_fle
             row[O_UNCACHED] = uncached
             row[O_SEL_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
             row[O_SEL_WU] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
-            out_f[i, c] = est[w]
+            res_f[c] = est[w]
         else:
             row[O_SELECTED_BLOCKS] = 0
             row[O_UNCACHED] = -1
             row[O_SEL_WAITING] = -1
             row[O_SEL_WU] = -1
-            out_f[i, c] = np.nan
+            res_f[c] = np.nan
     for u in range(used):
         memo[scratch_i[6, u]] = -1
 
 
 @njit_parallel
-def decide_chunk_nb(req_index, req_L, req_qb, req_best, req_model, m_off, m_worker, m_blocks,
-                    in_fleet, fleet_off, fleet_w, snap, est, cfg_i, cfg_f, cfg_group, cfg_li,
-                    cfg_fi, lim_vals, fl_vals, n_groups, seed, max_matches, out_i, out_f, n_blocks):
-    """Decide every request of the chunk under every config (parallel over request blocks).
+def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, req_qb, req_best,
+                 req_model, req_selected, m_off, m_worker, m_blocks, in_fleet, fleet_off, fleet_w,
+                 load_ts, load_worker, load_rank, load_running, load_waiting, load_tokens,
+                 load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok, load_pbusy,
+                 load_inflight, dp_size, freshness, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi,
+                 lim_vals, fl_vals, n_groups, seed, max_matches, keep, out_i, out_f,
+                 acc, hist_wait, hist_div):
+    """Replay a chunk of requests under every config, one block of requests per thread.
 
-    ``req_index[i]`` is row ``i``'s request index for the generator (its position
-    in the whole time-sorted trace); results depend on nothing but (trace,
-    config, seed), never on threads or chunking.
+    Block ``b`` covers requests ``block_lo[b]..block_lo[b+1]`` and starts from
+    ``tables[b]``/``inflights[b]``/``ptrs[b]`` (``split_states_nb``); it sweeps
+    its own loads, keeps its own snapshot current (``refresh_nb``), decides
+    every config and books the results into its own accumulators
+    ``acc[b]``... (merged exactly afterwards).  With ``keep``, every decision
+    is also written to ``out_i[i, c, O_*]`` / ``out_f[i, c]``.  Results depend
+    on nothing but (trace, config, seed), never on threads or chunking.
     """
-    n = req_L.shape[0]
-    n_workers = snap.shape[1]
+    n_blocks = block_lo.shape[0] - 1
+    n_workers = tables.shape[1]
     max_fleet = 0
     for m in range(fleet_off.shape[0] - 1):
         max_fleet = max(max_fleet, fleet_off[m + 1] - fleet_off[m])
-    width = max(n_workers, max_matches, 1) + 1
     memo_size = n_groups * (max_fleet + 2) * 3
     n_cfg = cfg_i.shape[0]
-    step = (n + n_blocks - 1) // n_blocks
-    for blk in numba.prange(n_blocks):
-        lo = blk * step
-        hi = min(n, lo + step)
+    width = max(n_workers, max_matches, n_cfg, 1) + 1
+    for b in numba.prange(n_blocks):
+        table = tables[b]
+        inflight = inflights[b]
+        ptr = ptrs[b]
+        snap = np.zeros((n_workers, S_NCOLS), dtype=np.int64)
+        est = np.full(n_workers, np.nan)
+        oldest = np.zeros(n_workers, dtype=np.int64)
+        dirty = np.ones(n_workers, dtype=np.bool_)
         memo = np.full(memo_size, -1, dtype=np.int64)
         lclass = np.zeros(lim_vals.shape[0], dtype=np.int64)
         fclass = np.zeros(fl_vals.shape[0], dtype=np.int64)
         audit = np.zeros(A_NCOLS, dtype=np.int64)
-        scratch_i = np.zeros((7, max(width, n_cfg)), dtype=np.int64)
-        cand = np.zeros((max(max_matches, 1), C_NCOLS), dtype=np.int64)
+        scratch_i = np.zeros((7, width), dtype=np.int64)
         seen = np.zeros(n_workers, dtype=np.bool_)
-        for i in range(lo, hi):
+        res_i = np.zeros((O_NCOLS, n_cfg), dtype=np.int64)
+        src_of = np.zeros(n_cfg, dtype=np.int64)
+        cands = np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64)
+        group_n = np.zeros(n_groups, dtype=np.int64)
+        res_f = np.zeros(n_cfg, dtype=np.float64)
+        for i in range(block_lo[b], block_lo[b + 1]):
+            now = req_ts[i]
+            ptr = advance_dirty_nb(ptr, now, load_ts, load_worker, load_rank, load_running,
+                                   load_waiting, load_tokens, load_maxtot, load_tail, load_wu,
+                                   load_total, load_maxrun, load_ptok, load_pbusy, load_inflight,
+                                   dp_size, table, inflight, dirty)
+            refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
             mdl = req_model[i]
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
-            a = m_off[i]
-            b = m_off[i + 1]
-            _decide_request(i, req_index[i], req_L[i], req_qb[i], req_best[i],
-                            m_worker[a:b], m_blocks[a:b], in_fleet[mdl], fleet, snap[i], est[i],
-                            cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed,
-                            out_i, out_f, memo, lclass, fclass, audit, scratch_i, cand, seen)
+            lo = m_off[i]
+            hi = m_off[i + 1]
+            _decide_request(req_index[i], req_L[i], req_qb[i], req_best[i], m_worker[lo:hi],
+                            m_blocks[lo:hi], in_fleet[mdl], fleet, snap, est, cfg_i, cfg_f,
+                            cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed, res_i, res_f,
+                            src_of, memo, lclass, fclass, audit, scratch_i, cands, group_n, seen)
+            sel = req_selected[i] if req_selected.shape[0] > 0 else -1
+            accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, req_qb[i], sel)
+            if keep:
+                for c in range(n_cfg):
+                    src = src_of[c]
+                    for col in range(O_NCOLS):
+                        out_i[i, c, col] = res_i[col, src]
+                    out_f[i, c] = res_f[src]
+        ptrs[b] = ptr

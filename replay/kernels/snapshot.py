@@ -57,7 +57,18 @@ def new_rank_table(n_workers: int, n_ranks: int) -> tuple[np.ndarray, np.ndarray
 def advance_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
                load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
                load_ptok, load_pbusy, load_inflight, dp_size, table, inflight):
-    """Apply every load sample with ``ts <= upto_ts`` from ``ptr`` on; return the new pointer.
+    """Apply every load sample with ``ts <= upto_ts`` from ``ptr`` on; return the new pointer."""
+    return advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running,
+                            load_waiting, load_tokens, load_maxtot, load_tail, load_wu, load_total,
+                            load_maxrun, load_ptok, load_pbusy, load_inflight, dp_size, table,
+                            inflight, np.zeros(inflight.shape[0], dtype=np.bool_))
+
+
+@njit
+def advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
+                     load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
+                     load_ptok, load_pbusy, load_inflight, dp_size, table, inflight, dirty):
+    """``advance_nb`` that also marks every worker a sample touched in ``dirty``.
 
     Last value wins per (worker, rank); the previous sample's native tail is
     kept for throughput deltas whatever its age (section 1.2).  Samples of a
@@ -68,6 +79,7 @@ def advance_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load
     while ptr < n and load_ts[ptr] <= upto_ts:
         w = load_worker[ptr]
         r = load_rank[ptr]
+        dirty[w] = True
         if load_inflight[ptr] >= 0:
             inflight[w] = load_inflight[ptr]
         dp = dp_size[w]
@@ -107,6 +119,7 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
     Basic: every required rank observed and fresh (inclusive window); sums.
     Native: additionally every rank has the tail, max_total_num_tokens != 0 and
     max_running_requests != 0.  Estimate: every rank has a valid rate.
+    Returns the oldest rank timestamp (``captured_at``) when basic is present.
     """
     for j in range(S_NCOLS):
         out[j] = 0
@@ -118,6 +131,7 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
     native = True
     rates_ok = True
     rate_sum = 0.0
+    oldest = now
     waiting = 0
     running = 0
     wu = 0
@@ -128,10 +142,12 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
         row = table[w, r]
         if row[R_HAS] == 0:
             if dp > 0:
-                return
+                return oldest
             continue
         if now - row[R_AT] > freshness:
-            return
+            return oldest
+        if row[R_AT] < oldest:
+            oldest = row[R_AT]
         count += 1
         waiting += row[R_WAITING]
         running += row[R_RUNNING]
@@ -153,7 +169,7 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
         else:
             native = False
     if count == 0:
-        return
+        return oldest
     out[S_BASIC] = 1
     out[S_WAITING] = waiting
     if native:
@@ -165,6 +181,7 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
         out[S_MAXRUN] = maxrun
         if rates_ok:
             out_est[0] = 1000.0 * wu / rate_sum
+    return oldest
 
 
 @njit
@@ -174,3 +191,24 @@ def capture_all_nb(table, inflight, dp_size, now, freshness, snap, est):
     for w in range(snap.shape[0]):
         capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], tmp)
         est[w] = tmp[0]
+
+
+@njit
+def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty):
+    """Bring a running snapshot to time ``now``: recapture the workers a sample
+    touched since the last call, and drop the ones whose oldest rank has aged
+    out of the window (time only moves forward, so a dropped worker comes back
+    only through a new sample, which marks it dirty).  Equal to
+    ``capture_all_nb(now)`` whenever every worker was dirty or captured before.
+    """
+    tmp = np.empty(1, dtype=np.float64)
+    for w in range(snap.shape[0]):
+        if dirty[w]:
+            dirty[w] = False
+            oldest[w] = capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], tmp)
+            est[w] = tmp[0]
+        elif snap[w, S_BASIC] == 1 and now - oldest[w] > freshness:
+            for j in range(S_NCOLS):
+                snap[w, j] = 0
+            snap[w, S_INFLIGHT] = inflight[w]
+            est[w] = np.nan

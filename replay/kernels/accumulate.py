@@ -1,0 +1,170 @@
+"""Per-config accumulators, filled inside the grid pass (every metric mergeable).
+
+``acc[block, ACC_*, c]`` int64 counts and sums (the chosen worker's estimated queue
+time is summed in whole microseconds, so sums stay exact and order-free),
+``hist_wait[block, v, c]`` an exact histogram
+of the chosen worker's waiting count (last bucket: that value or more),
+``hist_div[block, bucket, c]`` the router's diverted-overlap buckets.  ``results.py``
+names and divides them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import labels
+from ._jit import njit
+from .columns import (
+    O_ADM_REJECTED,
+    O_ALL_QUEUED,
+    O_BEST_REJECTED,
+    O_COMPARED,
+    O_DECISION,
+    O_EVALUATED,
+    O_FAILURE,
+    O_FELL_BACK,
+    O_GATE_REJECTED,
+    O_MATCHED,
+    O_OVERRIDES,
+    O_POLICY_REASON,
+    O_REASON,
+    O_SEL_WAITING,
+    O_SEL_WU,
+    O_SELECTED_BLOCKS,
+    O_UNCACHED,
+    O_WORKER,
+)
+
+ACC_NAMES = (
+    "requests", "routed", "failed",
+    *(f"decision_{d}" for d in labels.DECISIONS),
+    *(f"policy_{p}" for p in labels.POLICY_REASONS),
+    *(f"failure_{f}" for f in labels.FAILURES),
+    "query_blocks", "matched_blocks", "selected_blocks",
+    "owner_hits", "owner_chances", "diverted", "pinned", "fell_back", "fleet_all_queued",
+    "waiting_known", "waiting_sum", "waiting_uncached_known", "waiting_uncached_sum",
+    "queue_ms_known", "queue_us_sum", "cold_prefill_tokens", "agree", "agree_known",
+    "guard_compared", "guard_overrides", "admission_evaluated", "admission_rejected",
+    "gate_rejected",
+)
+ACC = {name: i for i, name in enumerate(ACC_NAMES)}
+N_ACC = len(ACC_NAMES)
+WAIT_HIST = 1 << 12
+N_DIV = len(labels.DIVERTED_BUCKETS) + 1
+
+_REQUESTS = ACC["requests"]
+_ROUTED = ACC["routed"]
+_FAILED = ACC["failed"]
+_DEC0 = ACC["decision_cache_hit"]
+_POL0 = ACC["policy_cache_candidate"]
+_FAIL0 = ACC["failure_prefill_admission_exhausted"]
+_QUERY = ACC["query_blocks"]
+_MATCHED = ACC["matched_blocks"]
+_SELECTED = ACC["selected_blocks"]
+_OWNER_HITS = ACC["owner_hits"]
+_OWNER_CHANCES = ACC["owner_chances"]
+_DIVERTED = ACC["diverted"]
+_PINNED = ACC["pinned"]
+_FELL_BACK = ACC["fell_back"]
+_ALL_QUEUED = ACC["fleet_all_queued"]
+_WAIT_KNOWN = ACC["waiting_known"]
+_WAIT_SUM = ACC["waiting_sum"]
+_WU_KNOWN = ACC["waiting_uncached_known"]
+_WU_SUM = ACC["waiting_uncached_sum"]
+_MS_KNOWN = ACC["queue_ms_known"]
+_US_SUM = ACC["queue_us_sum"]
+_COLD = ACC["cold_prefill_tokens"]
+_AGREE = ACC["agree"]
+_AGREE_KNOWN = ACC["agree_known"]
+_COMPARED = ACC["guard_compared"]
+_OVERRIDES = ACC["guard_overrides"]
+_EVAL = ACC["admission_evaluated"]
+_ADM_REJ = ACC["admission_rejected"]
+_GATE_REJ = ACC["gate_rejected"]
+_PIN = labels.SATURATION_PIN
+_WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
+_N_BOUNDS = len(labels.DIVERTED_BUCKETS)
+
+
+@njit
+def diverted_bucket_nb(v):
+    """Index of the first bound 1, 2, 4, ..., 8192 with ``v <= bound``; the last index is +Inf."""
+    b = 0
+    bound = 1
+    while b < _N_BOUNDS and v > bound:
+        b += 1
+        bound *= 2
+    return b
+
+
+@njit
+def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, query_blocks,
+                          selected_worker):
+    """Book one request's decisions under every config into block ``b``'s accumulators.
+
+    Config ``c``'s decision is column ``src_of[c]`` of ``res_i[O_*, :]`` /
+    ``res_f`` (kernels/columns.py); ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]`` and
+    ``hist_div[b, bucket, c]`` keep configs innermost, so each field is one
+    contiguous pass over the configs.
+    """
+    n_cfg = res_i.shape[1]
+    top = hist_wait.shape[1] - 1
+    q = query_blocks if query_blocks > 0 else 0
+    for c in range(n_cfg):
+        k = src_of[c]
+        acc[b, _REQUESTS, c] += 1
+        w = res_i[O_WORKER, k]
+        if w < 0:
+            acc[b, _FAILED, c] += 1
+            f = res_i[O_FAILURE, k]
+            if f >= 0:
+                acc[b, _FAIL0 + f, c] += 1
+            continue
+        acc[b, _ROUTED, c] += 1
+        dec = res_i[O_DECISION, k]
+        acc[b, _DEC0 + dec, c] += 1
+        acc[b, _POL0 + res_i[O_POLICY_REASON, k], c] += 1
+        acc[b, _QUERY, c] += q
+        matched = res_i[O_MATCHED, k]
+        sel = res_i[O_SELECTED_BLOCKS, k]
+        acc[b, _MATCHED, c] += matched
+        acc[b, _SELECTED, c] += sel
+        if matched > 0:
+            acc[b, _OWNER_CHANCES, c] += 1
+            if sel > 0:
+                acc[b, _OWNER_HITS, c] += 1
+        fell = res_i[O_FELL_BACK, k]
+        gate = res_i[O_GATE_REJECTED, k]
+        if res_i[O_REASON, k] == _PIN:
+            acc[b, _PINNED, c] += 1
+        elif gate > 0 and fell == 0:
+            acc[b, _DIVERTED, c] += 1
+        acc[b, _FELL_BACK, c] += fell
+        acc[b, _ALL_QUEUED, c] += res_i[O_ALL_QUEUED, k]
+        sw = res_i[O_SEL_WAITING, k]
+        if sw >= 0:
+            acc[b, _WAIT_KNOWN, c] += 1
+            acc[b, _WAIT_SUM, c] += sw
+            hist_wait[b, sw if sw < top else top, c] += 1
+        wu = res_i[O_SEL_WU, k]
+        if wu >= 0:
+            acc[b, _WU_KNOWN, c] += 1
+            acc[b, _WU_SUM, c] += wu
+        ms = res_f[k]
+        if not math.isnan(ms):
+            acc[b, _MS_KNOWN, c] += 1
+            acc[b, _US_SUM, c] += np.int64(np.round(ms * 1000.0))
+        acc[b, _COLD, c] += res_i[O_UNCACHED, k]
+        if selected_worker >= 0:
+            acc[b, _AGREE_KNOWN, c] += 1
+            if selected_worker == w:
+                acc[b, _AGREE, c] += 1
+        acc[b, _COMPARED, c] += res_i[O_COMPARED, k]
+        acc[b, _OVERRIDES, c] += res_i[O_OVERRIDES, k]
+        acc[b, _EVAL, c] += res_i[O_EVALUATED, k]
+        acc[b, _ADM_REJ, c] += res_i[O_ADM_REJECTED, k]
+        acc[b, _GATE_REJ, c] += gate
+        if dec == _WORKER_QUEUED:
+            hist_div[b, diverted_bucket_nb(res_i[O_BEST_REJECTED, k]), c] += 1
