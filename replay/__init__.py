@@ -1,3 +1,25 @@
-"""router-replay: offline trace replay of SGLang's cache-aware prefill routing."""
+"""router-replay: offline trace replay of SGLang's cache-aware prefill routing.
+
+The library API (the CLI is a thin layer over it):
+
+* :func:`load_trace` / :func:`validate_trace` - read and check a trace directory.
+* :class:`RouterConfig`, :class:`Grid` - one router configuration, a grid of them.
+* :func:`run_sweep` - replay a trace under every config of a grid; returns a
+  :class:`SweepResult` (summary table, and the run directory when written).
+* :func:`decide_all` - every decision as ``(requests x configs)`` arrays.
+* :func:`generate_trace` - a seeded synthetic trace directory.
+"""
 
 __version__ = "0.1.0"
+
+from .config import Grid, RouterConfig  # noqa: E402
+from .engine import decide_all, iter_chunks  # noqa: E402
+from .errors import ConfigError, ReplayError  # noqa: E402
+from .generate import generate_trace  # noqa: E402
+from .sweep import SweepResult, run_sweep  # noqa: E402
+from .trace import Trace, TraceError, load_trace, validate_trace  # noqa: E402
+
+__all__ = [
+    "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
+    "decide_all", "generate_trace", "iter_chunks", "load_trace", "run_sweep", "validate_trace",
+]

@@ -116,6 +116,10 @@ def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, que
         k = src_of[c]
         acc[b, _REQUESTS, c] += 1
         w = res_i[O_WORKER, k]
+        if selected_worker >= 0:  # agreement: a replayed 503 counts as a disagreement
+            acc[b, _AGREE_KNOWN, c] += 1
+            if selected_worker == w:
+                acc[b, _AGREE, c] += 1
         if w < 0:
             acc[b, _FAILED, c] += 1
             f = res_i[O_FAILURE, k]
@@ -157,10 +161,6 @@ def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, que
             acc[b, _MS_KNOWN, c] += 1
             acc[b, _US_SUM, c] += np.int64(np.round(ms * 1000.0))
         acc[b, _COLD, c] += res_i[O_UNCACHED, k]
-        if selected_worker >= 0:
-            acc[b, _AGREE_KNOWN, c] += 1
-            if selected_worker == w:
-                acc[b, _AGREE, c] += 1
         acc[b, _COMPARED, c] += res_i[O_COMPARED, k]
         acc[b, _OVERRIDES, c] += res_i[O_OVERRIDES, k]
         acc[b, _EVAL, c] += res_i[O_EVALUATED, k]
