@@ -109,12 +109,15 @@ class Totals:
         self.acc = np.zeros((n_blocks, kacc.N_ACC, n_configs), dtype=np.int64)
         self.hist_wait = np.zeros((n_blocks, kacc.WAIT_HIST, n_configs), dtype=np.int64)
         self.hist_div = np.zeros((n_blocks, kacc.N_DIV, n_configs), dtype=np.int64)
+        # work done: distinct outcomes computed, domain-rung evaluations
+        self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
 
     def add(self, other: "Totals") -> None:
         """Fold another run's totals (same configs) into this one, block by block summed."""
         self.acc[0] += other.acc.sum(axis=0)
         self.hist_wait[0] += other.hist_wait.sum(axis=0)
         self.hist_div[0] += other.hist_div.sum(axis=0)
+        self.stats[0] += other.stats.sum(axis=0)
 
     def merged(self) -> "Totals":
         """A one-block Totals holding the exact (integer) sum over blocks."""
@@ -122,6 +125,7 @@ class Totals:
         out.acc[0] = self.acc.sum(axis=0)
         out.hist_wait[0] = self.hist_wait.sum(axis=0)
         out.hist_div[0] = self.hist_div.sum(axis=0)
+        out.stats[0] = self.stats.sum(axis=0)
         return out
 
 
@@ -238,7 +242,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
             m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w,
             *loads, dp, int(freshness_ns), enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi,
             enc.lim_vals, enc.fl_vals, enc.n_groups, int(seed), max_matches, keep, out_i, out_f,
-            totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb])
+            totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb], totals.stats[:nb])
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
         inflight[...] = inflights[nb - 1]

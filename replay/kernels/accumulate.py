@@ -33,6 +33,7 @@ from .columns import (
     O_SEL_WAITING,
     O_SEL_WU,
     O_SELECTED_BLOCKS,
+    O_SOURCE,
     O_UNCACHED,
     O_WORKER,
 )
@@ -112,59 +113,70 @@ def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, que
     n_cfg = res_i.shape[1]
     top = hist_wait.shape[1] - 1
     q = query_blocks if query_blocks > 0 else 0
+    a = acc[b]
+    hw = hist_wait[b]
     for c in range(n_cfg):
         k = src_of[c]
-        acc[b, _REQUESTS, c] += 1
         w = res_i[O_WORKER, k]
-        if selected_worker >= 0:  # agreement: a replayed 503 counts as a disagreement
-            acc[b, _AGREE_KNOWN, c] += 1
-            if selected_worker == w:
-                acc[b, _AGREE, c] += 1
+        # "requests" and "agree_known" are per-request constants: booked per block
+        # by book_block_constants_nb
+        if selected_worker >= 0 and selected_worker == w:
+            a[_AGREE, c] += 1  # a replayed 503 counts as a disagreement
         if w < 0:
-            acc[b, _FAILED, c] += 1
+            a[_FAILED, c] += 1
             f = res_i[O_FAILURE, k]
             if f >= 0:
-                acc[b, _FAIL0 + f, c] += 1
+                a[_FAIL0 + f, c] += 1
             continue
-        acc[b, _ROUTED, c] += 1
+        a[_ROUTED, c] += 1
         dec = res_i[O_DECISION, k]
-        acc[b, _DEC0 + dec, c] += 1
-        acc[b, _POL0 + res_i[O_POLICY_REASON, k], c] += 1
-        acc[b, _QUERY, c] += q
+        a[_DEC0 + dec, c] += 1
+        a[_POL0 + res_i[O_POLICY_REASON, k], c] += 1
+        a[_QUERY, c] += q
         matched = res_i[O_MATCHED, k]
-        sel = res_i[O_SELECTED_BLOCKS, k]
-        acc[b, _MATCHED, c] += matched
-        acc[b, _SELECTED, c] += sel
         if matched > 0:
-            acc[b, _OWNER_CHANCES, c] += 1
+            sel = res_i[O_SELECTED_BLOCKS, k]
+            a[_MATCHED, c] += matched
+            a[_SELECTED, c] += sel
+            a[_OWNER_CHANCES, c] += 1
             if sel > 0:
-                acc[b, _OWNER_HITS, c] += 1
-        fell = res_i[O_FELL_BACK, k]
-        gate = res_i[O_GATE_REJECTED, k]
-        if res_i[O_REASON, k] == _PIN:
-            acc[b, _PINNED, c] += 1
-        elif gate > 0 and fell == 0:
-            acc[b, _DIVERTED, c] += 1
-        acc[b, _FELL_BACK, c] += fell
-        acc[b, _ALL_QUEUED, c] += res_i[O_ALL_QUEUED, k]
+                a[_OWNER_HITS, c] += 1
+        a[_COLD, c] += res_i[O_UNCACHED, k]
         sw = res_i[O_SEL_WAITING, k]
         if sw >= 0:
-            acc[b, _WAIT_KNOWN, c] += 1
-            acc[b, _WAIT_SUM, c] += sw
-            hist_wait[b, sw if sw < top else top, c] += 1
+            a[_WAIT_KNOWN, c] += 1
+            a[_WAIT_SUM, c] += sw
+            hw[sw if sw < top else top, c] += 1
         wu = res_i[O_SEL_WU, k]
         if wu >= 0:
-            acc[b, _WU_KNOWN, c] += 1
-            acc[b, _WU_SUM, c] += wu
-        ms = res_f[k]
-        if not math.isnan(ms):
-            acc[b, _MS_KNOWN, c] += 1
-            acc[b, _US_SUM, c] += np.int64(np.round(ms * 1000.0))
-        acc[b, _COLD, c] += res_i[O_UNCACHED, k]
-        acc[b, _COMPARED, c] += res_i[O_COMPARED, k]
-        acc[b, _OVERRIDES, c] += res_i[O_OVERRIDES, k]
-        acc[b, _EVAL, c] += res_i[O_EVALUATED, k]
-        acc[b, _ADM_REJ, c] += res_i[O_ADM_REJECTED, k]
-        acc[b, _GATE_REJ, c] += gate
+            a[_WU_KNOWN, c] += 1
+            a[_WU_SUM, c] += wu
+            ms = res_f[k]
+            if not math.isnan(ms):
+                a[_MS_KNOWN, c] += 1
+                a[_US_SUM, c] += np.int64(np.round(ms * 1000.0))
+        if res_i[O_SOURCE, k] < 0:
+            continue  # no cache resolution ran: every audit counter is 0
+        gate = res_i[O_GATE_REJECTED, k]
+        fell = res_i[O_FELL_BACK, k]
+        if res_i[O_REASON, k] == _PIN:
+            a[_PINNED, c] += 1
+        elif gate > 0 and fell == 0:
+            a[_DIVERTED, c] += 1
+        a[_FELL_BACK, c] += fell
+        a[_ALL_QUEUED, c] += res_i[O_ALL_QUEUED, k]
+        a[_COMPARED, c] += res_i[O_COMPARED, k]
+        a[_OVERRIDES, c] += res_i[O_OVERRIDES, k]
+        a[_EVAL, c] += res_i[O_EVALUATED, k]
+        a[_ADM_REJ, c] += res_i[O_ADM_REJECTED, k]
+        a[_GATE_REJ, c] += gate
         if dec == _WORKER_QUEUED:
             hist_div[b, diverted_bucket_nb(res_i[O_BEST_REJECTED, k]), c] += 1
+
+
+@njit
+def book_block_constants_nb(acc, b, n_requests, n_with_selected):
+    """Book the per-request constants of a block: every config saw every request."""
+    for c in range(acc.shape[2]):
+        acc[b, _REQUESTS, c] += n_requests
+        acc[b, _AGREE_KNOWN, c] += n_with_selected

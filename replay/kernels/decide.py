@@ -344,11 +344,24 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
     ``ev``, ``rj``, ``adm`` and ``tmp`` are int64 scratch vectors of length >= n
     (candidate row indices / worker ids).
     """
+    return resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
+                                 abs_ms, rel, audit, ev, rj, adm, tmp,
+                                 fleet_all_queued_nb(snap, fleet, limit),
+                                 floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
+
+
+@njit
+def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
+                          rel, audit, ev, rj, adm, tmp, all_queued, any_below):
+    """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
+    the snapshot and the limit / floor: ``fleet_is_all_queued`` (3.2) and
+    ``any_fresh_queue_below(floor)`` (3.6).  The grid pass computes them once per
+    request and value.
+    """
     for j in range(A_NCOLS):
         audit[j] = 0
     audit[A_SELECTED] = -1
     audit[A_REASON] = -1
-    all_queued = fleet_all_queued_nb(snap, fleet, limit)
     # 3.3 gate pass
     n_ev = 0
     n_rj = 0
@@ -388,7 +401,7 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
     audit[A_ADM_REJECTED] = n_ev - n_adm
     if n_adm == 0:
         # 3.6 saturation pin
-        if n_rj > 0 and floor >= 0 and not any_fresh_queue_below_nb(snap, fleet, floor):
+        if n_rj > 0 and floor >= 0 and not any_below:
             for k in range(n_rj):
                 tmp[k] = cand[rj[k], C_WORKER]
             pin_engine, _unused = set_coverage_nb(snap, est, tmp, n_rj)
@@ -472,7 +485,7 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
         idx[0] = np.int64(draw_nb(seed, req_index, draw) % np.uint64(m))
         draw += 1
         n_s = 1
-    else:
+    elif 3 * kk > idx.shape[0]:
         for i in range(m):
             idx[i] = i
         for i in range(kk):
@@ -481,6 +494,33 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
             t = idx[i]
             idx[i] = idx[j]
             idx[j] = t
+        n_s = kk
+    else:
+        # partial Fisher-Yates over [0..m-1], touching only the swapped positions:
+        # idx[0:kk] holds positions' current values as drawn, idx[kk:2kk] the
+        # swapped-away positions and idx[2kk:3kk] their values
+        n_sw = 0
+        for i in range(kk):
+            j = i + np.int64(draw_nb(seed, req_index, draw) % np.uint64(m - i))
+            draw += 1
+            vi = i
+            vj = j
+            for t in range(n_sw):  # current values at positions i and j
+                if idx[kk + t] == i:
+                    vi = idx[2 * kk + t]
+                if idx[kk + t] == j:
+                    vj = idx[2 * kk + t]
+            idx[i] = vj  # position i now holds vj (final: positions < i+1 never move again)
+            # position j now holds vi
+            found = False
+            for t in range(n_sw):
+                if idx[kk + t] == j:
+                    idx[2 * kk + t] = vi
+                    found = True
+            if not found:
+                idx[kk + n_sw] = j
+                idx[2 * kk + n_sw] = vi
+                n_sw += 1
         n_s = kk
     best = pool[idx[0]]
     runner = -1
@@ -585,55 +625,90 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
 
 
 @njit
-def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
-                       abs_ms, rel, seed, req_index, audit, scratch_i):
-    """The ladder of ``select_prefill_nb`` after candidate preparation.
+def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
+                  rel, audit, scratch_i):
+    """Section 8's cache rung (see ``cache_rung_with_nb``)."""
+    return cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens,
+                              abs_ms, rel, audit, scratch_i,
+                              fleet_all_queued_nb(snap, fleet, limit),
+                              floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
 
-    ``cand[:n]`` are the prepared candidates in seed order; ``n == 0`` means no
-    proposal (no signal, empty outcome, or no candidate survived).  The grid
-    pass prepares once per request and knob group and calls this per config.
+
+@njit
+def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
+                       rel, audit, scratch_i, all_queued, any_below):
+    """Section 8's cache rung: returns (worker, reason, label).
+
+    ``worker == -1``: the rung yielded nothing and ``label`` is the
+    cache-aware decision a domain-rung selection will book (section 5.3).
+    ``audit`` is reset (A_REASON = -2 when no resolution ran, n == 0).
     """
-    n_fleet = fleet.shape[0]
-    failure = FAIL_EMPTY
-    resolved = False
     for j in range(A_NCOLS):
         audit[j] = 0
     audit[A_SELECTED] = -1
     audit[A_REASON] = -2
     audit[A_SOURCE] = -1
-    if n > 0:
-        if True:
-            resolved = True
-            w = resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
-                                 abs_tokens, abs_ms, rel, audit, scratch_i[1], scratch_i[2],
-                                 scratch_i[3], scratch_i[4])
-            if w >= 0:
-                reason = audit[A_REASON]
-                if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:
-                    return w, reason, ALL_QUEUED, -1
-                return w, reason, CACHE_HIT, -1
-            failure = FAIL_CACHE
-    if resolved:
-        label = fallback_decision_nb(audit[A_GATE_REJECTED], audit[A_EVALUATED], audit[A_ALL_QUEUED] == 1)
-    else:
-        label = CACHE_MISS
-    if n_fleet == 0:
-        return -1, -1, -1, failure
+    if n == 0:
+        return -1, -1, CACHE_MISS
+    w = resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
+                              abs_ms, rel, audit, scratch_i[1], scratch_i[2], scratch_i[3],
+                              scratch_i[4], all_queued, any_below)
+    if w >= 0:
+        reason = audit[A_REASON]
+        if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:
+            return w, reason, ALL_QUEUED
+        return w, reason, CACHE_HIT
+    return -1, -1, fallback_decision_nb(audit[A_GATE_REJECTED], audit[A_EVALUATED],
+                                        audit[A_ALL_QUEUED] == 1)
+
+
+@njit
+def domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i):
+    """Section 4's domain rungs over the one global domain: (worker, reason).
+
+    Pass 1 draws a pair for the strict resolution; pass 2 draws a fresh pair,
+    tries it strictly, then the capacity fallback draws once more.  The draws
+    depend on (seed, request, draw index) only, so the result is a function of
+    the snapshot, the limit and k.  A non-empty fleet always yields a worker.
+    """
+    if fleet.shape[0] == 0:
+        return -1, -1
     pool = scratch_i[0]
     idx = scratch_i[5]
     draw = 0
-    # pass 1: strict
     p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
     if w >= 0:
-        return w, reason, label, -1
-    failure = FAIL_PREFILL
-    # pass 2: strict with a fresh pair, then the capacity fallback
+        return w, reason
     p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
     if w >= 0:
-        return w, reason, label, -1
+        return w, reason
     w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    return w, CAPACITY_FALLBACK
+
+
+@njit
+def failure_of_nb(resolved, n_fleet):
+    """The failure reason of a selection that found no worker (section 4, step 3)."""
+    if n_fleet > 0:
+        return FAIL_PREFILL  # unreachable: a non-empty fleet always routes
+    return FAIL_CACHE if resolved else FAIL_EMPTY
+
+
+@njit
+def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
+                       abs_ms, rel, seed, req_index, audit, scratch_i):
+    """The ladder of ``select_prefill_nb`` after candidate preparation.
+
+    ``cand[:n]`` are the prepared candidates in seed order; ``n == 0`` means no
+    proposal (no signal, empty outcome, or no candidate survived).
+    """
+    w, reason, label = cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard,
+                                     abs_tokens, abs_ms, rel, audit, scratch_i)
     if w >= 0:
-        return w, CAPACITY_FALLBACK, label, -1
-    return -1, -1, -1, failure
+        return w, reason, label, -1
+    w, reason = domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i)
+    if w >= 0:
+        return w, reason, label, -1
+    return -1, -1, -1, failure_of_nb(n > 0, fleet.shape[0])

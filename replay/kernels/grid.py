@@ -31,10 +31,13 @@ from .decide import (
     A_SOURCE,
     C_NCOLS,
     locality_nb,
+    C_WORKER,
+    cache_rung_with_nb,
+    domain_rungs_nb,
+    failure_of_nb,
     prepare_candidates_nb,
-    select_prepared_nb,
 )
-from .accumulate import accumulate_request_nb
+from .accumulate import accumulate_request_nb, book_block_constants_nb
 from .snapshot import (
     S_BASIC,
     S_NATIVE,
@@ -98,49 +101,80 @@ def split_states_nb(ptr, block_ts, load_ts, load_worker, load_rank, load_running
 @njit
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed,
-                    res_i, res_f, src_of, memo, lclass, fclass, audit, scratch_i, cands, group_n,
-                    seen):
+                    res_i, res_f, src_of, memo, lclass, fclass, fleet_wait, audit, scratch_i, cands,
+                    group_n, group_rep, gated_any, ladder_w, ladder_r, seen):
     """Decide one request under every config.
 
     Each distinct outcome is computed once, into the column ``res_i[:, c]`` /
     ``res_f[c]`` of the first config ``c`` that reaches it; ``src_of[c]`` names
     the column holding config ``c``'s decision.  Candidates are prepared once
-    per knob group (``cands[g]``, ``group_n[g]``).
+    per knob group (``cands[g]``, ``group_n[g]``; ``group_rep[g]`` is a config
+    of the group).
     """
     n_fleet = fleet.shape[0]
     n_cfg = cfg_i.shape[0]
-    # limit classes: number of fresh fleet workers reading below the limit
+    # limit classes: number of fresh fleet workers reading below the limit;
+    # floor classes: unset, nobody fresh below it, somebody fresh below it
+    big = np.int64(1) << 62
+    n_absent = 0
+    for j in range(n_fleet):
+        w = fleet[j]
+        if snap[w, S_BASIC] == 1:
+            fleet_wait[j] = snap[w, S_WAITING]
+        else:
+            fleet_wait[j] = big
+            n_absent += 1
     for j in range(lim_vals.shape[0]):
         lim = lim_vals[j]
         if lim < 0:
             lclass[j] = 0
         else:
             cnt = 0
-            for w in fleet:
-                if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] < lim:
-                    cnt += 1
+            for x in range(n_fleet):
+                cnt += fleet_wait[x] < lim
             lclass[j] = cnt + 1
     for j in range(fl_vals.shape[0]):
         fl = fl_vals[j]
         if fl < 0:
             fclass[j] = 0
         else:
-            below = False
-            for w in fleet:
-                if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] < fl:
-                    below = True
-                    break
-            fclass[j] = 2 if below else 1
+            cnt = 0
+            for x in range(n_fleet):
+                cnt += fleet_wait[x] < fl
+            fclass[j] = 2 if cnt > 0 else 1
     has_signal = qb > 0
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
         matched = min(best_prefix, qb)
+    # candidates once per knob group; whether a limit gates any of them (when
+    # none is gated, neither the fell-back tier nor the pin can fire, so the
+    # floor cannot change the outcome)
     for g in range(group_n.shape[0]):
-        group_n[g] = -1  # not prepared yet for this request
+        c0 = group_rep[g]
+        n = 0
+        if has_signal and m_worker.shape[0] > 0:
+            n = prepare_candidates_nb(L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
+                                      cfg_i[c0, 6], cfg_f[c0, 2], cfg_i[c0, 7], cfg_f[c0, 3],
+                                      cfg_i[c0, 8], seen, cands[g], scratch_i[0])
+        group_n[g] = n
+        for j in range(lim_vals.shape[0]):
+            lim = lim_vals[j]
+            gated = False
+            if lim >= 0:
+                for t in range(n):
+                    w = cands[g, t, C_WORKER]
+                    if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] >= lim:
+                        gated = True
+                        break
+            gated_any[g, j] = gated
     width = n_fleet + 2
     used = 0
+    n_ladder = 0
     for c in range(n_cfg):
-        key = (cfg_group[c] * width + lclass[cfg_li[c]]) * 3 + fclass[cfg_fi[c]]
+        g = cfg_group[c]
+        li = cfg_li[c]
+        fc = fclass[cfg_fi[c]] if gated_any[g, li] else 0
+        key = (g * width + lclass[li]) * 3 + fc
         src = memo[key]
         if src >= 0:
             src_of[c] = src
@@ -149,18 +183,29 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         src_of[c] = c
         scratch_i[6, used] = key
         used += 1
-        g = cfg_group[c]
         cand = cands[g]
-        if group_n[g] < 0:
-            group_n[g] = 0
-            if has_signal and m_worker.shape[0] > 0:
-                group_n[g] = prepare_candidates_nb(
-                    L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est, cfg_i[c, 6],
-                    cfg_f[c, 2], cfg_i[c, 7], cfg_f[c, 3], cfg_i[c, 8], seen, cand, scratch_i[0])
-        w, reason, decision, failure = select_prepared_nb(
-            group_n[g], cand, L, fleet, snap, est,
-            cfg_i[c, 0], cfg_i[c, 1], cfg_i[c, 2], cfg_i[c, 3], cfg_i[c, 4] == 1, cfg_i[c, 5],
-            cfg_f[c, 0], cfg_f[c, 1], seed, req_index, audit, scratch_i)
+        lim = cfg_i[c, 0]
+        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lclass[li] == 1
+        w, reason, decision = cache_rung_with_nb(
+            group_n[g], cand, L, snap, est, lim, cfg_i[c, 1], cfg_i[c, 3], cfg_i[c, 4] == 1,
+            cfg_i[c, 5], cfg_f[c, 0], cfg_f[c, 1], audit, scratch_i, all_queued,
+            fclass[cfg_fi[c]] == 2)
+        failure = -1
+        if w < 0:
+            # the domain rungs depend on (group, limit class) only: computed once
+            lk = g * width + lclass[li]
+            if ladder_w[lk] == -2:
+                lw, lr = domain_rungs_nb(fleet, snap, est, L, cfg_i[c, 0], cfg_i[c, 2], seed,
+                                         req_index, scratch_i)
+                ladder_w[lk] = lw
+                ladder_r[lk] = lr
+                scratch_i[7, n_ladder] = lk
+                n_ladder += 1
+            w = ladder_w[lk]
+            reason = ladder_r[lk]
+            if w < 0:
+                decision = -1
+                failure = failure_of_nb(group_n[g] > 0, n_fleet)
         row = res_i[:, c]
         row[O_WORKER] = w
         row[O_REASON] = reason
@@ -193,6 +238,9 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             res_f[c] = np.nan
     for u in range(used):
         memo[scratch_i[6, u]] = -1
+    for u in range(n_ladder):
+        ladder_w[scratch_i[7, u]] = -2
+    return used, n_ladder
 
 
 @njit_parallel
@@ -202,14 +250,15 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                  load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok, load_pbusy,
                  load_inflight, dp_size, freshness, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi,
                  lim_vals, fl_vals, n_groups, seed, max_matches, keep, out_i, out_f,
-                 acc, hist_wait, hist_div):
+                 acc, hist_wait, hist_div, stats):
     """Replay a chunk of requests under every config, one block of requests per thread.
 
     Block ``b`` covers requests ``block_lo[b]..block_lo[b+1]`` and starts from
     ``tables[b]``/``inflights[b]``/``ptrs[b]`` (``split_states_nb``); it sweeps
     its own loads, keeps its own snapshot current (``refresh_nb``), decides
     every config and books the results into its own accumulators
-    ``acc[b]``... (merged exactly afterwards).  With ``keep``, every decision
+    ``acc[b]``... (merged exactly afterwards); ``stats[b]`` counts the distinct
+    outcomes and domain-rung evaluations it computed.  With ``keep``, every decision
     is also written to ``out_i[i, c, O_*]`` / ``out_f[i, c]``.  Results depend
     on nothing but (trace, config, seed), never on threads or chunking.
     """
@@ -232,14 +281,24 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
         memo = np.full(memo_size, -1, dtype=np.int64)
         lclass = np.zeros(lim_vals.shape[0], dtype=np.int64)
         fclass = np.zeros(fl_vals.shape[0], dtype=np.int64)
+        fleet_wait = np.zeros(max(max_fleet, 1), dtype=np.int64)
         audit = np.zeros(A_NCOLS, dtype=np.int64)
-        scratch_i = np.zeros((7, width), dtype=np.int64)
+        scratch_i = np.zeros((8, width), dtype=np.int64)
+        ladder_w = np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64)
+        ladder_r = np.zeros(n_groups * (max_fleet + 2), dtype=np.int64)
         seen = np.zeros(n_workers, dtype=np.bool_)
         res_i = np.zeros((O_NCOLS, n_cfg), dtype=np.int64)
         src_of = np.zeros(n_cfg, dtype=np.int64)
         cands = np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64)
         group_n = np.zeros(n_groups, dtype=np.int64)
+        group_rep = np.full(n_groups, -1, dtype=np.int64)
+        for c in range(n_cfg):
+            if group_rep[cfg_group[c]] < 0:
+                group_rep[cfg_group[c]] = c
+        gated_any = np.zeros((n_groups, lim_vals.shape[0]), dtype=np.bool_)
         res_f = np.zeros(n_cfg, dtype=np.float64)
+        s_rung = 0
+        s_ladder = 0
         for i in range(block_lo[b], block_lo[b + 1]):
             now = req_ts[i]
             ptr = advance_dirty_nb(ptr, now, load_ts, load_worker, load_rank, load_running,
@@ -251,10 +310,13 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
             lo = m_off[i]
             hi = m_off[i + 1]
-            _decide_request(req_index[i], req_L[i], req_qb[i], req_best[i], m_worker[lo:hi],
+            n_rung, n_ladder = _decide_request(req_index[i], req_L[i], req_qb[i], req_best[i], m_worker[lo:hi],
                             m_blocks[lo:hi], in_fleet[mdl], fleet, snap, est, cfg_i, cfg_f,
                             cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed, res_i, res_f,
-                            src_of, memo, lclass, fclass, audit, scratch_i, cands, group_n, seen)
+                            src_of, memo, lclass, fclass, fleet_wait, audit, scratch_i, cands,
+                            group_n, group_rep, gated_any, ladder_w, ladder_r, seen)
+            s_rung += n_rung
+            s_ladder += n_ladder
             sel = req_selected[i] if req_selected.shape[0] > 0 else -1
             accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, req_qb[i], sel)
             if keep:
@@ -263,4 +325,11 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                     for col in range(O_NCOLS):
                         out_i[i, c, col] = res_i[col, src]
                     out_f[i, c] = res_f[src]
+        n_sel = 0
+        if req_selected.shape[0] > 0:
+            for i in range(block_lo[b], block_lo[b + 1]):
+                n_sel += req_selected[i] >= 0
+        book_block_constants_nb(acc, b, block_lo[b + 1] - block_lo[b], n_sel)
+        stats[b, 0] += s_rung  # once per block: neighbouring blocks share a cache line
+        stats[b, 1] += s_ladder
         ptrs[b] = ptr
