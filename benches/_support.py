@@ -200,13 +200,15 @@ def warm_up(configs) -> float:
 
 
 def run_engine(trace, configs, threads: int | None = None) -> int:
-    """Replay through ``engine.iter_chunks`` and drop the chunks (``--no-decisions``
-    style: nothing accumulated or written).  Returns the number of decisions."""
+    """Replay through ``engine.iter_chunks`` as ``sweep --no-decisions`` does: every
+    decision is made and booked into the per-config accumulators, none is kept.
+    Returns the number of decisions."""
     from replay import engine
 
     n = 0
-    for ch in engine.iter_chunks(trace, configs, threads=threads):
-        n += (ch.stop - ch.start) * ch.out_i.shape[1]
+    totals = engine.new_totals(len(configs), threads=threads)
+    for ch in engine.iter_chunks(trace, configs, threads=threads, keep=False, totals=totals):
+        n += (ch.stop - ch.start) * len(configs)
     return n
 
 

@@ -1,7 +1,7 @@
 """Engine throughput: request-config decisions per second on the 1M trace.
 
-``engine.iter_chunks`` over the loaded trace, chunks dropped (``--no-decisions``
-style: no accumulation, no Parquet).  Compilation is excluded (``warmed``
+``engine.iter_chunks`` over the loaded trace as ``sweep --no-decisions`` runs it:
+every decision is booked into the per-config accumulators, none is kept, no Parquet.  Compilation is excluded (``warmed``
 replays the small sample trace first); trace loading is timed separately.
 """
 

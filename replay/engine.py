@@ -94,7 +94,7 @@ class Chunk:
 
     start: int
     stop: int
-    out_i: np.ndarray | None  # int64[stop-start, n_configs, O_NCOLS]
+    out_i: np.ndarray | None  # int64[O_NCOLS, stop-start, n_configs] (one contiguous block per column)
     out_f: np.ndarray | None  # float64[stop-start, n_configs]: selected_queue_ms
 
 
@@ -217,7 +217,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     inflights = np.zeros((blocks_per_chunk, n_w), dtype=np.int64)
     ptrs = np.zeros(blocks_per_chunk, dtype=np.int64)
     empty_sel = np.zeros(0, dtype=np.int64)
-    dummy_i = np.zeros((1, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
+    dummy_i = np.zeros((kgrid.O_NCOLS, 1, n_cfg), dtype=np.int64)
     dummy_f = np.zeros((1, n_cfg), dtype=np.float64)
     ptr = 0
     for start in range(0, n_req, chunk):
@@ -230,7 +230,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         ptr = kgrid.split_states_nb(ptr, req[0][start:stop][lo], *loads, dp, table, inflight,
                                     tables[:nb], inflights[:nb], ptrs[:nb])
         if keep:
-            out_i = np.empty((n, n_cfg, kgrid.O_NCOLS), dtype=np.int64)
+            out_i = np.empty((kgrid.O_NCOLS, n, n_cfg), dtype=np.int64)
             out_f = np.empty((n, n_cfg), dtype=np.float64)
         else:
             out_i, out_f = dummy_i, dummy_f
@@ -279,7 +279,7 @@ def chunk_fields(ch: Chunk) -> dict[str, np.ndarray]:
         if name == "selected_queue_ms":
             out[name] = ch.out_f.astype(dtype, copy=True)
         else:
-            out[name] = ch.out_i[:, :, _COLUMN_OF_FIELD[name]].astype(dtype)
+            out[name] = ch.out_i[_COLUMN_OF_FIELD[name]].astype(dtype)
     return out
 
 

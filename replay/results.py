@@ -148,61 +148,72 @@ class DecisionWriter:
         self.path = path
         self.trace = trace
         self.config_ids = np.asarray(config_ids, dtype=np.int32)
-        self.workers = pa.array(list(trace.workers) + [None], type=pa.string())
-        self.reasons = pa.array(list(labels.REASONS) + [None], type=pa.string())
-        self.policy = pa.array(list(labels.POLICY_REASONS) + [None], type=pa.string())
-        self.decisions = pa.array(list(labels.DECISIONS) + [None], type=pa.string())
-        self.failures = pa.array(list(labels.FAILURES) + [None], type=pa.string())
-        self.sources = pa.array(list(labels.PRESSURE_SOURCES) + [None], type=pa.string())
+        self.workers = pa.array(list(trace.workers), type=pa.string())
+        self.reasons = pa.array(labels.REASONS, type=pa.string())
+        self.policy = pa.array(labels.POLICY_REASONS, type=pa.string())
+        self.decisions = pa.array(labels.DECISIONS, type=pa.string())
+        self.failures = pa.array(labels.FAILURES, type=pa.string())
+        self.sources = pa.array(labels.PRESSURE_SOURCES, type=pa.string())
         self.writer: pq.ParquetWriter | None = None
         self.rows = 0
         self.closed = False
 
     @staticmethod
     def _labels(table: pa.Array, codes: np.ndarray) -> pa.Array:
-        idx = np.where(codes < 0, len(table) - 1, codes).astype(np.int32)
-        return table.take(pa.array(idx))
+        """Label strings as a dictionary column (codes < 0 are null): no string copies."""
+        codes = codes.astype(np.int32)
+        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), table)
 
     @staticmethod
-    def _nullable(values: np.ndarray) -> pa.Array:
-        return pa.array(values, mask=values < 0)
+    def _nullable(values: np.ndarray, dtype=np.int64) -> pa.Array:
+        return pa.array(values.astype(dtype), mask=values < 0)
 
     def write(self, chunk: Chunk) -> None:
         n = chunk.stop - chunk.start
         n_cfg = len(self.config_ids)
-        o = chunk.out_i.reshape(n * n_cfg, kg.O_NCOLS)
-        ids = self.trace.request_id[chunk.start:chunk.stop]
-        rid = pa.array(ids.tolist() if ids.dtype == object else ids)
-        qb = self.trace.req_query_blocks[chunk.start:chunk.stop].astype(np.int64)
+        o = chunk.out_i.reshape(kg.O_NCOLS, n * n_cfg)
         rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
+        ids = self.trace.request_id[chunk.start:chunk.stop]
+        if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
+            rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
+        else:
+            rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
+        qb = np.maximum(self.trace.req_query_blocks[chunk.start:chunk.stop], 0).astype(np.int64)
         ms = chunk.out_f.reshape(-1)
+
+        def i32(col):
+            return pa.array(o[col].astype(np.int32))
+
         table = pa.table({
-            "request_id": rid.take(pa.array(rep)),
+            "request_id": rid,
             "config_id": pa.array(np.tile(self.config_ids, n)),
-            "worker": self._labels(self.workers, o[:, kg.O_WORKER]),
-            "reason": self._labels(self.reasons, o[:, kg.O_REASON]),
-            "policy_reason": self._labels(self.policy, o[:, kg.O_POLICY_REASON]),
-            "decision": self._labels(self.decisions, o[:, kg.O_DECISION]),
-            "failure": self._labels(self.failures, o[:, kg.O_FAILURE]),
-            "query_blocks": pa.array(np.maximum(qb, 0)[rep]),
-            "matched_blocks": pa.array(o[:, kg.O_MATCHED]),
-            "selected_blocks": pa.array(o[:, kg.O_SELECTED_BLOCKS]),
-            "uncached_tokens": self._nullable(o[:, kg.O_UNCACHED]),
-            "gate_rejected": pa.array(o[:, kg.O_GATE_REJECTED].astype(np.int32)),
-            "admission_evaluated": pa.array(o[:, kg.O_EVALUATED].astype(np.int32)),
-            "admission_rejected": pa.array(o[:, kg.O_ADM_REJECTED].astype(np.int32)),
-            "best_rejected_blocks": pa.array(o[:, kg.O_BEST_REJECTED]),
-            "fleet_all_queued": pa.array(o[:, kg.O_ALL_QUEUED] == 1),
-            "fell_back": pa.array(o[:, kg.O_FELL_BACK] == 1),
-            "selected_waiting": self._nullable(o[:, kg.O_SEL_WAITING]),
-            "selected_waiting_uncached": self._nullable(o[:, kg.O_SEL_WU]),
+            "worker": self._labels(self.workers, o[kg.O_WORKER]),
+            "reason": self._labels(self.reasons, o[kg.O_REASON]),
+            "policy_reason": self._labels(self.policy, o[kg.O_POLICY_REASON]),
+            "decision": self._labels(self.decisions, o[kg.O_DECISION]),
+            "failure": self._labels(self.failures, o[kg.O_FAILURE]),
+            "query_blocks": pa.array(qb[rep]),
+            "matched_blocks": pa.array(o[kg.O_MATCHED]),
+            "selected_blocks": pa.array(o[kg.O_SELECTED_BLOCKS]),
+            "uncached_tokens": self._nullable(o[kg.O_UNCACHED]),
+            "gate_rejected": i32(kg.O_GATE_REJECTED),
+            "admission_evaluated": i32(kg.O_EVALUATED),
+            "admission_rejected": i32(kg.O_ADM_REJECTED),
+            "best_rejected_blocks": pa.array(o[kg.O_BEST_REJECTED]),
+            "fleet_all_queued": pa.array(o[kg.O_ALL_QUEUED] == 1),
+            "fell_back": pa.array(o[kg.O_FELL_BACK] == 1),
+            "selected_waiting": self._nullable(o[kg.O_SEL_WAITING]),
+            "selected_waiting_uncached": self._nullable(o[kg.O_SEL_WU]),
             "selected_queue_ms": pa.array(ms, mask=np.isnan(ms)),
-            "pressure_source": self._labels(self.sources, o[:, kg.O_SOURCE]),
-            "guard_compared": pa.array(o[:, kg.O_COMPARED].astype(np.int32)),
-            "guard_overrides": pa.array(o[:, kg.O_OVERRIDES].astype(np.int32)),
+            "pressure_source": self._labels(self.sources, o[kg.O_SOURCE]),
+            "guard_compared": i32(kg.O_COMPARED),
+            "guard_overrides": i32(kg.O_OVERRIDES),
         })
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
+            # Dictionary columns are written as plain Parquet strings (dictionary
+            # pages); without the stored Arrow schema, readers get strings back.
+            self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd",
+                                           store_schema=False)
         self.writer.write_table(table)
         self.rows += table.num_rows
 
@@ -212,7 +223,7 @@ class DecisionWriter:
         self.closed = True
         if self.writer is None:  # no requests: still leave a readable, empty file
             n_cfg = len(self.config_ids)
-            self.write(Chunk(0, 0, np.zeros((0, n_cfg, kg.O_NCOLS), dtype=np.int64),
+            self.write(Chunk(0, 0, np.zeros((kg.O_NCOLS, 0, n_cfg), dtype=np.int64),
                              np.zeros((0, n_cfg), dtype=np.float64)))
         if self.writer is not None:
             self.writer.close()

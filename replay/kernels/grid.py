@@ -261,6 +261,8 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
     outcomes and domain-rung evaluations it computed.  With ``keep``, every decision
     is also written to ``out_i[i, c, O_*]`` / ``out_f[i, c]``.  Results depend
     on nothing but (trace, config, seed), never on threads or chunking.
+    ``out_i`` is column-major, ``out_i[O_*, request, config]``, so each output
+    column is one contiguous array.
     """
     n_blocks = block_lo.shape[0] - 1
     n_workers = tables.shape[1]
@@ -323,7 +325,7 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                 for c in range(n_cfg):
                     src = src_of[c]
                     for col in range(O_NCOLS):
-                        out_i[i, c, col] = res_i[col, src]
+                        out_i[col, i, c] = res_i[col, src]
                     out_f[i, c] = res_f[src]
         n_sel = 0
         if req_selected.shape[0] > 0:
