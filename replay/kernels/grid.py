@@ -1,14 +1,17 @@
 """One pass over a chunk of requests for every config of a grid.
 
-Why it is cheap (docs/engine.md): for one request the snapshot, the fleet's
-queue readings and the prepared candidates do not depend on the queue limit
-or the floor.  A limit ``L`` only matters through *which* fleet workers read
-``waiting >= L``, so limits that leave the same workers gated are one "limit
-class"; a floor only matters through whether it is set and whether some fleet
-worker reads below it.  Configs of the same other knobs ("group") and the
-same classes make the same decision (the sampler's draws do not depend on the
-config, see docs/replay-model.md), so each request computes every distinct
-(group, limit class, floor class) once and copies it to the other configs.
+Why it is cheap (README, "How it works"): for one request the snapshot, the
+fleet's queue readings and the prepared candidates do not depend on the queue
+limit or the floor.  A limit ``L`` only matters through *which* fleet workers
+read ``waiting >= L``, so limits that leave the same workers gated form one
+"limit class"; a floor only matters through whether it is set and whether some
+fleet worker reads below it, and only when the limit gates some candidate
+(otherwise neither the fell-back tier nor the pin can fire).  Configs of the
+same other knobs ("group") and the same classes make the same decision (the
+sampler's draws do not depend on the config, see docs/replay-model.md), so
+each request computes every distinct outcome once and the other configs refer
+to it.  The domain rungs depend on the limit class alone and are shared the
+same way.  ``stats`` counts both, so a run can report how much was shared.
 """
 
 from __future__ import annotations
