@@ -1,0 +1,177 @@
+"""Fleet descriptions for the simulator: a small TOML or JSON file plus CLI overrides.
+
+Format (TOML; the same keys in a JSON object)::
+
+    model = "default"
+    workers = 8                      # prefill (or plain) workers
+    dp_size = 2                      # data-parallel ranks per worker
+    prefill_tokens_per_s = 12000     # per rank: uncached prompt tokens per second
+    decode_tokens_per_s = 40         # per rank: decode steps per second (one token per running request)
+    max_running_requests = 32        # per rank
+    max_total_num_tokens = 200000    # per rank: KV capacity in tokens
+    decode_peers = 0                 # decode workers listed in workers.parquet (see docs/simulator.md)
+
+    [[worker]]                       # optional per-worker overrides, by index
+    index = 3
+    prefill_tokens_per_s = 6000
+
+Every top-level key may be overridden from the command line; unknown keys
+are an error.  Worker URLs are ``http://sim-prefill-NNN:30000`` (decode peers
+``http://sim-decode-NNN:30000``), so the replay's worker ids (sorted URLs)
+follow the index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ReplayError
+
+
+class FleetError(ReplayError):
+    """A fleet description that cannot be used; one line."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One simulated worker; rates and capacities are per data-parallel rank."""
+
+    url: str
+    dp_size: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    max_running_requests: int
+    max_total_num_tokens: int
+    role: str = "plain"
+    model: str = "default"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The fleet-wide defaults of a fleet file (what the CLI can override)."""
+
+    workers: int = 8
+    dp_size: int = 1
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 40.0
+    max_running_requests: int = 32
+    max_total_num_tokens: int = 200_000
+    decode_peers: int = 0
+    model: str = "default"
+
+
+_KEYS = {f.name for f in fields(FleetSpec)}
+_WORKER_KEYS = {"index", "dp_size", "prefill_tokens_per_s", "decode_tokens_per_s",
+                "max_running_requests", "max_total_num_tokens"}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Workers in replay id order (sorted URL); ``fleet`` members are not decode peers."""
+
+    workers: tuple[WorkerSpec, ...]
+    spec: FleetSpec
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    @property
+    def prefill(self) -> list[int]:
+        return [i for i, w in enumerate(self.workers) if w.role != "decode"]
+
+    def describe(self) -> dict:
+        return {"spec": self.spec.__dict__.copy(),
+                "workers": [w.__dict__.copy() for w in self.workers]}
+
+
+def prefill_url(i: int) -> str:
+    return f"http://sim-prefill-{i:03d}:30000"
+
+
+def decode_url(i: int) -> str:
+    return f"http://sim-decode-{i:03d}:30000"
+
+
+def _check(spec: FleetSpec, where: str) -> None:
+    def bad(k, what):
+        raise FleetError(f"{where}: {k} must be {what}, got {getattr(spec, k)!r}")
+
+    if not isinstance(spec.workers, int) or spec.workers < 1 or spec.workers > 999:
+        bad("workers", "an integer in 1..999")
+    for k in ("dp_size", "max_running_requests", "max_total_num_tokens"):
+        v = getattr(spec, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            bad(k, "an integer >= 1")
+    for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+        v = getattr(spec, k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
+            bad(k, "a finite number > 0")
+    if not isinstance(spec.decode_peers, int) or spec.decode_peers < 0 or spec.decode_peers > 999:
+        bad("decode_peers", "an integer in 0..999")
+    if not isinstance(spec.model, str) or not spec.model:
+        bad("model", "a non-empty string")
+
+
+def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, Any]] | None = None,
+                where: str = "fleet") -> Fleet:
+    """Expand a :class:`FleetSpec` (plus per-worker overrides) into workers."""
+    _check(spec, where)
+    role = "prefill" if spec.decode_peers else "plain"
+    out = []
+    for i in range(spec.workers):
+        kw = dict(dp_size=spec.dp_size, prefill_tokens_per_s=float(spec.prefill_tokens_per_s),
+                  decode_tokens_per_s=float(spec.decode_tokens_per_s),
+                  max_running_requests=spec.max_running_requests,
+                  max_total_num_tokens=spec.max_total_num_tokens)
+        for k, v in (overrides_by_index or {}).get(i, {}).items():
+            kw[k] = v
+        w = WorkerSpec(prefill_url(i), role=role, model=spec.model, **kw)
+        _check(replace(spec, **{k: getattr(w, k) for k in kw}), f"{where}: worker {i}")
+        out.append(w)
+    for i in range(spec.decode_peers):
+        out.append(WorkerSpec(decode_url(i), 1, float(spec.prefill_tokens_per_s),
+                              float(spec.decode_tokens_per_s), spec.max_running_requests,
+                              spec.max_total_num_tokens, role="decode", model=spec.model))
+    out.sort(key=lambda w: w.url)
+    return Fleet(tuple(out), spec)
+
+
+def load_fleet(path: str | os.PathLike | None = None, **overrides: Any) -> Fleet:
+    """Read a fleet file (TOML, or JSON by suffix) and apply non-None ``overrides``."""
+    data: dict[str, Any] = {}
+    where = "fleet"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise FleetError(f"{p}: no such file")
+        try:
+            data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
+        except (ValueError, tomllib.TOMLDecodeError) as err:
+            raise FleetError(f"{p}: cannot parse: {str(err).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise FleetError(f"{p}: expected a table of fleet keys")
+    per_worker: dict[int, dict[str, Any]] = {}
+    for entry in data.pop("worker", []) or []:
+        if not isinstance(entry, dict) or "index" not in entry:
+            raise FleetError(f"{where}: every [[worker]] entry needs an index")
+        unknown = set(entry) - _WORKER_KEYS
+        if unknown:
+            raise FleetError(f"{where}: unknown [[worker]] key {sorted(unknown)[0]!r}; "
+                             f"known: {', '.join(sorted(_WORKER_KEYS))}")
+        per_worker[int(entry["index"])] = {k: v for k, v in entry.items() if k != "index"}
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise FleetError(f"{where}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_KEYS))}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    spec = FleetSpec(**data)
+    bad = [i for i in per_worker if not 0 <= i < spec.workers]
+    if bad:
+        raise FleetError(f"{where}: [[worker]] index {bad[0]} outside 0..{spec.workers - 1}")
+    return build_fleet(spec, per_worker, where)

@@ -1,0 +1,626 @@
+"""The simulator's numba event loop (docs/simulator.md describes the model).
+
+One call of :func:`simulate_nb` runs one closed-loop simulation: requests
+arrive, the router decides with the sweep's own kernels
+(``replay.kernels.decide.select_prefill_nb`` on a snapshot kept by
+``replay.kernels.snapshot.advance_dirty_nb`` / ``refresh_nb`` over the very
+load samples the simulation writes), ranks queue, prefill, decode and cache,
+and every rank publishes a LoadStat sample every publish interval.
+
+Events at one timestamp are handled in a fixed order: step ends (rank by
+rank), then samples (rank by rank), then arrivals (log order).  So a request
+at ``t`` sees every sample stamped ``<= t`` and nothing later, exactly the
+replay's visibility rule; and since the router reads loads only through the
+samples it wrote, ``sweep`` on the written trace reproduces every decision.
+
+State lives in flat arrays: per-rank scalars ``rs[r, RS_*]``, per-request
+``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``, per-(rank, block) cache arrays,
+a per-rank LRU heap of evictable leaf blocks (lazy deletion, rebuilt when
+full), and a per-(worker, block) KV index fed through a lag queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import types
+from numba.typed import List
+
+from ..kernels._jit import njit
+from ..kernels.decide import select_prefill_nb
+from ..kernels.snapshot import R_NCOLS, S_NCOLS, advance_dirty_nb, refresh_nb
+
+INF = np.int64(1) << 62
+
+# per-rank scalars
+RS_WORKER = 0
+RS_LOCAL = 1          # rank number inside its worker
+RS_CAP = 2            # max_total_num_tokens
+RS_MAXRUN = 3
+RS_DECODE_NS = 4      # one decode step
+RS_USED = 5           # KV tokens in use: every cached block + running requests' private tokens
+RS_EVICTABLE = 6      # tokens of cached blocks no running request holds
+RS_QHEAD = 7
+RS_QTAIL = 8
+RS_QLEN = 9
+RS_QWU = 10           # sum of waiting requests' uncached estimates
+RS_QTOK = 11          # sum of waiting requests' input tokens
+RS_RUN_N = 12
+RS_KIND = 13          # 0 idle, 1 prefill step, 2 decode step
+RS_END = 14           # end of the current step (INF when idle)
+RS_STEP_TOK = 15
+RS_STEP_DUR = 16
+RS_PTOK = 17          # total_prefill_uncached_tokens (monotonic)
+RS_PBUSY_NS = 18      # prefill busy time (ns; published in us)
+RS_NEXT_SAMPLE = 19
+RS_HN = 20            # LRU heap size
+RS_MAX_USED = 21      # largest RS_USED seen
+RS_MAX_QLEN = 22
+RS_NCOLS = 23
+
+# per-request state
+ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
+ST_QNEXT = 1
+ST_REMAIN = 2
+ST_PRIVATE = 3        # tokens outside shared blocks (partial tail + output), reserved on admission
+ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
+ST_NCOLS = 5
+
+# per-request outputs
+RQ_WORKER = 0
+RQ_RANK = 1
+RQ_REASON = 2
+RQ_DECISION = 3
+RQ_FAILURE = 4
+RQ_CACHED_TOKENS = 5
+RQ_CACHED_BLOCKS = 6
+RQ_ADMIT = 7
+RQ_FIRST = 8
+RQ_DONE = 9
+RQ_BEST = 10
+RQ_COMPLETIONS = 11   # times the request completed (conservation: exactly 1)
+RQ_NCOLS = 12
+
+# load sample columns (the loads.parquet columns, in order)
+LD_TS = 0
+LD_WORKER = 1
+LD_RANK = 2
+LD_RUNNING = 3
+LD_WAITING = 4
+LD_TOKENS = 5
+LD_MAXTOT = 6
+LD_WU = 7
+LD_TOTAL = 8
+LD_MAXRUN = 9
+LD_PTOK = 10
+LD_PBUSY = 11
+LD_INFLIGHT = 12
+LD_NCOLS = 13
+
+# run statistics
+SS_EVENTS = 0
+SS_STEPS = 1
+SS_EVICTIONS = 2
+SS_REBUILDS = 3
+SS_KV_OVER = 4        # max(used - capacity) over ranks and time (<= 0 when the cap holds)
+SS_NEG_QUEUE = 5      # times a queue length went negative (must stay 0)
+SS_INDEX_EVENTS = 6
+SS_NCOLS = 7
+
+
+@njit
+def _grow2(a, need):
+    cap = a.shape[1]
+    if need <= cap:
+        return a
+    new = max(cap * 2, 16)
+    while new < need:
+        new *= 2
+    b = np.zeros((a.shape[0], new), dtype=a.dtype)
+    b[:, :cap] = a
+    return b
+
+
+@njit
+def _grow1(a, need):
+    cap = a.shape[0]
+    if need <= cap:
+        return a
+    new = max(cap * 2, 16)
+    while new < need:
+        new *= 2
+    b = np.zeros(new, dtype=a.dtype)
+    b[:cap] = a
+    return b
+
+
+# ---------------------------------------------------------------------------
+# LRU heap of evictable leaves: (last_use, block) min-heap per rank
+@njit
+def _before(k1, b1, k2, b2):
+    return k1 < k2 or (k1 == k2 and b1 < b2)
+
+
+@njit
+def _heap_push(hk, hb, rs, r, key, blk):
+    i = rs[r, RS_HN]
+    rs[r, RS_HN] = i + 1
+    while i > 0:
+        p = (i - 1) // 2
+        if not _before(key, blk, hk[r, p], hb[r, p]):
+            break
+        hk[r, i] = hk[r, p]
+        hb[r, i] = hb[r, p]
+        i = p
+    hk[r, i] = key
+    hb[r, i] = blk
+
+
+@njit
+def _heap_pop(hk, hb, rs, r):
+    key = hk[r, 0]
+    blk = hb[r, 0]
+    n = rs[r, RS_HN] - 1
+    rs[r, RS_HN] = n
+    if n > 0:
+        lk = hk[r, n]
+        lb = hb[r, n]
+        i = 0
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            if c + 1 < n and _before(hk[r, c + 1], hb[r, c + 1], hk[r, c], hb[r, c]):
+                c += 1
+            if _before(hk[r, c], hb[r, c], lk, lb):
+                hk[r, i] = hk[r, c]
+                hb[r, i] = hb[r, c]
+                i = c
+            else:
+                break
+        hk[r, i] = lk
+        hb[r, i] = lb
+    return key, blk
+
+
+@njit
+def _evictable_leaf(present, lock, nchild, r, b):
+    return present[r, b] == 1 and lock[r, b] == 0 and nchild[r, b] == 0
+
+
+@njit
+def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
+    """Offer block ``b`` to rank ``r``'s LRU heap; rebuild the heap from the cache when full."""
+    if rs[r, RS_HN] >= hk.shape[1]:
+        stats[SS_REBUILDS] += 1
+        rs[r, RS_HN] = 0
+        for x in range(present.shape[1]):
+            if _evictable_leaf(present, lock, nchild, r, x):
+                _heap_push(hk, hb, rs, r, last_use[r, x], x)
+        return  # b, if evictable, is in the rebuilt heap
+    _heap_push(hk, hb, rs, r, last_use[r, b], b)
+
+
+@njit
+def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag, w,
+               stats):
+    """Evict rank ``r``'s least recently used evictable leaf; False when there is none."""
+    while rs[r, RS_HN] > 0:
+        key, b = _heap_pop(hk, hb, rs, r)
+        if not _evictable_leaf(present, lock, nchild, r, b) or last_use[r, b] != key:
+            continue  # stale entry
+        present[r, b] = 0
+        rs[r, RS_USED] -= btok[b]
+        rs[r, RS_EVICTABLE] -= btok[b]
+        stats[SS_EVICTIONS] += 1
+        ev.append(t + lag)
+        ev.append(w)
+        ev.append(b)
+        ev.append(-1)
+        p = parent[b]
+        if p >= 0:
+            nchild[r, p] -= 1
+            if _evictable_leaf(present, lock, nchild, r, p):
+                _push_leaf(hk, hb, rs, r, p, present, lock, nchild, last_use, stats)
+        return True
+    return False
+
+
+@njit
+def _lock(r, b, lock, rs, btok):
+    if lock[r, b] == 0:
+        rs[r, RS_EVICTABLE] -= btok[b]
+    lock[r, b] += 1
+
+
+@njit
+def _unlock(r, b, lock, rs, btok):
+    lock[r, b] -= 1
+    if lock[r, b] == 0:
+        rs[r, RS_EVICTABLE] += btok[b]
+
+
+@njit
+def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild, last_use,
+               hk, hb, ev, lag, stats):
+    """Admit waiting request ``i`` on rank ``r`` if its KV fits (evicting LRU leaves)."""
+    lo = h_off[i]
+    n = h_off[i + 1] - lo
+    d = 0
+    while d < n and present[r, h_ids[lo + d]] == 1:
+        d += 1
+    cached = 0
+    for j in range(d):
+        b = h_ids[lo + j]
+        _lock(r, b, lock, rs, btok)
+        cached += btok[b]
+    new_tok = 0
+    for j in range(d, n):
+        new_tok += btok[h_ids[lo + j]]
+    need = new_tok + st[i, ST_PRIVATE]
+    w = rs[r, RS_WORKER]
+    while rs[r, RS_CAP] - rs[r, RS_USED] < need:
+        if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag,
+                          w, stats):
+            break
+    if rs[r, RS_CAP] - rs[r, RS_USED] < need:
+        for j in range(d):
+            b = h_ids[lo + j]
+            _unlock(r, b, lock, rs, btok)
+        if d > 0:
+            b = h_ids[lo + d - 1]
+            if _evictable_leaf(present, lock, nchild, r, b):
+                _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
+        return False
+    for j in range(d):
+        last_use[r, h_ids[lo + j]] = t
+    for j in range(d, n):
+        b = h_ids[lo + j]
+        present[r, b] = 1
+        lock[r, b] = 1
+        nchild[r, b] = 0
+        last_use[r, b] = t
+        rs[r, RS_USED] += btok[b]
+        if j > 0:
+            nchild[r, h_ids[lo + j - 1]] += 1
+        ev.append(t + lag)
+        ev.append(w)
+        ev.append(b)
+        ev.append(1)
+    rs[r, RS_USED] += st[i, ST_PRIVATE]
+    if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
+        rs[r, RS_MAX_USED] = rs[r, RS_USED]
+    over = rs[r, RS_USED] - rs[r, RS_CAP]
+    if over > stats[SS_KV_OVER]:
+        stats[SS_KV_OVER] = over
+    rq[i, RQ_CACHED_TOKENS] = cached
+    rq[i, RQ_CACHED_BLOCKS] = d
+    return True
+
+
+@njit
+def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
+                present, lock, nchild, last_use, hk, hb, ev, lag, stats):
+    """Start rank ``r``'s next step at ``t``: admit FCFS while running and KV allow; a prefill
+    step if anything was admitted, else a decode step if anything runs, else idle."""
+    tokens = 0
+    admitted = 0
+    while rs[r, RS_QHEAD] >= 0 and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]:
+        i = rs[r, RS_QHEAD]
+        if not _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild,
+                          last_use, hk, hb, ev, lag, stats):
+            break
+        rs[r, RS_QHEAD] = st[i, ST_QNEXT]
+        if rs[r, RS_QHEAD] < 0:
+            rs[r, RS_QTAIL] = -1
+        rs[r, RS_QLEN] -= 1
+        if rs[r, RS_QLEN] < 0:
+            stats[SS_NEG_QUEUE] += 1
+        rs[r, RS_QWU] -= st[i, ST_UNC_ENQ]
+        rs[r, RS_QTOK] -= req_L[i]
+        st[i, ST_STATUS] = 2
+        rq[i, RQ_ADMIT] = t
+        run_ids[r, rs[r, RS_RUN_N]] = i
+        rs[r, RS_RUN_N] += 1
+        tokens += max(req_L[i] - rq[i, RQ_CACHED_TOKENS], 1)
+        admitted += 1
+    if admitted > 0:
+        dur = np.int64(np.ceil(tokens * 1e9 / prefill_tps[r]))
+        dur = max(dur, np.int64(1))
+        rs[r, RS_KIND] = 1
+        rs[r, RS_STEP_TOK] = tokens
+        rs[r, RS_STEP_DUR] = dur
+        rs[r, RS_END] = t + dur
+    elif rs[r, RS_RUN_N] > 0:
+        rs[r, RS_KIND] = 2
+        rs[r, RS_STEP_DUR] = rs[r, RS_DECODE_NS]
+        rs[r, RS_END] = t + rs[r, RS_DECODE_NS]
+    else:
+        rs[r, RS_KIND] = 0
+        rs[r, RS_END] = INF
+    stats[SS_STEPS] += 1
+
+
+@njit
+def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
+              rinf, stats):
+    lo = h_off[i]
+    n = h_off[i + 1] - lo
+    for j in range(n):
+        b = h_ids[lo + j]
+        _unlock(r, b, lock, rs, btok)
+        last_use[r, b] = t
+    if n > 0:
+        b = h_ids[lo + n - 1]
+        if _evictable_leaf(present, lock, nchild, r, b):
+            _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
+    rs[r, RS_USED] -= st[i, ST_PRIVATE]
+    st[i, ST_STATUS] = 4
+    rq[i, RQ_DONE] = t
+    rq[i, RQ_COMPLETIONS] += 1
+    rinf[rq[i, RQ_WORKER]] -= 1
+
+
+@njit
+def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
+              present, lock, nchild, last_use, hk, hb, ev, lag, rinf, stats):
+    """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens, completions), start the next."""
+    kind = rs[r, RS_KIND]
+    if kind == 1:
+        rs[r, RS_PTOK] += rs[r, RS_STEP_TOK]
+        rs[r, RS_PBUSY_NS] += rs[r, RS_STEP_DUR]
+    done = 0
+    k = 0
+    while k < rs[r, RS_RUN_N]:
+        i = run_ids[r, k]
+        finished = False
+        if kind == 1 and st[i, ST_STATUS] == 2:
+            rq[i, RQ_FIRST] = t
+            st[i, ST_STATUS] = 3
+            st[i, ST_REMAIN] = req_out[i] - 1
+            finished = st[i, ST_REMAIN] <= 0
+        elif kind == 2 and st[i, ST_STATUS] == 3:
+            st[i, ST_REMAIN] -= 1
+            finished = st[i, ST_REMAIN] <= 0
+        if finished:
+            _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk,
+                      hb, rinf, stats)
+            done += 1
+            last = rs[r, RS_RUN_N] - 1
+            run_ids[r, k] = run_ids[r, last]
+            rs[r, RS_RUN_N] = last
+        else:
+            k += 1
+    _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids, present,
+                lock, nchild, last_use, hk, hb, ev, lag, stats)
+    return done
+
+
+@njit
+def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
+                n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
+                rank_maxrun, rank_cap, rank_phase, cfg_i, cfg_f, seed, freshness, publish_ns,
+                lag_ns, heap_cap):
+    """Run one closed-loop simulation.
+
+    Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
+    ``btok`` tokens each, ``parent`` ids); ``req_private`` = tokens outside
+    shared blocks (partial tail beyond the hashed blocks + output tokens).
+    Workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones; ranks
+    of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``cfg_i``/``cfg_f``
+    are one row of ``replay.engine.encode_configs``.
+
+    Returns ``(rq, m_off, m_worker, m_blocks, loads, n_loads, stats, rs)``.
+    """
+    N = req_ts.shape[0]
+    R = rank_off[n_workers]
+    B = btok.shape[0]
+    nf = fleet.shape[0]
+    # --- state
+    rs = np.zeros((R, RS_NCOLS), dtype=np.int64)
+    max_run = 1
+    max_dp = 1
+    for w in range(n_workers):
+        max_dp = max(max_dp, rank_off[w + 1] - rank_off[w])
+        for r in range(rank_off[w], rank_off[w + 1]):
+            rs[r, RS_WORKER] = w
+            rs[r, RS_LOCAL] = r - rank_off[w]
+    for r in range(R):
+        rs[r, RS_CAP] = rank_cap[r]
+        rs[r, RS_MAXRUN] = rank_maxrun[r]
+        rs[r, RS_DECODE_NS] = rank_decode_ns[r]
+        rs[r, RS_QHEAD] = -1
+        rs[r, RS_QTAIL] = -1
+        rs[r, RS_END] = INF
+        max_run = max(max_run, rank_maxrun[r])
+    st = np.zeros((N, ST_NCOLS), dtype=np.int64)
+    rq = np.full((N, RQ_NCOLS), -1, dtype=np.int64)
+    rq[:, RQ_COMPLETIONS] = 0
+    for i in range(N):
+        st[i, ST_PRIVATE] = req_private[i]
+        st[i, ST_QNEXT] = -1
+    run_ids = np.zeros((R, max_run), dtype=np.int64)
+    present = np.zeros((R, B), dtype=np.int8)
+    lock = np.zeros((R, B), dtype=np.int32)
+    nchild = np.zeros((R, B), dtype=np.int32)
+    last_use = np.zeros((R, B), dtype=np.int64)
+    hk = np.zeros((R, heap_cap), dtype=np.int64)
+    hb = np.zeros((R, heap_cap), dtype=np.int64)
+    idx = np.zeros((n_workers, B), dtype=np.int32)
+    ev = List.empty_list(types.int64)
+    ev_head = 0
+    rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
+    stats = np.zeros(SS_NCOLS, dtype=np.int64)
+    # --- outputs
+    loads = np.zeros((LD_NCOLS, 1024), dtype=np.int64)
+    tail = np.ones(1024, dtype=np.bool_)
+    nl = 0
+    m_off = np.zeros(N + 1, dtype=np.int64)
+    m_worker = np.zeros(1024, dtype=np.int64)
+    m_blocks = np.zeros(1024, dtype=np.int64)
+    nm = 0
+    # --- the router's view: the sweep's rank table over the written samples
+    table = np.zeros((n_workers, max_dp, R_NCOLS), dtype=np.int64)
+    view_inflight = np.zeros(n_workers, dtype=np.int64)
+    snap = np.zeros((n_workers, S_NCOLS), dtype=np.int64)
+    est = np.full(n_workers, np.nan)
+    oldest = np.zeros(n_workers, dtype=np.int64)
+    dirty = np.ones(n_workers, dtype=np.bool_)
+    ptr = 0
+    audit = np.zeros(11, dtype=np.int64)
+    scratch_i = np.zeros((8, n_workers + 2), dtype=np.int64)
+    cand = np.zeros((n_workers + 1, 5), dtype=np.int64)
+    seen = np.zeros(n_workers, dtype=np.bool_)
+    tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
+    tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
+    guard = cfg_i[4] == 1
+    # --- clocks
+    if N > 0:
+        t0 = req_ts[0] - publish_ns
+        for r in range(R):
+            rs[r, RS_NEXT_SAMPLE] = t0 + rank_phase[r]
+    next_req = 0
+    n_done = 0
+    while n_done < N:
+        stats[SS_EVENTS] += 1
+        t_step = INF
+        t_samp = INF
+        for r in range(R):
+            if rs[r, RS_END] < t_step:
+                t_step = rs[r, RS_END]
+            if rs[r, RS_NEXT_SAMPLE] < t_samp:
+                t_samp = rs[r, RS_NEXT_SAMPLE]
+        t_arr = req_ts[next_req] if next_req < N else INF
+        if t_step <= t_samp and t_step <= t_arr:
+            t = t_step
+            for r in range(R):
+                if rs[r, RS_END] == t:
+                    n_done += _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok,
+                                        parent, st, rq, rs, run_ids, present, lock, nchild,
+                                        last_use, hk, hb, ev, lag_ns, rinf, stats)
+        elif t_samp <= t_arr:
+            t = t_samp
+            loads = _grow2(loads, nl + R)
+            tail = _grow1(tail, nl + R)
+            for r in range(R):
+                if rs[r, RS_NEXT_SAMPLE] != t:
+                    continue
+                w = rs[r, RS_WORKER]
+                loads[LD_TS, nl] = t
+                loads[LD_WORKER, nl] = w
+                loads[LD_RANK, nl] = rs[r, RS_LOCAL]
+                loads[LD_RUNNING, nl] = rs[r, RS_RUN_N]
+                loads[LD_WAITING, nl] = rs[r, RS_QLEN]
+                busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
+                loads[LD_TOKENS, nl] = busy
+                loads[LD_MAXTOT, nl] = rs[r, RS_CAP]
+                loads[LD_WU, nl] = rs[r, RS_QWU]
+                loads[LD_TOTAL, nl] = busy + rs[r, RS_QTOK]
+                loads[LD_MAXRUN, nl] = rs[r, RS_MAXRUN]
+                loads[LD_PTOK, nl] = rs[r, RS_PTOK]
+                loads[LD_PBUSY, nl] = rs[r, RS_PBUSY_NS] // 1000
+                loads[LD_INFLIGHT, nl] = rinf[w]
+                tail[nl] = True
+                nl += 1
+                rs[r, RS_NEXT_SAMPLE] = t + publish_ns
+        else:
+            t = t_arr
+            i = next_req
+            next_req += 1
+            # the KV index as the router sees it (events lagged by lag_ns)
+            ne = len(ev)
+            while ev_head < ne and ev[ev_head] <= t:
+                idx[ev[ev_head + 1], ev[ev_head + 2]] += ev[ev_head + 3]
+                ev_head += 4
+                stats[SS_INDEX_EVENTS] += 1
+            if ev_head == ne and ne > 0:
+                ev.clear()
+                ev_head = 0
+            # matches: one entry per fleet worker holding >= 1 leading block,
+            # deepest first, then worker id
+            lo = h_off[i]
+            n = h_off[i + 1] - lo
+            cnt = 0
+            for j in range(nf):
+                w = fleet[j]
+                d = 0
+                while d < n and idx[w, h_ids[lo + d]] > 0:
+                    d += 1
+                if d > 0:
+                    x = cnt
+                    while x > 0 and tmp_d[x - 1] < d:
+                        tmp_d[x] = tmp_d[x - 1]
+                        tmp_w[x] = tmp_w[x - 1]
+                        x -= 1
+                    tmp_d[x] = d
+                    tmp_w[x] = w
+                    cnt += 1
+            m_worker = _grow1(m_worker, nm + cnt)
+            m_blocks = _grow1(m_blocks, nm + cnt)
+            for x in range(cnt):
+                m_worker[nm + x] = tmp_w[x]
+                m_blocks[nm + x] = tmp_d[x]
+            m0 = nm
+            nm += cnt
+            m_off[i + 1] = nm
+            rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
+            # the load snapshot: exactly the samples written so far
+            ptr = advance_dirty_nb(ptr, t, loads[LD_TS, :nl], loads[LD_WORKER, :nl],
+                                   loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
+                                   loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
+                                   loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
+                                   loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
+                                   loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
+                                   loads[LD_INFLIGHT, :nl], dp_size, table, view_inflight, dirty)
+            refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
+            w, reason, decision, failure = select_prefill_nb(
+                req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
+                cfg_i[0], cfg_i[1], cfg_i[2], cfg_i[3], guard, cfg_i[5], cfg_f[0], cfg_f[1],
+                cfg_i[6], cfg_f[2], cfg_i[7], cfg_f[3], cfg_i[8], seed, i, audit, scratch_i, cand,
+                seen)
+            rq[i, RQ_WORKER] = w
+            rq[i, RQ_REASON] = reason
+            rq[i, RQ_DECISION] = decision
+            rq[i, RQ_FAILURE] = failure
+            if w < 0:
+                st[i, ST_STATUS] = 4
+                rq[i, RQ_DONE] = t
+                rq[i, RQ_COMPLETIONS] += 1
+                n_done += 1
+                continue
+            rinf[w] += 1
+            # inside the worker: the rank holding the deepest prefix, then the
+            # least loaded (waiting + running), then the lowest rank
+            best = -1
+            bd = -1
+            bl = 0
+            for r in range(rank_off[w], rank_off[w + 1]):
+                d = 0
+                while d < n and present[r, h_ids[lo + d]] == 1:
+                    d += 1
+                ld = rs[r, RS_QLEN] + rs[r, RS_RUN_N]
+                if d > bd or (d == bd and ld < bl):
+                    best = r
+                    bd = d
+                    bl = ld
+            r = best
+            cached = 0
+            for j in range(bd):
+                cached += btok[h_ids[lo + j]]
+            rq[i, RQ_RANK] = r
+            st[i, ST_STATUS] = 1
+            st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
+            st[i, ST_QNEXT] = -1
+            if rs[r, RS_QTAIL] >= 0:
+                st[rs[r, RS_QTAIL], ST_QNEXT] = i
+            else:
+                rs[r, RS_QHEAD] = i
+            rs[r, RS_QTAIL] = i
+            rs[r, RS_QLEN] += 1
+            if rs[r, RS_QLEN] > rs[r, RS_MAX_QLEN]:
+                rs[r, RS_MAX_QLEN] = rs[r, RS_QLEN]
+            rs[r, RS_QWU] += st[i, ST_UNC_ENQ]
+            rs[r, RS_QTOK] += req_L[i]
+            if rs[r, RS_KIND] == 0:
+                _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
+                            run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
+    return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl].copy(), nl, stats, rs

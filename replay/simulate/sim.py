@@ -1,0 +1,383 @@
+"""Python API of the fleet simulator: one simulation, or one closed-loop simulation per config.
+
+:func:`simulate` runs the numba event loop (``nb.simulate_nb``) for one
+router config and returns (and optionally writes) a trace directory in the
+exact format ``sweep`` reads plus ``outcomes.parquet``;
+:func:`simulate_grid` runs one simulation per config of a :class:`Grid`
+(threads; the kernels release the GIL) and writes a closed-loop summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import __version__
+from .. import labels as L_
+from ..config import Grid, RouterConfig
+from ..engine import encode_configs
+from ..errors import ReplayError
+from . import nb
+from .fleet import Fleet
+from .logs import RequestLog
+
+START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
+SUMMARY = "closed_loop_summary.parquet"
+OUTCOMES = "outcomes.parquet"
+SIM_JSON = "sim.json"
+
+
+@dataclass
+class SimResult:
+    """One simulation: the per-request outcomes, the run statistics, and the trace tables."""
+
+    config: RouterConfig
+    requests: pl.DataFrame
+    loads: pl.DataFrame
+    workers: pl.DataFrame
+    outcomes: pl.DataFrame
+    summary: dict[str, Any]
+    stats: dict[str, int]
+    out_dir: Path | None = None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ReplayError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ReplayError(f"{out}: directory is not empty (use --force to replace it)")
+
+
+def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> dict:
+    workers = fleet.workers
+    nw = len(workers)
+    fleet_ids = np.array(fleet.prefill, dtype=np.int64)
+    if fleet_ids.size == 0:
+        raise ReplayError("fleet: no prefill worker")
+    in_fleet = np.zeros(nw, dtype=np.bool_)
+    in_fleet[fleet_ids] = True
+    dp = np.array([w.dp_size if w.role != "decode" else 0 for w in workers], dtype=np.int64)
+    rank_off = np.zeros(nw + 1, dtype=np.int64)
+    np.cumsum(dp, out=rank_off[1:])
+    rw = np.repeat(np.arange(nw), dp)
+    prefill_tps = np.array([workers[w].prefill_tokens_per_s for w in rw], dtype=np.float64)
+    decode_ns = np.array([max(1, round(1e9 / workers[w].decode_tokens_per_s)) for w in rw],
+                         dtype=np.int64)
+    maxrun = np.array([workers[w].max_running_requests for w in rw], dtype=np.int64)
+    cap = np.array([workers[w].max_total_num_tokens for w in rw], dtype=np.int64)
+    publish_ns = int(publish_ms) * 1_000_000
+    # publisher phases: seeded, fixed per rank
+    phase = np.random.default_rng([int(seed), 0x5EED]).integers(0, max(publish_ns, 1), rank_off[-1])
+    sizes = np.diff(log.hash_off)
+    hashed = np.add.reduceat(log.block_tokens[log.hash_ids], log.hash_off[:-1]) if log.hash_ids.size else None
+    if hashed is None:
+        hashed = np.zeros(log.n_requests, dtype=np.int64)
+    else:
+        hashed = np.where(sizes > 0, hashed, 0)
+    private = np.maximum(log.input_tokens - hashed, 0) + log.output_tokens
+    need = log.input_tokens + log.output_tokens
+    min_cap = int(cap[np.isin(rw, fleet_ids)].min())
+    if need.size and int(need.max()) > min_cap:
+        i = int(np.argmax(need))
+        raise ReplayError(f"request {i} needs {int(need[i])} KV tokens (input + output), more than "
+                          f"max_total_num_tokens {min_cap} of some rank; raise the capacity")
+    heap_cap = min(log.n_blocks, log.n_requests) + 4096
+    # the router's snapshot uses dp_size 1 for decode peers (no samples, never fleet)
+    dp_view = np.where(dp > 0, dp, 1).astype(np.int64)
+    return dict(req_ts=np.ascontiguousarray(log.ts_ns + START_NS, dtype=np.int64),
+                req_L=np.ascontiguousarray(log.input_tokens, dtype=np.int64),
+                req_out=np.ascontiguousarray(log.output_tokens, dtype=np.int64),
+                req_private=np.ascontiguousarray(private, dtype=np.int64),
+                h_off=np.ascontiguousarray(log.hash_off, dtype=np.int64),
+                h_ids=np.ascontiguousarray(log.hash_ids, dtype=np.int64),
+                btok=np.ascontiguousarray(log.block_tokens, dtype=np.int64),
+                parent=np.ascontiguousarray(log.block_parent, dtype=np.int64),
+                n_workers=nw, fleet=fleet_ids, in_fleet=in_fleet, dp_size=dp_view,
+                rank_off=rank_off, prefill_tps=prefill_tps, rank_decode_ns=decode_ns,
+                rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
+                publish_ns=publish_ns, heap_cap=int(heap_cap))
+
+
+def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int):
+    enc = encode_configs([config])
+    k = inputs
+    return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["h_off"],
+                          k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
+                          k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
+                          k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
+                          np.ascontiguousarray(enc.cfg_i[0]), np.ascontiguousarray(enc.cfg_f[0]),
+                          int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
+                          int(index_lag_ms) * 1_000_000, k["heap_cap"])
+
+
+def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
+    urls = np.array(fleet.urls, dtype=object)
+    n = log.n_requests
+    ts = inputs["req_ts"]
+    qb = np.diff(log.hash_off)
+    sel = rq[:, nb.RQ_WORKER]
+    struct = pa.StructArray.from_arrays(
+        [pa.array(urls[m_w].tolist() if m_w.size else [], type=pa.string()),
+         pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
+    matches = pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct)
+    sel_names = pa.array([fleet.urls[w] if w >= 0 else None for w in sel.tolist()], type=pa.string())
+    requests = pa.table({
+        "ts": pa.array(ts, type=pa.int64()),
+        "request_id": pa.array(np.arange(n, dtype=np.int64)),
+        "model": pa.array([fleet.spec.model] * n, type=pa.string()),
+        "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
+        "query_blocks": pa.array(qb.astype(np.int64)),
+        "matches": matches,
+        "best_prefix_blocks": pa.array(rq[:, nb.RQ_BEST]),
+        "selected_worker": sel_names,
+    })
+    lw = loads[nb.LD_WORKER]
+    loads_t = pa.table({
+        "ts": pa.array(loads[nb.LD_TS]),
+        "worker": pa.array(urls[lw].tolist() if lw.size else [], type=pa.string()),
+        "dp_rank": pa.array(loads[nb.LD_RANK]),
+        "num_running_reqs": pa.array(loads[nb.LD_RUNNING]),
+        "num_waiting_reqs": pa.array(loads[nb.LD_WAITING]),
+        "num_tokens": pa.array(loads[nb.LD_TOKENS]),
+        "max_total_num_tokens": pa.array(loads[nb.LD_MAXTOT]),
+        "num_waiting_uncached_tokens": pa.array(loads[nb.LD_WU]),
+        "num_total_tokens": pa.array(loads[nb.LD_TOTAL]),
+        "max_running_requests": pa.array(loads[nb.LD_MAXRUN]),
+        "total_prefill_uncached_tokens": pa.array(loads[nb.LD_PTOK]),
+        "total_prefill_busy_us": pa.array(loads[nb.LD_PBUSY]),
+        "router_inflight": pa.array(loads[nb.LD_INFLIGHT]),
+    })
+    workers = pa.table({
+        "worker": pa.array(fleet.urls, type=pa.string()),
+        "model": pa.array([w.model for w in fleet.workers], type=pa.string()),
+        "role": pa.array([w.role for w in fleet.workers], type=pa.string()),
+        "dp_size": pa.array([w.dp_size for w in fleet.workers], type=pa.int64()),
+    })
+
+    def ms(a, b):
+        ok = (a >= 0) & (b >= 0)
+        return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
+
+    arrive = ts
+    outcomes = pa.table({
+        "request_id": pa.array(np.arange(n, dtype=np.int64)),
+        "worker": sel_names,
+        "dp_rank": pa.array(np.where(rq[:, nb.RQ_RANK] >= 0,
+                                     rq[:, nb.RQ_RANK] - inputs["rank_off"][np.maximum(sel, 0)], -1)),
+        "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
+        "output_tokens": pa.array(log.output_tokens.astype(np.int64)),
+        "cached_tokens": pa.array(np.maximum(rq[:, nb.RQ_CACHED_TOKENS], 0)),
+        "cached_blocks": pa.array(np.maximum(rq[:, nb.RQ_CACHED_BLOCKS], 0)),
+        "query_blocks": pa.array(qb.astype(np.int64)),
+        "arrival_ts": pa.array(arrive),
+        "admit_ts": pa.array(rq[:, nb.RQ_ADMIT]),
+        "first_token_ts": pa.array(rq[:, nb.RQ_FIRST]),
+        "completion_ts": pa.array(rq[:, nb.RQ_DONE]),
+        "queue_wait_ms": ms(rq[:, nb.RQ_ADMIT], arrive),
+        "ttft_ms": ms(rq[:, nb.RQ_FIRST], arrive),
+        "latency_ms": ms(rq[:, nb.RQ_DONE], arrive),
+        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, nb.RQ_REASON].tolist()],
+                           type=pa.string()),
+        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, nb.RQ_DECISION].tolist()],
+                             type=pa.string()),
+        "completions": pa.array(rq[:, nb.RQ_COMPLETIONS]),
+    })
+    return requests, loads_t, workers, outcomes
+
+
+def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
+    n = log.n_requests
+    L = log.input_tokens.astype(np.int64)
+    cached = np.maximum(rq[:, nb.RQ_CACHED_TOKENS], 0)
+    ttft = outcomes["ttft_ms"].to_numpy(zero_copy_only=False)
+    wait = outcomes["queue_wait_ms"].to_numpy(zero_copy_only=False)
+    done = rq[:, nb.RQ_DONE]
+    span_ns = int(done.max() - (log.ts_ns[0] + START_NS)) if n else 0
+
+    def q(a, p):
+        a = a[~np.isnan(a)]
+        return float(np.percentile(a, p)) if a.size else None
+
+    row: dict[str, Any] = {
+        "requests": n,
+        "routed": int((rq[:, nb.RQ_WORKER] >= 0).sum()),
+        "failed": int((rq[:, nb.RQ_WORKER] < 0).sum()),
+        "true_hit_rate": float(cached.sum() / L.sum()) if L.sum() else None,
+        "block_hit_rate": (float(np.maximum(rq[:, nb.RQ_CACHED_BLOCKS], 0).sum() / log.hash_ids.size)
+                           if log.hash_ids.size else None),
+        "cold_prefill_tokens": int((L - cached).sum()),
+        "ttft_ms_mean": float(np.nanmean(ttft)) if n else None,
+        "ttft_ms_p50": q(ttft, 50),
+        "ttft_ms_p99": q(ttft, 99),
+        "queue_wait_ms_mean": float(np.nanmean(wait)) if n else None,
+        "queue_wait_ms_p50": q(wait, 50),
+        "queue_wait_ms_p99": q(wait, 99),
+        "makespan_s": span_ns / 1e9,
+        "throughput_req_s": n / (span_ns / 1e9) if span_ns > 0 else None,
+        "throughput_output_tok_s": (float(log.output_tokens.sum()) / (span_ns / 1e9)
+                                    if span_ns > 0 else None),
+        "evictions": int(stats[nb.SS_EVICTIONS]),
+    }
+    dec = rq[:, nb.RQ_DECISION]
+    for code, name in enumerate(L_.DECISIONS):
+        row[name] = int((dec == code).sum())
+    reason = rq[:, nb.RQ_REASON]
+    for code, name in enumerate(L_.POLICY_REASONS):
+        pr = np.array([L_.reason_to_policy_reason(int(r)) if r >= 0 else -1 for r in range(7)])
+        row[f"policy_{name}"] = int(np.isin(reason, np.nonzero(pr == code)[0]).sum())
+    return row
+
+
+def _write_parquet(table: pa.Table, path: Path) -> None:
+    pq.write_table(table, path, compression="zstd")
+
+
+def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
+             out_dir: str | os.PathLike | None = None, *, seed: int = 0,
+             publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
+             force: bool = False, _inputs: dict | None = None) -> SimResult:
+    """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
+
+    With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
+    ``workers.parquet`` (the trace ``sweep`` reads), ``outcomes.parquet`` and
+    ``sim.json`` (parameters, summary, statistics), atomically.  The result
+    is a pure function of the arguments.
+    """
+    config = config or RouterConfig()
+    config.validate()
+    if publish_interval_ms < 1:
+        raise ReplayError(f"--publish-interval-ms must be >= 1, got {publish_interval_ms}")
+    if index_lag_ms < 0 or freshness_ms < 0:
+        raise ReplayError("--index-lag-ms and --freshness-ms must be >= 0")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        _check_out(out, force)
+    t0 = time.perf_counter()
+    inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
+                                                             index_lag_ms)
+    seconds = time.perf_counter() - t0
+    req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
+    stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
+            and name != "SS_NCOLS"}
+    stat["max_kv_used_minus_capacity"] = int((rs[:, nb.RS_MAX_USED] - rs[:, nb.RS_CAP]).max())
+    stat["max_queue_len"] = int(rs[:, nb.RS_MAX_QLEN].max())
+    stat["load_rows"] = int(loads.shape[1])
+    summary = _summary(log, rq, out_t, stats)
+    summary["sim_seconds"] = round(seconds, 4)
+    res = SimResult(config, pl.from_arrow(req_t), pl.from_arrow(loads_t), pl.from_arrow(workers_t),
+                    pl.from_arrow(out_t), summary, stat, out, seconds)
+    if out is not None:
+        meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+                "requests": log.n_requests, "seed": int(seed),
+                "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
+                "freshness_ms": int(freshness_ms), "config": config.as_dict(),
+                "fleet": fleet.describe(), "summary": summary, "stats": stat}
+        _write_dir(out, {"requests.parquet": req_t, "loads.parquet": loads_t,
+                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta)
+    return res
+
+
+def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        for name, t in tables.items():
+            _write_parquet(t, tmp / name)
+        (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _json(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    raise TypeError(type(v).__name__)
+
+
+def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
+                  out_dir: str | os.PathLike | None = None, *, seed: int = 0,
+                  publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
+                  force: bool = False, threads: int | None = None) -> pl.DataFrame:
+    """One closed-loop simulation per config of ``grid``; returns the summary table.
+
+    With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
+    the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
+    """
+    if not isinstance(grid, Grid):
+        grid = Grid(grid)
+    if not grid.configs:
+        raise ReplayError("the grid has no valid config")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        _check_out(out, force)
+    inputs = _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    ids = list(grid.config_ids)
+    rows_by_id = {r["config_id"]: r for r in grid.rows()}
+    tmp = None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+    def one(j: int) -> dict:
+        cfg = grid.configs[j]
+        sub = (tmp / f"config-{ids[j]}") if tmp is not None else None
+        r = simulate(log, fleet, cfg, sub, seed=seed, publish_interval_ms=publish_interval_ms,
+                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs)
+        row = {k: v for k, v in rows_by_id[ids[j]].items()}
+        row.update(r.summary)
+        return row
+
+    try:
+        n_threads = threads or os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(ids)))) as ex:
+            rows = list(ex.map(one, range(len(ids))))
+        table = pl.DataFrame(rows)
+        if tmp is not None and out is not None:
+            table.write_parquet(tmp / SUMMARY)
+            table.write_csv(tmp / "closed_loop_summary.csv")
+            (tmp / SIM_JSON).write_text(json.dumps({
+                "tool": "router-replay simulate", "version": __version__, "log": log.source,
+                "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
+                "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
+                "freshness_ms": int(freshness_ms), "fleet": fleet.describe()},
+                indent=2, default=_json) + "\n")
+            if out.exists():
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
+            tmp = None
+        return table
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
