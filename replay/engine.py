@@ -40,6 +40,7 @@ class EncodedConfigs:
     lim_vals: np.ndarray   # int64: distinct limits (-1 = None)
     fl_vals: np.ndarray    # int64: distinct floors (-1 = None)
     n_groups: int
+    parent: np.ndarray     # int64[n]: previous config of the same group and limit (accumulate.py)
 
 
 def _int(v) -> int:
@@ -81,8 +82,18 @@ def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
             fl_list.append(row_i[1])
         li[c] = lim_list.index(row_i[0])
         fi[c] = fl_list.index(row_i[1])
+    # parent: the previous config of the same group and limit (configs differing
+    # only in the floor, in canonical order), so a chain of floors shares one
+    # booking wherever neighbouring floors decide alike
+    last: dict[tuple[int, int], int] = {}
+    parent = np.arange(n, dtype=np.int64)
+    for c in range(n):
+        key = (int(group[c]), int(li[c]))
+        if key in last:
+            parent[c] = last[key]
+        last[key] = c
     return EncodedConfigs(cfg_i, cfg_f, group, li, fi, np.array(lim_list or [-1], dtype=np.int64),
-                          np.array(fl_list or [-1], dtype=np.int64), max(len(groups), 1))
+                          np.array(fl_list or [-1], dtype=np.int64), max(len(groups), 1), parent)
 
 
 @dataclass
@@ -105,7 +116,10 @@ class Totals:
     chunks and shards merge exactly; :meth:`merged` folds the blocks.
     """
 
-    def __init__(self, n_blocks: int, n_configs: int):
+    def __init__(self, n_blocks: int, n_configs: int, parent: np.ndarray | None = None):
+        # children are booked relative to their parent config (kernels/accumulate.py)
+        self.parent = (np.arange(n_configs, dtype=np.int64) if parent is None
+                       else np.asarray(parent, dtype=np.int64))
         self.acc = np.zeros((n_blocks, kacc.N_ACC, n_configs), dtype=np.int64)
         self.hist_wait = np.zeros((n_blocks, kacc.WAIT_HIST, n_configs), dtype=np.int64)
         self.hist_div = np.zeros((n_blocks, kacc.N_DIV, n_configs), dtype=np.int64)
@@ -113,19 +127,23 @@ class Totals:
         self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
 
     def add(self, other: "Totals") -> None:
-        """Fold another run's totals (same configs) into this one, block by block summed."""
-        self.acc[0] += other.acc.sum(axis=0)
-        self.hist_wait[0] += other.hist_wait.sum(axis=0)
-        self.hist_div[0] += other.hist_div.sum(axis=0)
-        self.stats[0] += other.stats.sum(axis=0)
+        """Fold another run's totals (same configs) into this one (both made absolute)."""
+        mine, theirs = self.merged(), other.merged()
+        self.parent = mine.parent
+        self.acc = mine.acc + theirs.acc
+        self.hist_wait = mine.hist_wait + theirs.hist_wait
+        self.hist_div = mine.hist_div + theirs.hist_div
+        self.stats = mine.stats + theirs.stats
 
     def merged(self) -> "Totals":
-        """A one-block Totals holding the exact (integer) sum over blocks."""
+        """A one-block Totals holding the exact (integer) sum over blocks, with
+        every config's totals absolute (children folded onto their parents)."""
         out = Totals(1, self.acc.shape[2])
         out.acc[0] = self.acc.sum(axis=0)
         out.hist_wait[0] = self.hist_wait.sum(axis=0)
         out.hist_div[0] = self.hist_div.sum(axis=0)
         out.stats[0] = self.stats.sum(axis=0)
+        kacc.fold_parents(out.acc[0], out.hist_wait[0], out.hist_div[0], self.parent)
         return out
 
 
@@ -211,6 +229,9 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                 if trace.req_selected_worker is not None else None)
     if totals is None:
         totals = Totals(blocks_per_chunk, n_cfg)
+    if totals.acc[:, :, :].any() and not (totals.parent == enc.parent).all():
+        raise ValueError("totals were filled for configs in another order")
+    totals.parent = enc.parent
     if totals.acc.shape[0] < blocks_per_chunk:
         raise ValueError("totals has fewer block slots than a chunk has blocks")
     tables = np.zeros((blocks_per_chunk,) + table.shape, dtype=np.int64)
@@ -241,7 +262,8 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
             selected[start:stop] if selected is not None else empty_sel,
             m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w,
             *loads, dp, int(freshness_ns), enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi,
-            enc.lim_vals, enc.fl_vals, enc.n_groups, int(seed), max_matches, keep, out_i, out_f,
+            enc.lim_vals, enc.fl_vals, enc.n_groups, enc.parent, int(seed), max_matches, keep,
+            out_i, out_f,
             totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb], totals.stats[:nb])
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]

@@ -159,3 +159,25 @@ def test_totals_equal_with_and_without_kept_decisions(parquet_trace):
         assert (t.hist_wait == totals[0].hist_wait).all()
         assert (t.hist_div == totals[0].hist_div).all()
     assert totals[0].acc.sum() > 0
+
+
+def test_grid_totals_equal_each_config_replayed_alone(parquet_trace):
+    """Configs are booked relative to a neighbouring config and folded at the end;
+    the folded totals must equal a run of that config alone."""
+    grid = Grid.from_texts({"--worker-queue-limit": "none,1..4",
+                            "--saturation-queue-floor": "none,1..3",
+                            "--min-load-choices": "1,2"})
+
+    def totals_of(configs):
+        t = engine.new_totals(len(configs))
+        for _ in engine.iter_chunks(parquet_trace, configs, seed=6, keep=False, totals=t):
+            pass
+        return t.merged()
+
+    together = totals_of(grid.configs)
+    assert (together.acc[0][0] == parquet_trace.n_requests).all()  # "requests" of every config
+    for c, cfg in enumerate(grid.configs):
+        alone = totals_of([cfg])
+        assert (together.acc[0][:, c] == alone.acc[0][:, 0]).all(), f"config {c}"
+        assert (together.hist_wait[0][:, c] == alone.hist_wait[0][:, 0]).all(), f"config {c}"
+        assert (together.hist_div[0][:, c] == alone.hist_div[0][:, 0]).all(), f"config {c}"

@@ -101,82 +101,115 @@ def diverted_bucket_nb(v):
 
 
 @njit
-def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, query_blocks,
+def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
+    """Add ``sign`` times decision column ``k`` to config ``c``'s accumulators."""
+    top = hw.shape[0] - 1
+    w = res_i[O_WORKER, k]
+    # "requests" and "agree_known" are per-request constants: booked per block
+    # by book_block_constants_nb.  A replayed 503 counts as a disagreement.
+    if selected_worker >= 0 and selected_worker == w:
+        a[_AGREE, c] += sign
+    if w < 0:
+        a[_FAILED, c] += sign
+        f = res_i[O_FAILURE, k]
+        if f >= 0:
+            a[_FAIL0 + f, c] += sign
+        return
+    a[_ROUTED, c] += sign
+    dec = res_i[O_DECISION, k]
+    a[_DEC0 + dec, c] += sign
+    a[_POL0 + res_i[O_POLICY_REASON, k], c] += sign
+    a[_QUERY, c] += sign * (q)
+    matched = res_i[O_MATCHED, k]
+    if matched > 0:
+        sel = res_i[O_SELECTED_BLOCKS, k]
+        a[_MATCHED, c] += sign * (matched)
+        a[_SELECTED, c] += sign * (sel)
+        a[_OWNER_CHANCES, c] += sign
+        if sel > 0:
+            a[_OWNER_HITS, c] += sign
+    a[_COLD, c] += sign * (res_i[O_UNCACHED, k])
+    sw = res_i[O_SEL_WAITING, k]
+    if sw >= 0:
+        a[_WAIT_KNOWN, c] += sign
+        a[_WAIT_SUM, c] += sign * (sw)
+        hw[sw if sw < top else top, c] += sign
+    wu = res_i[O_SEL_WU, k]
+    if wu >= 0:
+        a[_WU_KNOWN, c] += sign
+        a[_WU_SUM, c] += sign * (wu)
+        ms = res_f[k]
+        if not math.isnan(ms):
+            a[_MS_KNOWN, c] += sign
+            a[_US_SUM, c] += sign * (np.int64(np.round(ms * 1000.0)))
+    if res_i[O_SOURCE, k] < 0:
+        return  # no cache resolution ran: every audit counter is 0
+    gate = res_i[O_GATE_REJECTED, k]
+    fell = res_i[O_FELL_BACK, k]
+    if res_i[O_REASON, k] == _PIN:
+        a[_PINNED, c] += sign
+    elif gate > 0 and fell == 0:
+        a[_DIVERTED, c] += sign
+    a[_FELL_BACK, c] += sign * (fell)
+    a[_ALL_QUEUED, c] += sign * (res_i[O_ALL_QUEUED, k])
+    a[_COMPARED, c] += sign * (res_i[O_COMPARED, k])
+    a[_OVERRIDES, c] += sign * (res_i[O_OVERRIDES, k])
+    a[_EVAL, c] += sign * (res_i[O_EVALUATED, k])
+    a[_ADM_REJ, c] += sign * (res_i[O_ADM_REJECTED, k])
+    a[_GATE_REJ, c] += sign * (gate)
+    if dec == _WORKER_QUEUED:
+        hd[diverted_bucket_nb(res_i[O_BEST_REJECTED, k]), c] += sign
+
+
+@njit
+def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, parent, query_blocks,
                           selected_worker):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 
     Config ``c``'s decision is column ``src_of[c]`` of ``res_i[O_*, :]`` /
     ``res_f`` (kernels/columns.py); ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]`` and
-    ``hist_div[b, bucket, c]`` keep configs innermost, so each field is one
-    contiguous pass over the configs.
+    ``hist_div[b, bucket, c]`` keep configs innermost.
+
+    Configs are booked relative to a parent (``parent[c] < c``: the previous
+    config of the same knob group and limit, so a chain over the floors; a root
+    is its own parent).  A parent books
+    its decision; a child books nothing when its decision is its parent's (the
+    usual case: a floor only matters when the limit gates a candidate) and
+    otherwise the difference.  ``fold_parents`` adds each parent's totals to its
+    children once, at the end, so every total is exact.
     """
     n_cfg = res_i.shape[1]
-    top = hist_wait.shape[1] - 1
     q = query_blocks if query_blocks > 0 else 0
     a = acc[b]
     hw = hist_wait[b]
+    hd = hist_div[b]
     for c in range(n_cfg):
+        p = parent[c]
         k = src_of[c]
-        w = res_i[O_WORKER, k]
-        # "requests" and "agree_known" are per-request constants: booked per block
-        # by book_block_constants_nb
-        if selected_worker >= 0 and selected_worker == w:
-            a[_AGREE, c] += 1  # a replayed 503 counts as a disagreement
-        if w < 0:
-            a[_FAILED, c] += 1
-            f = res_i[O_FAILURE, k]
-            if f >= 0:
-                a[_FAIL0 + f, c] += 1
-            continue
-        a[_ROUTED, c] += 1
-        dec = res_i[O_DECISION, k]
-        a[_DEC0 + dec, c] += 1
-        a[_POL0 + res_i[O_POLICY_REASON, k], c] += 1
-        a[_QUERY, c] += q
-        matched = res_i[O_MATCHED, k]
-        if matched > 0:
-            sel = res_i[O_SELECTED_BLOCKS, k]
-            a[_MATCHED, c] += matched
-            a[_SELECTED, c] += sel
-            a[_OWNER_CHANCES, c] += 1
-            if sel > 0:
-                a[_OWNER_HITS, c] += 1
-        a[_COLD, c] += res_i[O_UNCACHED, k]
-        sw = res_i[O_SEL_WAITING, k]
-        if sw >= 0:
-            a[_WAIT_KNOWN, c] += 1
-            a[_WAIT_SUM, c] += sw
-            hw[sw if sw < top else top, c] += 1
-        wu = res_i[O_SEL_WU, k]
-        if wu >= 0:
-            a[_WU_KNOWN, c] += 1
-            a[_WU_SUM, c] += wu
-            ms = res_f[k]
-            if not math.isnan(ms):
-                a[_MS_KNOWN, c] += 1
-                a[_US_SUM, c] += np.int64(np.round(ms * 1000.0))
-        if res_i[O_SOURCE, k] < 0:
-            continue  # no cache resolution ran: every audit counter is 0
-        gate = res_i[O_GATE_REJECTED, k]
-        fell = res_i[O_FELL_BACK, k]
-        if res_i[O_REASON, k] == _PIN:
-            a[_PINNED, c] += 1
-        elif gate > 0 and fell == 0:
-            a[_DIVERTED, c] += 1
-        a[_FELL_BACK, c] += fell
-        a[_ALL_QUEUED, c] += res_i[O_ALL_QUEUED, k]
-        a[_COMPARED, c] += res_i[O_COMPARED, k]
-        a[_OVERRIDES, c] += res_i[O_OVERRIDES, k]
-        a[_EVAL, c] += res_i[O_EVALUATED, k]
-        a[_ADM_REJ, c] += res_i[O_ADM_REJECTED, k]
-        a[_GATE_REJ, c] += gate
-        if dec == _WORKER_QUEUED:
-            hist_div[b, diverted_bucket_nb(res_i[O_BEST_REJECTED, k]), c] += 1
+        if p == c:
+            _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, 1)
+        elif k != src_of[p]:
+            _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, 1)
+            _book_nb(a, hw, hd, c, src_of[p], res_i, res_f, q, selected_worker, -1)
+
+
+def fold_parents(acc, hist_wait, hist_div, parent):
+    """Turn parent-relative totals (one block, ``acc[ACC_*, c]``) into absolute ones, in place.
+
+    Parents come before their children, so one ascending pass folds whole chains.
+    """
+    for c, p in enumerate(parent):
+        if p != c:
+            acc[:, c] += acc[:, p]
+            hist_wait[:, c] += hist_wait[:, p]
+            hist_div[:, c] += hist_div[:, p]
 
 
 @njit
-def book_block_constants_nb(acc, b, n_requests, n_with_selected):
-    """Book the per-request constants of a block: every config saw every request."""
+def book_block_constants_nb(acc, b, parent, n_requests, n_with_selected):
+    """Book the per-request constants of a block: every config saw every request
+    (parents only: children inherit them through ``fold_parents``)."""
     for c in range(acc.shape[2]):
-        acc[b, _REQUESTS, c] += n_requests
-        acc[b, _AGREE_KNOWN, c] += n_with_selected
+        if parent[c] == c:
+            acc[b, _REQUESTS, c] += n_requests
+            acc[b, _AGREE_KNOWN, c] += n_with_selected

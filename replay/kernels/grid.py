@@ -252,7 +252,7 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                  load_ts, load_worker, load_rank, load_running, load_waiting, load_tokens,
                  load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok, load_pbusy,
                  load_inflight, dp_size, freshness, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi,
-                 lim_vals, fl_vals, n_groups, seed, max_matches, keep, out_i, out_f,
+                 lim_vals, fl_vals, n_groups, parent, seed, max_matches, keep, out_i, out_f,
                  acc, hist_wait, hist_div, stats):
     """Replay a chunk of requests under every config, one block of requests per thread.
 
@@ -323,7 +323,8 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
             s_rung += n_rung
             s_ladder += n_ladder
             sel = req_selected[i] if req_selected.shape[0] > 0 else -1
-            accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, req_qb[i], sel)
+            accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, parent,
+                                  req_qb[i], sel)
             if keep:
                 for c in range(n_cfg):
                     src = src_of[c]
@@ -334,7 +335,7 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
         if req_selected.shape[0] > 0:
             for i in range(block_lo[b], block_lo[b + 1]):
                 n_sel += req_selected[i] >= 0
-        book_block_constants_nb(acc, b, block_lo[b + 1] - block_lo[b], n_sel)
+        book_block_constants_nb(acc, b, parent, block_lo[b + 1] - block_lo[b], n_sel)
         stats[b, 0] += s_rung  # once per block: neighbouring blocks share a cache line
         stats[b, 1] += s_ladder
         ptrs[b] = ptr
