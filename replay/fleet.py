@@ -1,0 +1,188 @@
+"""Per-request fleet readings and trace facts for reports (not used by the decision engine).
+
+For every request: the fleet's *smallest fresh queue reading* (the minimum,
+over the request's fleet, of each worker's fresh ``num_waiting_reqs`` summed
+over its required ranks; spec section 1.3 basic aggregate) and how many fleet
+workers had such a reading.  The saturation pin can fire only when no fresh
+fleet worker reads below the floor (section 3.6), i.e. when this minimum is
+``>= floor``; the report plots it beside the pin share over time.
+
+Same snapshot rules as ``reference.LoadTable``: a sample is visible when its
+``ts <= request ts`` (later rows of equal ``ts`` win), fresh when
+``request ts - sample ts <= freshness``; with a ``dp_size`` the required ranks
+are ``0..dp_size-1`` and rows of other ranks are ignored, without one they are
+the ranks observed so far.  ``tests/test_report.py`` holds it equal to the
+reference's snapshot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from .kernels._jit import njit
+from .trace import Trace
+
+FLEET = "fleet.parquet"
+NO_READING = -1
+
+SATURATED_DEFINITION = (
+    "the fleet's smallest fresh queue reading is ≥ 1: every fleet worker with a fresh "
+    "load sample has requests waiting (requests whose fleet has no fresh sample do not count)"
+)
+
+
+@njit
+def _fleet_min_nb(req_ts, req_model, load_ts, load_worker, load_rank, load_waiting, dp,
+                  n_slots, fleet_off, fleet_w, freshness, out_min, out_fresh):
+    n_w = dp.shape[0]
+    seen = np.zeros((n_w, n_slots), dtype=np.bool_)
+    at = np.zeros((n_w, n_slots), dtype=np.int64)
+    wait = np.zeros((n_w, n_slots), dtype=np.int64)
+    n_loads = load_ts.shape[0]
+    j = 0
+    for i in range(req_ts.shape[0]):
+        now = req_ts[i]
+        while j < n_loads and load_ts[j] <= now:
+            w = load_worker[j]
+            r = load_rank[j]
+            if not (dp[w] > 0 and r >= dp[w]):
+                seen[w, r] = True
+                at[w, r] = load_ts[j]
+                wait[w, r] = load_waiting[j]
+            j += 1
+        m = req_model[i]
+        best = -1
+        n_fresh = 0
+        for k in range(fleet_off[m], fleet_off[m + 1]):
+            w = fleet_w[k]
+            total = 0
+            ok = True
+            n_req_ranks = 0
+            top = dp[w] if dp[w] > 0 else n_slots
+            for r in range(top):
+                if not seen[w, r]:
+                    if dp[w] > 0:
+                        ok = False
+                        break
+                    continue
+                n_req_ranks += 1
+                if now - at[w, r] > freshness:
+                    ok = False
+                    break
+                total += wait[w, r]
+            if ok and n_req_ranks > 0:
+                n_fresh += 1
+                if best < 0 or total < best:
+                    best = total
+        out_min[i] = best
+        out_fresh[i] = n_fresh
+
+
+def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    offs = [0]
+    members = []
+    for m in range(max(len(trace.models), 1)):
+        f = np.asarray(trace.fleet(m), dtype=np.int64)
+        members.append(f)
+        offs.append(offs[-1] + len(f))
+    fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
+    return np.asarray(offs, dtype=np.int64), fleet_w.astype(np.int64)
+
+
+def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.ndarray, np.ndarray]:
+    """Per request (trace order): ``(min_waiting, fresh_workers)``.
+
+    ``min_waiting`` is the smallest fresh summed ``num_waiting_reqs`` of the
+    request's fleet, ``-1`` when no fleet worker has a fresh reading;
+    ``fresh_workers`` counts the fleet workers with a fresh reading.
+    """
+    n = trace.n_requests
+    out_min = np.full(n, NO_READING, dtype=np.int64)
+    out_fresh = np.zeros(n, dtype=np.int32)
+    if n == 0:
+        return out_min, out_fresh
+    n_w = max(trace.n_workers, 1)
+    dp = np.zeros(n_w, dtype=np.int64)
+    dp[:trace.worker_dp_size.shape[0]] = trace.worker_dp_size
+    top = int(trace.load_rank.max()) + 1 if trace.load_rank.size else 1
+    n_slots = max(top, int(dp.max()) if dp.size else 0, 1)
+    fleet_off, fleet_w = _fleet_tables(trace)
+    _fleet_min_nb(np.ascontiguousarray(trace.req_ts, dtype=np.int64),
+                  np.ascontiguousarray(trace.req_model, dtype=np.int64),
+                  np.ascontiguousarray(trace.load_ts, dtype=np.int64),
+                  np.ascontiguousarray(trace.load_worker, dtype=np.int64),
+                  np.ascontiguousarray(trace.load_rank, dtype=np.int64),
+                  np.ascontiguousarray(trace.load_waiting, dtype=np.int64),
+                  dp, n_slots, fleet_off, fleet_w, int(freshness_ns), out_min, out_fresh)
+    return out_min, out_fresh
+
+
+def fleet_table(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray) -> pl.DataFrame:
+    """The ``fleet.parquet`` table: one row per request, trace (time) order."""
+    ids = trace.request_id
+    rid = (pl.Series("request_id", ids.tolist(), dtype=pl.String) if ids.dtype == object
+           else pl.Series("request_id", np.asarray(ids, dtype=np.int64)))
+    models = np.asarray(trace.models, dtype=object)
+    return pl.DataFrame({
+        "request_id": rid,
+        "ts": pl.Series("ts", trace.req_ts, dtype=pl.Int64),
+        "model": pl.Series("model", models[trace.req_model].tolist() if trace.n_requests else [],
+                           dtype=pl.String),
+        "fleet_min_waiting": pl.Series("fleet_min_waiting",
+                                       np.where(min_waiting < 0, None, min_waiting).tolist(),
+                                       dtype=pl.Int64),
+        "fleet_fresh_workers": pl.Series("fleet_fresh_workers", fresh_workers, dtype=pl.Int32),
+    })
+
+
+def _fleet_dp_sizes(trace: Trace) -> dict[str, int]:
+    """dp_size -> number of fleet workers (workers table, else ranks observed)."""
+    sizes: dict[int, int] = {}
+    seen: set[int] = set()
+    for m in range(max(len(trace.models), 1)):
+        for w in trace.fleet(m):
+            w = int(w)
+            if w in seen:
+                continue
+            seen.add(w)
+            dp = int(trace.worker_dp_size[w])
+            if dp <= 0:
+                ranks = trace.load_rank[trace.load_worker == w]
+                dp = int(ranks.max()) + 1 if ranks.size else 0
+            sizes[dp] = sizes.get(dp, 0) + 1
+    return {str(k): v for k, v in sorted(sizes.items())}
+
+
+def trace_facts(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray,
+                freshness_ns: int) -> dict:
+    """Config-independent facts of the replayed trace, for ``run.json["trace"]["facts"]``."""
+    n = trace.n_requests
+    facts: dict = {
+        "requests": n,
+        "span_start_ns": int(trace.req_ts[0]) if n else None,
+        "span_end_ns": int(trace.req_ts[-1]) if n else None,
+        "span_s": (int(trace.req_ts[-1]) - int(trace.req_ts[0])) / 1e9 if n else 0.0,
+        "fleet_workers": {mname: int(trace.fleet(i).shape[0]) for i, mname in enumerate(trace.models)},
+        "dp_sizes": _fleet_dp_sizes(trace),
+        "freshness_ms": int(freshness_ns) // 1_000_000,
+        "saturated_definition": SATURATED_DEFINITION,
+    }
+    if n == 0:
+        facts.update(saturated_share_time=None, saturated_share_requests=None,
+                     no_fresh_fleet_reading_share=None, fleet_min_waiting={})
+        return facts
+    sat = min_waiting >= 1
+    gaps = np.diff(trace.req_ts).astype(np.float64)
+    span = float(gaps.sum())
+    # each inter-request gap carries the state read at its first request
+    facts["saturated_share_time"] = float(gaps[sat[:-1]].sum() / span) if span > 0 else float(sat[0])
+    facts["saturated_share_requests"] = float(sat.mean())
+    facts["no_fresh_fleet_reading_share"] = float((min_waiting < 0).mean())
+    known = min_waiting[min_waiting >= 0]
+    facts["fleet_min_waiting"] = (
+        {"p50": int(np.quantile(known, 0.5, method="inverted_cdf")),
+         "p90": int(np.quantile(known, 0.9, method="inverted_cdf")),
+         "p99": int(np.quantile(known, 0.99, method="inverted_cdf")),
+         "max": int(known.max())} if known.size else {})
+    return facts

@@ -1,0 +1,1143 @@
+"""``report.html``: one self-contained page that answers "which floor and limit?".
+
+The page is built from a run directory (``summary.parquet``, ``run.json``,
+and where present ``decisions.parquet``, ``fleet.parquet`` and a closed-loop
+simulator's ``closed_loop_summary.parquet``).  plotly.js is embedded inline
+once, so the file opens offline.  Sections:
+
+1. headline: trace facts and the best configs by hit rate under a bound on
+   ``selected_waiting_p99``, with deltas against the no-gate baseline;
+2. heatmaps over floor x limit; 3. decision-label and policy-reason mix;
+4. one config over time beside the fleet's smallest fresh queue reading;
+5. floor against dp_size; 6. the hit-rate / pressure trade-off with its
+   Pareto front; 7. closed-loop results (when present); 8. provenance.
+
+From Python (notebooks): :func:`figures` returns the plotly figures,
+:func:`headline` the facts and best-config table, :func:`build_report`
+writes the page.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from . import __version__, labels
+from .config import KNOBS, RouterConfig
+from .errors import ReplayError
+
+REPORT = "report.html"
+CLOSED_LOOP = "closed_loop_summary.parquet"
+FLEET = "fleet.parquet"
+LIMIT = "worker_queue_limit"
+FLOOR = "saturation_queue_floor"
+TOP_N = 5
+TARGET_BINS = 120
+
+FAILED = "failed"
+DECISION_COLORS = {
+    "cache_hit": "#2ca02c", "cache_miss": "#9aa5b1", "cache_worker_queued": "#ff7f0e",
+    "all_queued": "#d62728", FAILED: "#222222",
+}
+REASON_COLORS = {
+    "cache_candidate": "#2ca02c", "saturation_pin": "#9467bd", "no_cache_candidate": "#9aa5b1",
+    "no_cache_candidate_admission_backup": "#8c564b", "no_cache_candidate_pressure_backup": "#e377c2",
+    "no_cache_candidate_range_fallback": "#bcbd22",
+    "no_cache_candidate_capacity_fallback_power_of_two": "#17becf", FAILED: "#222222",
+}
+PLOT_CONFIG = {"displaylogo": False, "responsive": True,
+               "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
+FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    fmt: str          # "pct", "int", "f2", "si"
+    better: str       # "high" or "low"
+
+
+# the heatmap metrics (issue 4, section 2), in page order
+HEATMAP_METRICS = (
+    Metric("hit_rate", "hit rate", "pct", "high"),
+    Metric("owner_rate", "owner rate", "pct", "high"),
+    Metric("pin_share", "pin share", "pct", "low"),
+    Metric("all_queued_share", "all_queued share", "pct", "low"),
+    Metric("diverted_share", "diverted share", "pct", "low"),
+    Metric("selected_waiting_p99", "p99 waiting at chosen worker", "int", "low"),
+    Metric("selected_waiting_mean", "mean waiting at chosen worker", "f2", "low"),
+    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
+)
+# everything a hover shows about one config
+HOVER_METRICS = (
+    Metric("hit_rate", "hit rate", "pct", "high"),
+    Metric("matched_rate", "matched rate (ceiling)", "pct", "high"),
+    Metric("owner_rate", "owner rate", "pct", "high"),
+    Metric("pin_share", "pin share", "pct", "low"),
+    Metric("all_queued_share", "all_queued share", "pct", "low"),
+    Metric("diverted_share", "diverted share", "pct", "low"),
+    Metric("fell_back_share", "fell-back share", "pct", "low"),
+    Metric("failed_share", "failed share", "pct", "low"),
+    Metric("selected_waiting_p50", "p50 waiting", "int", "low"),
+    Metric("selected_waiting_p99", "p99 waiting", "int", "low"),
+    Metric("selected_waiting_mean", "mean waiting", "f2", "low"),
+    Metric("selected_waiting_uncached_mean", "mean waiting uncached tokens", "si", "low"),
+    Metric("selected_queue_ms_mean", "mean est. queue ms", "f2", "low"),
+    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
+    Metric("agreement", "agreement with production", "pct", "high"),
+)
+
+
+def _fmt(v: Any, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    if fmt == "pct":
+        return f"{100 * v:.1f}%"
+    if fmt == "int":
+        return f"{int(v):,}"
+    if fmt == "f2":
+        return f"{v:.2f}"
+    if fmt == "si":
+        v = float(v)
+        for div, suf in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(v) >= div:
+                return f"{v / div:.3g}{suf}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _knob_text(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _flag_value(knob: str, v: Any) -> str:
+    """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts ``pressure_guard``)."""
+    spec = KNOBS.get(knob)
+    if spec is not None and spec.inverted and isinstance(v, bool):
+        return "true" if not v else "false"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return _knob_text(v)
+
+
+def _num_key(v: Any) -> tuple:
+    """Sort knob values with ``none`` first, then ascending."""
+    return (0, 0) if v is None else (1, v)
+
+
+# ---------------------------------------------------------------------------
+# loading
+@dataclass
+class RunData:
+    """A run directory read back: provenance, summary and the optional parts."""
+
+    path: Path
+    run: dict
+    summary: pl.DataFrame
+    decisions: Path | None
+    fleet: pl.DataFrame | None
+    closed_loop: pl.DataFrame | None
+    notes: list[str] = field(default_factory=list)
+
+
+def load_run(run_dir: str | os.PathLike) -> RunData:
+    """Read a run directory written by ``router-replay sweep`` (ReplayError on anything else)."""
+    p = Path(run_dir)
+    if not p.exists():
+        raise ReplayError(f"{p}: run directory not found")
+    if not p.is_dir():
+        raise ReplayError(f"{p}: not a directory (expected a run directory written by router-replay sweep)")
+    rj, sm = p / "run.json", p / "summary.parquet"
+    if not rj.is_file() or not sm.is_file():
+        raise ReplayError(f"{p}: not a run directory (no run.json and summary.parquet; "
+                          "write one with router-replay sweep)")
+    try:
+        run = json.loads(rj.read_text())
+    except (OSError, ValueError) as err:
+        raise ReplayError(f"{rj}: unreadable run record ({type(err).__name__})") from None
+    if not isinstance(run, dict) or run.get("tool") != "router-replay":
+        raise ReplayError(f"{rj}: not a router-replay run record")
+    summary = _read_parquet(sm)
+    for col in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99"):
+        if col not in summary.columns:
+            raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
+    dec = p / run["decisions"] if run.get("decisions") else None
+    fleet_path = p / FLEET
+    fleet = _read_parquet(fleet_path) if fleet_path.is_file() else None
+    cl_path = p / CLOSED_LOOP
+    closed = _read_parquet(cl_path) if cl_path.is_file() else None
+    return RunData(p, run, summary, dec if dec is not None and dec.is_file() else None, fleet, closed)
+
+
+def _read_parquet(path: Path) -> pl.DataFrame:
+    try:
+        return pl.read_parquet(path)
+    except Exception as err:  # polars / arrow raise many kinds
+        msg = " ".join(str(err).split())[:200]
+        raise ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})") from None
+
+
+# ---------------------------------------------------------------------------
+# the analysis shared by figures, headline and page
+class Analysis:
+    """Derived columns, the slice shown in the grid figures, the best configs and baselines."""
+
+    def __init__(self, data: RunData, *, config_id: int | None = None,
+                 max_p99_waiting: float | None = None):
+        self.data = data
+        self.run = data.run
+        s = data.summary
+        routed = pl.col("routed").cast(pl.Float64)
+        share = lambda c: pl.when(routed > 0).then(pl.col(c) / routed).otherwise(None)  # noqa: E731
+        s = s.with_columns(
+            pin_share=share("pinned"),
+            all_queued_share=share("all_queued"),
+            diverted_share=share("diverted"),
+            fell_back_share=share("fell_back"),
+            failed_share=pl.when(pl.col("requests") > 0)
+            .then(pl.col("failed") / pl.col("requests").cast(pl.Float64)).otherwise(None),
+        )
+        if "agreement" not in s.columns:
+            s = s.with_columns(agreement=pl.lit(None, dtype=pl.Float64))
+        self.per_rank = "per_rank_floor" in s.columns
+        self.knobs = [k for k in KNOBS if k in s.columns]
+        self.other_varying = [k for k in self.knobs if k not in (LIMIT, FLOOR)
+                              and s.get_column(k).n_unique() > 1]
+        self.summary = s.sort("config_id")
+        self.rows = {r["config_id"]: r for r in self.summary.iter_rows(named=True)}
+        # the pressure bound and the best configs under it
+        p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
+        if max_p99_waiting is not None:
+            self.bound = float(max_p99_waiting)
+            self.bound_note = f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} (given)"
+        elif p99:
+            self.bound = float(np.quantile(np.asarray(p99, dtype=float), 0.5, method="inverted_cdf"))
+            self.bound_note = (f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} "
+                               "(default: the median p99 over the grid's configs; "
+                               "set it with --max-p99-waiting)")
+        else:
+            self.bound = math.inf
+            self.bound_note = "no config has a known p99 waiting: no bound applied"
+        ranked = sorted(
+            (r for r in self.rows.values() if r["hit_rate"] is not None
+             and (r["selected_waiting_p99"] is None and not p99
+                  or r["selected_waiting_p99"] is not None and r["selected_waiting_p99"] <= self.bound)),
+            key=lambda r: (-r["hit_rate"], r["selected_waiting_mean"] if r["selected_waiting_mean"]
+                           is not None else math.inf, r["config_id"]))
+        self.best_rows = ranked[:TOP_N]
+        self.best = self.best_rows[0] if self.best_rows else None
+        # the slice of the other knobs the grid figures show
+        self.slice_note = ""
+        if self.other_varying:
+            default = RouterConfig()
+            want = {k: getattr(default, k) for k in self.other_varying}
+            match = [r for r in self.rows.values() if all(_same(r[k], v) for k, v in want.items())]
+            if match:
+                self.slice = want
+                why = "the router's defaults"
+            else:
+                pick = self.best or self.rows[min(self.rows)]
+                self.slice = {k: pick[k] for k in self.other_varying}
+                why = "the best config's values"
+            vals = ", ".join(f"{KNOBS[k].flag} {_flag_value(k, v)}" for k, v in self.slice.items())
+            self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
+                               f"the grid figures show the slice {vals} ({why}). "
+                               "The trade-off plot shows every config.")
+        else:
+            self.slice = {}
+        self.slice_rows = [r for r in self.rows.values()
+                           if all(_same(r[k], v) for k, v in self.slice.items())]
+        # the config followed over time
+        if config_id is not None:
+            if config_id not in self.rows:
+                raise ReplayError(f"--config {config_id}: no such config_id in this run "
+                                  f"(ids: {_id_list(self.rows)})")
+            self.chosen = self.rows[config_id]
+            self.chosen_note = f"config {config_id} (given)"
+        elif self.best is not None:
+            self.chosen = self.best
+            self.chosen_note = f"config {self.best['config_id']} (the best under the pressure bound)"
+        else:
+            self.chosen = self.rows[min(self.rows)] if self.rows else None
+            self.chosen_note = "the first config (no config met the pressure bound)"
+
+    # -- config helpers -------------------------------------------------------
+    def baseline_for(self, row: dict) -> dict | None:
+        """The no-gate config (limit none) with the same other knobs, if the grid has it."""
+        for r in self.rows.values():
+            if r[LIMIT] is None and all(_same(r[k], row[k]) for k in self.knobs if k not in (LIMIT, FLOOR)):
+                return r
+        return None
+
+    def label(self, row: dict, *, short: bool = False) -> str:
+        lim, fl = _knob_text(row[LIMIT]), _knob_text(row[FLOOR])
+        if short:
+            text = f"{lim}/{fl}"
+        else:
+            text = f"limit {lim} · floor {fl}"
+            if self.per_rank and row.get("per_rank_limit") is not None:
+                text += f" (per rank {_knob_text(row['per_rank_limit'])}/{_knob_text(row.get('per_rank_floor'))})"
+        extra = [f"{KNOBS[k].flag.lstrip('-')} {_flag_value(k, row[k])}" for k in self.other_varying]
+        if extra and not short:
+            text += " · " + ", ".join(extra)
+        return text
+
+    def hover(self, row: dict) -> str:
+        lines = [f"<b>config {row['config_id']}</b>: {html.escape(self.label(row))}"]
+        for m in HOVER_METRICS:
+            v = row.get(m.key)
+            if v is None and m.key in ("agreement", "selected_queue_ms_mean", "selected_waiting_uncached_mean"):
+                continue
+            lines.append(f"{m.label}: {_fmt(v, m.fmt)}")
+        lines.append(f"routed {row['routed']:,} of {row['requests']:,} requests")
+        return "<br>".join(lines)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0) or (
+            math.isnan(float(a)) and math.isnan(float(b)))
+    return a == b
+
+
+def _id_list(rows: dict) -> str:
+    ids = sorted(rows)
+    text = ", ".join(str(i) for i in ids[:20])
+    return text + (", ..." if len(ids) > 20 else "")
+
+
+# ---------------------------------------------------------------------------
+# figures
+def _go():
+    import plotly.graph_objects as go  # noqa: PLC0415 (plotly is slow to import; only reports need it)
+    return go
+
+
+def _subplots(**kw):
+    from plotly.subplots import make_subplots  # noqa: PLC0415
+    return make_subplots(**kw)
+
+
+def _base_layout(fig, *, height: int, title: str | None = None, **kw) -> None:
+    fig.update_layout(height=height, font=FONT, template="plotly_white",
+                      margin=dict(l=70, r=30, t=70 if title else 40, b=50),
+                      hoverlabel=dict(align="left", font_size=12), **kw)
+    if title:
+        fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font_size=15))
+
+
+def fig_heatmaps(a: Analysis):
+    """One heatmap per metric over floor (x) x limit (y); ``none`` is its own row/column."""
+    go = _go()
+    rows = a.slice_rows
+    limits = sorted({r[LIMIT] for r in rows}, key=_num_key)
+    floors = sorted({r[FLOOR] for r in rows}, key=_num_key)
+    xs = [_knob_text(f) for f in floors]
+    ys = [_knob_text(v) for v in limits]
+    if a.per_rank:
+        pr_l = {r[LIMIT]: r.get("per_rank_limit") for r in rows}
+        pr_f = {r[FLOOR]: r.get("per_rank_floor") for r in rows}
+        xs = [f"{_knob_text(f)} ({_knob_text(pr_f.get(f))}/rank)" if f is not None else "none" for f in floors]
+        ys = [f"{_knob_text(v)} ({_knob_text(pr_l.get(v))}/rank)" if v is not None else "none" for v in limits]
+    cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
+    ncols = 2
+    nrows = -(-len(HEATMAP_METRICS) // ncols)
+    fig = _subplots(rows=nrows, cols=ncols, subplot_titles=[m.label for m in HEATMAP_METRICS],
+                    shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
+                    vertical_spacing=0.36 / nrows)
+    hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
+              f"limit {_knob_text(lv)} · floor {_knob_text(fv)}: not a valid router config (skipped)"
+              for fv in floors] for lv in limits]
+    for i, m in enumerate(HEATMAP_METRICS):
+        z = [[(cell[(lv, fv)].get(m.key) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
+        txt = [[(_fmt(v, m.fmt) if v is not None else "") for v in zrow] for zrow in z]
+        # colours: greener is better for every metric
+        scale = "RdYlGn" if m.better == "high" else "RdYlGn_r"
+        fig.add_trace(go.Heatmap(
+            z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
+            hovertemplate="%{customdata}<extra></extra>", colorscale=scale, showscale=False,
+            xgap=2, ygap=2, name=m.label, hoverongaps=False,
+        ), row=i // ncols + 1, col=i % ncols + 1)
+    per_panel = max(170, 34 * len(ys) + 90)
+    _base_layout(fig, height=nrows * per_panel + 80)
+    fig.update_xaxes(type="category", title_text=None)
+    fig.update_yaxes(type="category", autorange="reversed")
+    for c in range(1, ncols + 1):
+        fig.update_xaxes(title_text="saturation queue floor", row=nrows, col=c, showticklabels=True)
+    for r in range(1, nrows + 1):
+        fig.update_yaxes(title_text="queue limit", row=r, col=1)
+    fig.update_xaxes(showticklabels=True)
+    return fig
+
+
+def _int_axis(values) -> dict:
+    """Axis settings for integer counts: whole-number ticks only."""
+    vals = [v for v in values if v is not None]
+    span = (max(vals) - min(vals)) if vals else 0
+    return dict(tickformat=",d", dtick=max(1, math.ceil(span / 6)))
+
+
+def _ordered_configs(a: Analysis) -> list[dict]:
+    return sorted(a.slice_rows, key=lambda r: (_num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
+
+
+def fig_mix(a: Analysis, kind: str):
+    """Stacked shares per config: decision labels (``kind="decision"``) or policy reasons."""
+    go = _go()
+    rows = _ordered_configs(a)
+    x = [a.label(r, short=True) for r in rows]
+    if kind == "decision":
+        cats = [(d, d, DECISION_COLORS[d]) for d in labels.DECISIONS]
+        title = "Decision labels per config (share of requests)"
+    else:
+        cats = [(f"policy_{p}", p, REASON_COLORS[p]) for p in labels.POLICY_REASONS]
+        title = "Policy reasons per config (share of requests)"
+    cats.append((FAILED, "failed (503)", DECISION_COLORS[FAILED]))
+    fig = go.Figure()
+    for col, name, color in cats:
+        y = [(r[col] / r["requests"]) if r["requests"] else None for r in rows]
+        if not any(v for v in y if v):
+            continue
+        fig.add_trace(go.Bar(
+            x=x, y=y, name=name, marker_color=color, customdata=[a.hover(r) for r in rows],
+            hovertemplate=f"<b>{name}</b>: %{{y:.1%}}<br>%{{customdata}}<extra></extra>"))
+    _base_layout(fig, height=380, title=title, barmode="stack",
+                 legend=dict(orientation="h", y=-0.28, x=0, traceorder="normal"))
+    fig.update_yaxes(tickformat=".0%", range=[0, 1], title_text="share")
+    fig.update_xaxes(type="category", title_text="limit / floor", tickangle=-45 if len(x) > 24 else 0)
+    fig.update_layout(margin=dict(b=110))
+    return fig
+
+
+def _nice_interval_ns(span_ns: int) -> int:
+    steps_s = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400]
+    want = span_ns / TARGET_BINS / 1e9
+    for s in steps_s:
+        if s >= want:
+            return s * 1_000_000_000
+    return int(math.ceil(want / 86400)) * 86400 * 1_000_000_000
+
+
+def _interval_text(ns: int) -> str:
+    s = ns // 1_000_000_000
+    if s % 3600 == 0:
+        return f"{s // 3600} h"
+    if s % 60 == 0:
+        return f"{s // 60} min"
+    return f"{s} s"
+
+
+def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFrame]:
+    """Per config and interval: label shares, pin and gate counts, the fleet's readings."""
+    data = a.data
+    if data.decisions is None or data.fleet is None:
+        raise ReplayError("over time: the run has no decisions.parquet or fleet.parquet")
+    dec = (pl.scan_parquet(data.decisions).filter(pl.col("config_id").is_in(config_ids))
+           .select("config_id", "request_id", "decision", "policy_reason", "gate_rejected").collect())
+    fl = data.fleet.select("request_id", "ts", "fleet_min_waiting")
+    if fl.height == 0:
+        return {c: pl.DataFrame() for c in config_ids}
+    t0 = int(fl["ts"].min())
+    step = _nice_interval_ns(max(int(fl["ts"].max()) - t0, 1))
+    fl = fl.with_columns(bin=(pl.col("ts") - t0) // step)
+    exprs = [pl.len().alias("requests")]
+    exprs += [(pl.col("decision") == d).sum().alias(d) for d in labels.DECISIONS]
+    exprs += [pl.col("decision").is_null().sum().alias(FAILED),
+              (pl.col("policy_reason") == "saturation_pin").sum().alias("pinned"),
+              (pl.col("gate_rejected") > 0).sum().alias("gate_rejected"),
+              pl.col("fleet_min_waiting").median().alias("fleet_min_p50"),
+              pl.col("fleet_min_waiting").min().alias("fleet_min_min"),
+              pl.col("fleet_min_waiting").max().alias("fleet_min_max")]
+    out = {}
+    for cid in config_ids:
+        d = dec.filter(pl.col("config_id") == cid).drop("config_id")
+        if d.height == fl.height and d["request_id"].cast(pl.String).equals(fl["request_id"].cast(pl.String)):
+            df = pl.concat([fl, d.drop("request_id")], how="horizontal")  # same (trace) order
+        else:
+            df = fl.join(d.with_columns(pl.col("request_id").cast(fl.schema["request_id"])),
+                         on="request_id", how="inner", maintain_order="left")
+        out[cid] = (df.group_by("bin").agg(exprs).sort("bin")
+                    .with_columns(t_ns=pl.col("bin") * step + t0 + step // 2,
+                                  interval_ns=pl.lit(step, dtype=pl.Int64)))
+    return out
+
+
+def over_time_configs(a: Analysis) -> list[int]:
+    """Configs offered over time: the chosen one first, then the best under the bound, the
+    best with a floor set, and the chosen config's no-gate baseline (at most six)."""
+    ids = [a.chosen["config_id"]] + [r["config_id"] for r in a.best_rows]
+    floored = [r for r in a.best_rows if r[FLOOR] is not None]
+    if not floored:
+        cand = sorted((r for r in a.rows.values() if r[FLOOR] is not None and r["hit_rate"] is not None),
+                      key=lambda r: (-r["hit_rate"], r["config_id"]))
+        floored = cand[:1]
+    ids += [r["config_id"] for r in floored[:1]]
+    b = a.baseline_for(a.chosen)
+    if b is not None:
+        ids.append(b["config_id"])
+    out: list[int] = []
+    for i in ids:
+        if i not in out:
+            out.append(i)
+    head, rest = out[:1], out[1:]
+    keep_floor = [i for i in rest if floored and i == floored[0]["config_id"]]
+    keep_base = [i for i in rest if b is not None and i == b["config_id"]]
+    others = [i for i in rest if i not in keep_floor and i not in keep_base]
+    return head + (others[: 6 - 1 - len(keep_floor) - len(keep_base)]) + keep_floor + keep_base
+
+
+def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
+    """Label shares per interval, pin and gate shares, and the fleet's smallest fresh queue
+    reading beside the floor; a dropdown switches between ``config_ids`` (first shown)."""
+    go = _go()
+    ids = config_ids or over_time_configs(a)
+    frames = over_time_frames(a, ids)
+    fig = _subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09, row_heights=[0.42, 0.22, 0.36],
+                    subplot_titles=["decision labels (share of the interval's requests)",
+                                    "saturation pin and queue gate (share of the interval's requests)",
+                                    "fleet's smallest fresh queue reading (num_waiting_reqs, summed over ranks)"])
+    first = frames[ids[0]]
+    if first.height == 0:
+        _base_layout(fig, height=300, title="no requests")
+        return fig
+    t = first["t_ns"].to_numpy().astype("datetime64[ns]")
+    owner: list[int | None] = []  # config of each trace (None: shared by all)
+
+    def add(trace, row, cid):
+        fig.add_trace(trace, row=row, col=1)
+        owner.append(cid)
+
+    # the fleet's reading does not depend on the config
+    lo = first["fleet_min_min"].to_numpy().astype(float)
+    hi = first["fleet_min_max"].to_numpy().astype(float)
+    known = ~np.isnan(lo)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], known.astype(np.int8), [0]])))
+    for k, (a0, a1) in enumerate(zip(edges[::2], edges[1::2])):  # one band per stretch without gaps
+        xs = np.concatenate([t[a0:a1], t[a0:a1][::-1]])
+        add(go.Scatter(x=xs, y=np.concatenate([hi[a0:a1], lo[a0:a1][::-1]]), mode="lines", fill="toself",
+                       line=dict(width=0), fillcolor="rgba(31,119,180,0.18)", hoverinfo="skip",
+                       name="min..max in interval", legendgroup="band", showlegend=k == 0), 3, None)
+    add(go.Scatter(x=t, y=first["fleet_min_p50"].to_numpy().astype(float), mode="lines",
+                   line=dict(color="#1f77b4", width=2), name="smallest fresh reading (median)",
+                   hovertemplate="fleet reading median %{y}<extra></extra>"), 3, None)
+    titles = {}
+    for k, cid in enumerate(ids):
+        row = a.rows[cid]
+        df = frames[cid]
+        vis = k == 0
+        n_safe = np.where(df["requests"].to_numpy() > 0, df["requests"].to_numpy().astype(float), np.nan)
+        for d in (*labels.DECISIONS, FAILED):
+            y = df[d].to_numpy() / n_safe
+            if not np.nansum(y):
+                continue
+            name = d if d != FAILED else "failed (503)"
+            add(go.Scatter(x=t, y=y, name=name, stackgroup=f"labels{cid}", mode="lines", visible=vis,
+                           line=dict(width=0.5, color=DECISION_COLORS[d]), legendgroup=name,
+                           hovertemplate=f"{name}: %{{y:.1%}}<extra></extra>"), 1, cid)
+        add(go.Scatter(x=t, y=df["pinned"].to_numpy() / n_safe, name="saturation pin", mode="lines",
+                       visible=vis, line=dict(color=REASON_COLORS["saturation_pin"], width=2),
+                       hovertemplate="pinned: %{y:.1%}<extra></extra>"), 2, cid)
+        add(go.Scatter(x=t, y=df["gate_rejected"].to_numpy() / n_safe, name="gate rejected a candidate",
+                       mode="lines", visible=vis, line=dict(color="#ff7f0e", width=1.5, dash="dot"),
+                       hovertemplate="gate rejected: %{y:.1%}<extra></extra>"), 2, cid)
+        for val, name, color in ((row[FLOOR], "floor", "#9467bd"), (row[LIMIT], "limit", "#d62728")):
+            if val is None:
+                continue
+            add(go.Scatter(x=[t[0], t[-1]], y=[val, val], mode="lines", name=f"{name} {val}", visible=vis,
+                           line=dict(color=color, width=2, dash="dash"),
+                           hovertemplate=f"{name} {val}<extra></extra>"), 3, cid)
+        titles[cid] = (f"Config {cid} over time ({html.escape(a.label(row))}), "
+                       f"{_interval_text(int(df['interval_ns'][0]))} intervals")
+    _base_layout(fig, height=700, title=titles[ids[0]], hovermode="x unified",
+                 legend=dict(orientation="h", y=-0.1, x=0))
+    fig.update_layout(margin=dict(t=110))
+    if len(ids) > 1:
+        buttons = []
+        for cid in ids:
+            tag = " (best)" if a.best is not None and cid == a.best["config_id"] else ""
+            if a.rows[cid][LIMIT] is None:
+                tag = " (no gate)"
+            buttons.append(dict(
+                label=f"config {cid}: {a.label(a.rows[cid])}{tag}", method="update",
+                args=[{"visible": [o is None or o == cid for o in owner]}, {"title.text": titles[cid]}]))
+        # below the title and the mode bar, above the first panel's title
+        fig.update_layout(updatemenus=[dict(type="dropdown", buttons=buttons, active=0, x=1.0, xanchor="right",
+                                            y=1.0, yanchor="bottom", pad=dict(b=48), showactive=True)])
+    fig.update_yaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(rangemode="tozero", title_text="waiting", row=3, col=1)
+    return fig
+
+
+def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
+    """Points for the floor-vs-dp figure and the note on where dp_size came from."""
+    rows = [r for r in a.slice_rows if r[FLOOR] is not None and r[LIMIT] is not None]
+    pts = []
+    if a.per_rank:
+        for r in rows:
+            pts.append(dict(dp=int(r["dp_size"]), limit=r[LIMIT], per_rank_limit=r["per_rank_limit"],
+                            per_rank_floor=r["per_rank_floor"], row=r))
+        sizes = sorted({p["dp"] for p in pts})
+        src = "per-rank values from this --per-dp-rank run"
+    else:
+        dps = (a.run.get("trace", {}).get("facts", {}) or {}).get("dp_sizes") or {}
+        sizes = sorted(int(k) for k in dps if int(k) > 0) or [1]
+        for dp in sizes:
+            for r in rows:
+                pts.append(dict(dp=dp, limit=r[LIMIT], per_rank_limit=r[LIMIT] / dp,
+                                per_rank_floor=r[FLOOR] / dp, row=r))
+        src = ("fleet-wide limit and floor divided by each dp_size of the fleet "
+               "(a --per-dp-rank sweep gives exact per-rank grids)")
+    if len(sizes) == 1:
+        note = (f"This run has one dp_size ({sizes[0]}), so there is one line per queue limit; "
+                f"runs of fleets with other dp sizes add their own lines. Source: {src}.")
+    else:
+        note = (f"dp sizes present: {', '.join(map(str, sizes))}; the metrics are fleet-wide, "
+                f"so lines of a mixed fleet differ only in the per-rank scale. Source: {src}.")
+    return pts, note
+
+
+def fig_floor_vs_dp(a: Analysis):
+    """Metrics against the per-rank floor, one line per (dp_size, limit)."""
+    go = _go()
+    pts, _note = _dp_lines(a)
+    metrics = (HEATMAP_METRICS[0], HEATMAP_METRICS[2], HEATMAP_METRICS[5])
+    fig = _subplots(rows=1, cols=3, subplot_titles=[m.label for m in metrics], horizontal_spacing=0.07)
+    groups: dict[tuple, list[dict]] = {}
+    for p in pts:
+        groups.setdefault((p["dp"], p["limit"]), []).append(p)
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#7f7f7f", "#bcbd22", "#17becf"]
+    dashes = ["solid", "dash", "dot", "dashdot"]
+    dp_sizes = sorted({k[0] for k in groups})
+    for gi, ((dp, lim), ps) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
+        ps = sorted(ps, key=lambda p: p["per_rank_floor"])
+        name = f"dp {dp} · limit {_knob_text(lim)} ({_knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
+        color = palette[gi % len(palette)]
+        for ci, m in enumerate(metrics):
+            fig.add_trace(go.Scatter(
+                x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.key] for p in ps],
+                mode="lines+markers", name=name, legendgroup=name, showlegend=ci == 0,
+                line=dict(color=color, dash=dashes[dp_sizes.index(dp) % len(dashes)]),
+                customdata=[a.hover(p["row"]) for p in ps],
+                hovertemplate="%{customdata}<extra>" + html.escape(name) + "</extra>"), row=1, col=ci + 1)
+    _base_layout(fig, height=420, legend=dict(orientation="h", y=-0.22, x=0))
+    fig.update_layout(margin=dict(b=110))
+    fig.update_xaxes(title_text="floor per rank")
+    fig.update_yaxes(**_int_axis(p["row"][metrics[2].key] for p in pts), row=1, col=3)
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return fig
+
+
+def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
+    """Ids of the points no other point beats: pressure ``x`` lower-or-equal and hit ``y``
+    higher-or-equal, one of them strictly.  ``points`` are ``(x, y, id)``."""
+    front = []
+    best_y = -math.inf
+    for x, y, i in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
+        if y > best_y:
+            front.append(i)
+            best_y = y
+    return front
+
+
+def fig_tradeoff(a: Analysis):
+    """Hit rate against pressure (p99 and mean waiting), every config; Pareto fronts highlighted."""
+    go = _go()
+    rows = [r for r in a.rows.values() if r["hit_rate"] is not None]
+    fig = _subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.05,
+                    subplot_titles=["against p99 waiting at the chosen worker",
+                                    "against mean waiting at the chosen worker"])
+    for ci, key in enumerate(("selected_waiting_p99", "selected_waiting_mean")):
+        pts = [r for r in rows if r[key] is not None]
+        front = set(pareto_front([(float(r[key]), float(r["hit_rate"]), r["config_id"]) for r in pts]))
+        others = [r for r in pts if r["config_id"] not in front]
+        on = sorted((r for r in pts if r["config_id"] in front), key=lambda r: r[key])
+        show = ci == 0
+        fig.add_trace(go.Scatter(
+            x=[r[key] for r in others], y=[r["hit_rate"] for r in others], mode="markers",
+            name="config", legendgroup="config", showlegend=show,
+            marker=dict(size=9, color="#9aa5b1", opacity=0.75, line=dict(width=0.5, color="#555")),
+            customdata=[a.hover(r) for r in others], hovertemplate="%{customdata}<extra></extra>"),
+            row=1, col=ci + 1)
+        fig.add_trace(go.Scatter(
+            x=[r[key] for r in on], y=[r["hit_rate"] for r in on], mode="lines+markers",
+            name="Pareto front", legendgroup="front", showlegend=show,
+            marker=dict(size=11, color="#d62728"), line=dict(color="#d62728", width=2),
+            customdata=[a.hover(r) for r in on], hovertemplate="<b>Pareto</b> %{customdata}<extra></extra>"),
+            row=1, col=ci + 1)
+        for tag, r, sym, color in (("best under bound", a.best, "star", "#2ca02c"),
+                                   ("no-gate baseline", a.baseline_for(a.best) if a.best else None,
+                                    "diamond-open", "#111")):
+            if r is None or r[key] is None:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[r[key]], y=[r["hit_rate"]], mode="markers", name=tag, legendgroup=tag, showlegend=show,
+                marker=dict(size=17 if sym == "star" else 15, symbol=sym, color=color,
+                            line=dict(width=1.5, color=color)),
+                customdata=[a.hover(r)], hovertemplate=f"<b>{tag}</b> %{{customdata}}<extra></extra>"),
+                row=1, col=ci + 1)
+        if ci == 0 and math.isfinite(a.bound):
+            fig.add_vline(x=a.bound, line=dict(color="#555", dash="dash", width=1), row=1, col=1,
+                          annotation_text=f"bound {_knob_text(a.bound)}", annotation_position="top left")
+    _base_layout(fig, height=460, legend=dict(orientation="h", y=-0.2, x=0))
+    fig.update_layout(margin=dict(b=100))
+    fig.update_yaxes(tickformat=".0%", title_text="hit rate", row=1, col=1)
+    fig.update_xaxes(title_text="p99 waiting (requests)", row=1, col=1,
+                     **_int_axis(r["selected_waiting_p99"] for r in rows))
+    fig.update_xaxes(title_text="mean waiting (requests)", row=1, col=2)
+    return fig
+
+
+def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
+    cl = a.data.closed_loop
+    if cl is None:
+        return None, "no closed_loop_summary.parquet in this run directory"
+    keys = ["config_id"] if "config_id" in cl.columns else [k for k in (LIMIT, FLOOR) if k in cl.columns]
+    if not keys:
+        return None, "closed_loop_summary.parquet has no config_id (or limit/floor) column to match configs"
+    open_cols = [c for c in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99") if c in a.summary.columns]
+    right = a.summary.select(open_cols).rename({c: f"open_loop_{c}" for c in ("hit_rate", "selected_waiting_p99")})
+    try:
+        joined = cl.join(right, on=keys, how="left", suffix="_open_loop", nulls_equal=True)
+    except Exception as err:  # mismatched key types
+        return None, f"closed_loop_summary.parquet: cannot match configs on {', '.join(keys)} ({type(err).__name__})"
+    return joined, f"matched on {', '.join(keys)}"
+
+
+def _closed_hit_col(df: pl.DataFrame) -> str | None:
+    for c in ("true_hit_rate", "closed_loop_hit_rate", "hit_rate"):
+        if c in df.columns and df.schema[c].is_numeric():
+            return c
+    return None
+
+
+def fig_closed_loop(a: Analysis):
+    """Closed-loop hit rate and TTFT beside the open-loop estimate, per config."""
+    go = _go()
+    df, note = _closed_loop_join(a)
+    if df is None:
+        raise ReplayError(f"closed loop: {note}")
+    ttft = [c for c in df.columns if "ttft" in c.lower() and df.schema[c].is_numeric()]
+    hit = _closed_hit_col(df)
+    fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                    subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
+    if "config_id" in df.columns:
+        x = [f"{i}" for i in df["config_id"].to_list()]
+    else:
+        x = [f"{_knob_text(l)}/{_knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
+    if hit is not None:
+        fig.add_trace(go.Bar(x=x, y=df[hit].to_list(), name=f"closed loop ({hit})", marker_color="#1f77b4"),
+                      row=1, col=1)
+    if "open_loop_hit_rate" in df.columns:
+        fig.add_trace(go.Bar(x=x, y=df["open_loop_hit_rate"].to_list(), name="open-loop estimate (this run)",
+                             marker_color="#9aa5b1"), row=1, col=1)
+    for i, c in enumerate(ttft):
+        fig.add_trace(go.Bar(x=x, y=df[c].to_list(), name=c, marker_color=["#ff7f0e", "#d62728", "#8c564b",
+                                                                           "#e377c2"][i % 4]), row=1, col=2)
+    _base_layout(fig, height=400, barmode="group", legend=dict(orientation="h", y=-0.25, x=0))
+    fig.update_xaxes(type="category", title_text="config" if "config_id" in df.columns else "limit / floor")
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    return fig
+
+
+# ---------------------------------------------------------------------------
+def figures(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+            max_p99_waiting: float | None = None) -> dict[str, Any]:
+    """The report's plotly figures for a run directory, by name.
+
+    Keys: ``heatmaps``, ``decision_mix``, ``reason_mix``, ``over_time`` (when the
+    run kept decisions), ``floor_vs_dp``, ``tradeoff``, ``closed_loop`` (when a
+    ``closed_loop_summary.parquet`` is present).  ``config_id`` picks the
+    config shown over time (default: the best under the pressure bound);
+    ``max_p99_waiting`` sets that bound (default: the median p99 of the grid).
+    """
+    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
+    return _figures(Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
+
+
+def _figures(a: Analysis) -> dict[str, Any]:
+    out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
+           "reason_mix": fig_mix(a, "policy")}
+    if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
+        out["over_time"] = fig_over_time(a)
+    out["floor_vs_dp"] = fig_floor_vs_dp(a)
+    out["tradeoff"] = fig_tradeoff(a)
+    if _closed_loop_join(a)[0] is not None:
+        out["closed_loop"] = fig_closed_loop(a)
+    return out
+
+
+def headline(run_dir: str | os.PathLike | RunData, *, max_p99_waiting: float | None = None) -> dict:
+    """Trace facts, the pressure bound and the best configs (with deltas vs the no-gate baseline)."""
+    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
+    a = Analysis(data, max_p99_waiting=max_p99_waiting)
+    return {"facts": _facts(a), "bound": a.bound, "bound_note": a.bound_note, "best": _best_table(a)}
+
+
+def _facts(a: Analysis) -> dict:
+    tr = a.run.get("trace", {})
+    f = tr.get("facts") or {}
+    return {
+        "requests": f.get("requests", tr.get("requests")),
+        "span_s": f.get("span_s"),
+        "span_start_ns": f.get("span_start_ns"),
+        "fleet_workers": f.get("fleet_workers"),
+        "dp_sizes": f.get("dp_sizes"),
+        "saturated_share_time": f.get("saturated_share_time"),
+        "saturated_share_requests": f.get("saturated_share_requests"),
+        "saturated_definition": f.get("saturated_definition"),
+        "no_fresh_fleet_reading_share": f.get("no_fresh_fleet_reading_share"),
+        "configs": a.summary.height,
+    }
+
+
+DELTA_METRICS = (("hit_rate", "pts"), ("owner_rate", "pts"), ("pin_share", "pts"),
+                 ("selected_waiting_p99", "abs"), ("selected_waiting_mean", "abs"),
+                 ("cold_prefill_tokens", "rel"))
+
+
+def _best_table(a: Analysis) -> pl.DataFrame:
+    recs = []
+    for rank, r in enumerate(a.best_rows, 1):
+        b = a.baseline_for(r)
+        rec = {"rank": rank, "config_id": r["config_id"], LIMIT: r[LIMIT], FLOOR: r[FLOOR],
+               "baseline_config_id": b["config_id"] if b else None}
+        for k, kind in DELTA_METRICS:
+            rec[k] = r[k]
+            d = None
+            if b is not None and r[k] is not None and b[k] is not None:
+                if kind == "pts":
+                    d = 100.0 * (r[k] - b[k])
+                elif kind == "abs":
+                    d = float(r[k] - b[k])
+                elif b[k]:
+                    d = 100.0 * (r[k] - b[k]) / b[k]
+            rec[f"{k}_delta" + {"pts": "_pts", "abs": "", "rel": "_pct"}[kind]] = d
+        recs.append(rec)
+    return pl.DataFrame(recs) if recs else pl.DataFrame()
+
+
+# ---------------------------------------------------------------------------
+# the page
+_CSS = """
+:root { --fg:#1d2430; --muted:#5b6675; --line:#dde2e8; --bg:#f6f8fa; --accent:#1f6feb; }
+* { box-sizing: border-box; }
+body { margin:0; font: 14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif; color:var(--fg); background:#fff; }
+main { max-width: 1320px; margin: 0 auto; padding: 18px 24px 60px; }
+header h1 { font-size: 22px; margin: 4px 0 2px; }
+header .sub { color: var(--muted); }
+h2 { font-size: 17px; margin: 30px 0 8px; padding-top: 10px; border-top: 1px solid var(--line); }
+.note { color: var(--muted); font-size: 13px; margin: 4px 0 8px; }
+.cards { display:flex; flex-wrap:wrap; gap:10px; margin: 12px 0; }
+.card { background: var(--bg); border:1px solid var(--line); border-radius:8px; padding:8px 14px; min-width: 150px; }
+.card .v { font-size: 19px; font-weight: 600; }
+.card .k { color: var(--muted); font-size: 12px; }
+table { border-collapse: collapse; font-size: 13px; margin: 6px 0 10px; }
+th, td { border-bottom: 1px solid var(--line); padding: 4px 10px; text-align: right; white-space: nowrap; }
+th { background: var(--bg); font-weight: 600; }
+td.l, th.l { text-align: left; }
+td.wrap { white-space: normal; word-break: break-all; text-align:left; }
+.pos { color: #1a7f37; } .neg { color: #cf222e; }
+.fig { width: 100%; margin: 4px 0 8px; }
+.verdict { background:#eef6ee; border:1px solid #b7dfb9; border-radius:8px; padding:8px 14px; margin: 10px 0; }
+nav a { margin-right: 12px; color: var(--accent); text-decoration:none; font-size:13px; }
+code { background: var(--bg); padding: 0 4px; border-radius: 4px; }
+"""
+
+_ERROR_HOOK = """
+window.__reportErrors = [];
+window.addEventListener('error', function (e) {
+  window.__reportErrors.push(String(e.message || e));
+  document.documentElement.setAttribute('data-report-errors', String(window.__reportErrors.length));
+});
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _delta_html(v: float | None, unit: str, better: str) -> str:
+    if v is None:
+        return ""
+    if abs(v) < 1e-12:
+        return '<span class="note">±0</span>'
+    good = (v > 0) == (better == "high")
+    if unit == "":
+        txt = f"{int(v):+d}" if float(v).is_integer() else f"{v:+.2f}"
+    else:
+        txt = f"{v:+.1f}{unit}"
+    return f' <span class="{"pos" if good else "neg"}">({_e(txt)})</span>'
+
+
+def _headline_html(a: Analysis) -> str:
+    f = _facts(a)
+    cards = []
+
+    def card(k, v):
+        cards.append(f'<div class="card"><div class="v">{_e(v)}</div><div class="k">{_e(k)}</div></div>')
+
+    span = f.get("span_s")
+    card("requests", f"{f['requests']:,}" if f.get("requests") is not None else "–")
+    if span is not None:
+        card("trace span", _duration(span))
+    if f.get("span_start_ns") is not None:
+        start = _dt.datetime.fromtimestamp(f["span_start_ns"] / 1e9, tz=_dt.timezone.utc)
+        card("trace start (UTC)", start.strftime("%Y-%m-%d %H:%M:%S"))
+    fw = f.get("fleet_workers") or {}
+    if fw:
+        card("fleet (prefill workers)", ", ".join(f"{n}" if len(fw) == 1 else f"{m}: {n}" for m, n in fw.items()))
+    dps = f.get("dp_sizes") or {}
+    if dps:
+        card("dp sizes (workers)", ", ".join(f"dp {k} ×{v}" for k, v in dps.items()))
+    if f.get("saturated_share_time") is not None:
+        card("fleet saturated (share of time)", f"{100 * f['saturated_share_time']:.1f}%")
+    card("configs replayed", f"{f['configs']:,}")
+    parts = ['<div class="cards">' + "".join(cards) + "</div>"]
+    if f.get("saturated_definition"):
+        extra = ""
+        if f.get("saturated_share_requests") is not None:
+            extra = f" {100 * f['saturated_share_requests']:.1f}% of requests arrived in such a state"
+            if f.get("no_fresh_fleet_reading_share"):
+                extra += f"; {100 * f['no_fresh_fleet_reading_share']:.1f}% saw no fresh fleet reading"
+            extra += "."
+        parts.append(f'<p class="note">Saturated: {_e(f["saturated_definition"])}.{_e(extra)}</p>')
+    else:
+        parts.append('<p class="note">This run predates run.json trace facts; re-run the sweep for '
+                     "fleet saturation figures.</p>")
+    parts.append(f'<p class="note">Pressure bound: {_e(a.bound_note)}.</p>')
+    if a.best is None:
+        parts.append('<p class="verdict">No config meets the pressure bound.</p>')
+        return "\n".join(parts)
+    b = a.baseline_for(a.best)
+    r = a.best
+    verdict = (f"Best under the bound: <b>config {r['config_id']}</b> ({_e(a.label(r))}): "
+               f"hit rate {_fmt(r['hit_rate'], 'pct')}, p99 waiting {_fmt(r['selected_waiting_p99'], 'int')}, "
+               f"mean waiting {_fmt(r['selected_waiting_mean'], 'f2')}")
+    if b is not None and b["config_id"] != r["config_id"] and b["hit_rate"] is not None and r["hit_rate"] is not None:
+        verdict += (f"; against the no-gate baseline (config {b['config_id']}): "
+                    f"{100 * (r['hit_rate'] - b['hit_rate']):+.1f} pts hit rate")
+        if b["selected_waiting_p99"] is not None and r["selected_waiting_p99"] is not None:
+            verdict += f", {r['selected_waiting_p99'] - b['selected_waiting_p99']:+d} p99 waiting"
+    elif b is not None and b["config_id"] == r["config_id"]:
+        verdict += "; this is the no-gate baseline itself"
+    else:
+        verdict += "; the grid has no no-gate baseline (limit none) to compare with"
+    parts.append(f'<p class="verdict">{verdict}.</p>')
+    head = ["#", "config", "limit", "floor", "hit rate", "owner rate", "pin share", "p99 waiting",
+            "mean waiting", "cold prefill tokens"]
+    trs = ["<tr>" + "".join(f'<th class="{"l" if i < 1 else ""}">{_e(h)}</th>' for i, h in enumerate(head)) + "</tr>"]
+    for rank, r in enumerate(a.best_rows, 1):
+        b = a.baseline_for(r)
+        d = lambda k: (r[k] - b[k]) if (b is not None and r[k] is not None and b[k] is not None) else None  # noqa: E731
+        pct = lambda k: (100 * d(k)) if d(k) is not None else None  # noqa: E731
+        rel = (100 * d("cold_prefill_tokens") / b["cold_prefill_tokens"]
+               if d("cold_prefill_tokens") is not None and b["cold_prefill_tokens"] else None)
+        cells = [
+            f'<td class="l">{rank}</td>', f"<td>{r['config_id']}</td>",
+            f"<td>{_e(_knob_text(r[LIMIT]))}</td>", f"<td>{_e(_knob_text(r[FLOOR]))}</td>",
+            f"<td>{_fmt(r['hit_rate'], 'pct')}{_delta_html(pct('hit_rate'), ' pts', 'high')}</td>",
+            f"<td>{_fmt(r['owner_rate'], 'pct')}{_delta_html(pct('owner_rate'), ' pts', 'high')}</td>",
+            f"<td>{_fmt(r['pin_share'], 'pct')}</td>",
+            f"<td>{_fmt(r['selected_waiting_p99'], 'int')}{_delta_html(d('selected_waiting_p99'), '', 'low')}</td>",
+            f"<td>{_fmt(r['selected_waiting_mean'], 'f2')}{_delta_html(d('selected_waiting_mean'), '', 'low')}</td>",
+            f"<td>{_fmt(r['cold_prefill_tokens'], 'si')}{_delta_html(rel, '%', 'low')}</td>",
+        ]
+        trs.append("<tr>" + "".join(cells) + "</tr>")
+    parts.append("<table>" + "".join(trs) + "</table>")
+    parts.append('<p class="note">In brackets: change against the no-gate baseline with the same other knobs '
+                 "(hit and owner rate in percentage points; cold prefill tokens in percent).</p>")
+    return "\n".join(parts)
+
+
+def _duration(s: float) -> str:
+    s = float(s)
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.1f} min"
+    return f"{s:.1f} s"
+
+
+def _provenance_html(a: Analysis) -> str:
+    run = a.run
+    tr = run.get("trace", {})
+    rows = [("tool", f"{run.get('tool', '')} {run.get('version', '')}"),
+            ("report built by", f"router-replay {__version__}"),
+            ("run created", _dt.datetime.fromtimestamp(run["created_unix"], tz=_dt.timezone.utc)
+             .strftime("%Y-%m-%d %H:%M:%S UTC") if run.get("created_unix") else "–"),
+            ("trace", tr.get("path", "–")),
+            ("seed", run.get("seed")), ("freshness", f"{run.get('freshness_ms')} ms"),
+            ("model filter", run.get("model") or "none"),
+            ("per dp rank", f"yes (dp_size {run.get('dp_size')})" if run.get("per_dp_rank") else "no"),
+            ("decisions", run.get("decisions") or "not written (--no-decisions)")]
+    t = run.get("timings") or {}
+    if t:
+        rows.append(("timings", ", ".join(f"{k} {v}" for k, v in t.items())))
+    m = run.get("machine") or {}
+    if m:
+        rows.append(("machine", ", ".join(f"{k} {v}" for k, v in m.items())))
+    out = ["<table>" + "".join(f'<tr><th class="l">{_e(k)}</th><td class="wrap">{_e(v)}</td></tr>' for k, v in rows)
+           + "</table>"]
+    files = tr.get("files") or {}
+    if files:
+        out.append("<table><tr><th class=\"l\">trace file</th><th>bytes</th><th class=\"l\">sha256</th></tr>"
+                   + "".join(f'<tr><td class="l">{_e(n)}</td><td>{i.get("bytes", 0):,}</td>'
+                             f'<td class="l"><code>{_e(i.get("sha256", ""))}</code></td></tr>'
+                             for n, i in files.items()) + "</table>")
+    g = run.get("grid") or {}
+    vals = g.get("values") or {}
+    flags = g.get("flags") or {}
+    if vals:
+        out.append("<table><tr><th class=\"l\">knob</th><th class=\"l\">values</th></tr>"
+                   + "".join(f'<tr><td class="l"><code>{_e(flags.get(k, k))}</code></td>'
+                             f'<td class="l">{_e(", ".join(_flag_value(k, v) for v in vs))}</td></tr>'
+                             for k, vs in vals.items()) + "</table>")
+    skipped = g.get("skipped") or []
+    out.append(f'<p class="note">{g.get("n_configs", a.summary.height)} configs of '
+               f'{g.get("n_combinations", "?")} combinations; {len(skipped)} skipped as the router '
+               "would refuse them" + (":" if skipped else ".") + "</p>")
+    if skipped:
+        errs: dict[str, int] = {}
+        for s in skipped:
+            errs[s.get("error", "")] = errs.get(s.get("error", ""), 0) + 1
+        out.append("<ul class=\"note\">" + "".join(f"<li>{n} × {_e(e)}</li>" for e, n in errs.items()) + "</ul>")
+    return "\n".join(out)
+
+
+def _closed_loop_html(a: Analysis) -> tuple[str, bool]:
+    df, note = _closed_loop_join(a)
+    if df is None:
+        return f'<p class="note">No closed-loop results: {_e(note)}.</p>', False
+    cols = df.columns[:16]
+    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_e(_cell(v))}</td>" for v in row) + "</tr>"
+                   for row in df.select(cols).head(60).iter_rows())
+    return (f'<p class="note">From closed_loop_summary.parquet ({df.height} rows, {_e(note)}); '
+            "the open-loop columns come from this run's summary.</p>"
+            f"<table><tr>{head}</tr>{body}</table>"), True
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "none" if v is None else str(v)
+
+
+def _fig_html(fig, key: str) -> str:
+    import plotly.io as pio  # noqa: PLC0415
+
+    return ('<div class="fig">' + pio.to_html(fig, include_plotlyjs=False, full_html=False,
+                                                div_id=f"fig-{key}", config=PLOT_CONFIG,
+                                                default_height=f"{fig.layout.height or 450}px")
+            + "</div>")
+
+
+FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "closed_loop")
+
+
+def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+                max_p99_waiting: float | None = None) -> str:
+    """The whole report page as one string (plotly.js inline)."""
+    from plotly.offline import get_plotlyjs  # noqa: PLC0415
+
+    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
+    a = Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    figs = _figures(a)
+    run = a.run
+    title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
+    sec: list[str] = []
+    sec.append(f'<section id="s1"><h2>1. Headline</h2>{_headline_html(a)}</section>')
+    slice_note = f'<p class="note">{_e(a.slice_note)}</p>' if a.slice_note else ""
+    sec.append('<section id="s2"><h2>2. Floor × limit</h2>'
+               '<p class="note">One panel per metric; rows are queue limits, columns saturation floors, '
+               "<code>none</code> is its own row and column; greener is better; blank cells are "
+               "combinations the router refuses. Hover a cell for every metric of that config.</p>"
+               + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
+    sec.append('<section id="s3"><h2>3. Label and reason mix</h2>'
+               '<p class="note">Bars are configs, labelled limit/floor.</p>' + slice_note
+               + _fig_html(figs["decision_mix"], "decision_mix")
+               + _fig_html(figs["reason_mix"], "reason_mix") + "</section>")
+    if "over_time" in figs:
+        body = (f'<p class="note">Showing {_e(a.chosen_note)}; the menu at the top right switches to '
+                "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. The pin fires when the queue gate "
+                "rejects an owner and no fresh fleet worker reads below the floor, i.e. when the bottom "
+                "panel's reading is at or above the floor.</p>" + _fig_html(figs["over_time"], "over_time"))
+    elif data.decisions is None:
+        body = ('<p class="note">This run was written with <code>--no-decisions</code>, so per-request '
+                "labels over time are not available; re-run the sweep with decisions to see them.</p>")
+    else:
+        body = ('<p class="note">This run has no fleet.parquet (it predates it); re-run the sweep to '
+                "see labels over time.</p>")
+    sec.append(f'<section id="s4"><h2>4. Over time</h2>{body}</section>')
+    _pts, dp_note = _dp_lines(a)
+    sec.append('<section id="s5"><h2>5. Floor against dp_size</h2>'
+               f'<p class="note">{_e(dp_note)} The no-floor configs are not drawn (no per-rank floor).</p>'
+               + slice_note + _fig_html(figs["floor_vs_dp"], "floor_vs_dp") + "</section>")
+    sec.append('<section id="s6"><h2>6. Hit rate against pressure</h2>'
+               '<p class="note">Every config is a point; red points are the Pareto front (no other config '
+               "has a higher hit rate at no more pressure). The dashed line is the pressure bound.</p>"
+               + _fig_html(figs["tradeoff"], "tradeoff") + "</section>")
+    cl_html, has_cl = _closed_loop_html(a)
+    sec.append('<section id="s7"><h2>7. Closed loop</h2>' + cl_html
+               + (_fig_html(figs["closed_loop"], "closed_loop") if has_cl and "closed_loop" in figs else "")
+               + "</section>")
+    sec.append(f'<section id="s8"><h2>8. Provenance</h2>{_provenance_html(a)}</section>')
+    nav = "".join(f'<a href="#s{i}">{_e(n)}</a>' for i, n in enumerate(
+        ["headline", "floor × limit", "mix", "over time", "dp_size", "trade-off", "closed loop",
+         "provenance"], 1))
+    sub = f"{data.summary.height} configs · seed {run.get('seed')} · router-replay {run.get('version')}"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        f"<title>{_e(title)}</title>\n<style>{_CSS}</style>\n"
+        f"<script type=\"text/javascript\">{_ERROR_HOOK}</script>\n"
+        f"<script type=\"text/javascript\">{get_plotlyjs()}</script>\n</head>\n<body>\n<main>\n"
+        f"<header><h1>{_e(title)}</h1><div class=\"sub\">{_e(sub)}</div><nav>{nav}</nav></header>\n"
+        + "\n".join(sec) + "\n</main>\n</body>\n</html>\n")
+
+
+def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
+                 force: bool = False, config_id: int | None = None,
+                 max_p99_waiting: float | None = None) -> Path:
+    """Write the report of a run directory to ``out`` (default ``RUN_DIR/report.html``).
+
+    An existing ``out`` is replaced only with ``force``; the file is written
+    aside and renamed into place, and nothing else is touched.
+    """
+    data = load_run(run_dir)
+    target = Path(out) if out is not None else data.path / REPORT
+    if target.exists() and target.is_dir():
+        raise ReplayError(f"{target}: is a directory (give a file name with --out)")
+    if target.exists() and not force:
+        raise ReplayError(f"{target}: exists (use --force to replace it)")
+    if not target.parent.is_dir():
+        raise ReplayError(f"{target.parent}: directory not found")
+    page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.partial"
+    try:
+        with open(tmp, "x", encoding="utf-8") as fh:  # ordinary file mode (umask), unlike mkstemp
+            fh.write(page)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
