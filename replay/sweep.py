@@ -1,8 +1,10 @@
 """The grid sweep: a trace directory and a grid in, a run directory out.
 
 A run directory holds ``summary.parquet`` / ``summary.csv`` (one row per
-config), ``decisions.parquet`` (one row per request and config, optional) and
-``run.json`` (provenance).  It is built in a hidden sibling folder and moved
+config), ``decisions.parquet`` (one row per request and config, optional),
+``fleet.parquet`` (one row per request: time and the fleet's smallest fresh
+queue reading, see ``replay/fleet.py``), ``run.json`` (provenance) and
+``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
 a run that looks finished.
 """
@@ -15,6 +17,7 @@ import platform
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,7 @@ import numpy as np
 import polars as pl
 
 from . import __version__, engine
+from . import fleet as fleet_mod
 from .config import Grid, fleet_dp_size
 from .errors import ReplayError
 from .results import Accumulator, DecisionWriter
@@ -34,6 +38,8 @@ SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"
 DECISIONS = "decisions.parquet"
 RUN_JSON = "run.json"
+FLEET = fleet_mod.FLEET
+REPORT = "report.html"
 MAX_SEED = 2**63 - 1
 
 
@@ -83,6 +89,7 @@ def run_sweep(
     decisions: bool = True,
     per_dp_rank: bool = False,
     force: bool = False,
+    report: bool = True,
     threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -93,7 +100,9 @@ def run_sweep(
     :class:`Grid` or the knob values to build one from (see :class:`Grid`).
     With ``out``, the run directory is written (atomically); without it only
     the summary is computed.  ``per_dp_rank`` reads limit and floor values as
-    per-rank numbers and scales them by the fleet's dp_size.
+    per-rank numbers and scales them by the fleet's dp_size.  With ``out`` and
+    ``report``, ``report.html`` is built in the run directory too; a report
+    that fails to build does not fail the sweep (``run["report_error"]`` says why).
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
@@ -125,20 +134,31 @@ def run_sweep(
             on_start(trace.n_requests)
         t_kernel = 0.0
         t_write = 0.0
-        mark = time.perf_counter()
-        for chunk in engine.iter_chunks(trace, configs, seed=seed,
-                                        freshness_ns=int(freshness_ms) * 1_000_000,
-                                        threads=threads, keep=writer is not None, totals=totals,
-                                        progress=progress):
-            now = time.perf_counter()
-            t_kernel += now - mark
-            if writer is not None:
-                writer.write(chunk)
+        # Chunk k is written on a background thread while the kernels (which
+        # release the GIL) replay chunk k+1; at most one write is in flight.
+        pending = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="decisions") as pool:
             mark = time.perf_counter()
-            t_write += mark - now
-        if writer is not None:
-            writer.close()
+            for chunk in engine.iter_chunks(trace, configs, seed=seed,
+                                            freshness_ns=int(freshness_ms) * 1_000_000,
+                                            threads=threads, keep=writer is not None,
+                                            totals=totals, progress=progress):
+                now = time.perf_counter()
+                t_kernel += now - mark
+                if writer is not None:
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(writer.write, chunk)
+                mark = time.perf_counter()
+                t_write += mark - now
+            now = time.perf_counter()
+            if pending is not None:
+                pending.result()
+            if writer is not None:
+                writer.close()
+            t_write += time.perf_counter() - now
         summary = Accumulator(len(configs), totals).summary(_config_rows(grid), has_selected=trace.req_selected_worker is not None)
+        min_waiting, fresh_workers = fleet_mod.fleet_readings(trace, int(freshness_ms) * 1_000_000)
         timings = {
             "load_s": round(t_load - t0, 4),
             "replay_s": round(t_kernel, 4),
@@ -147,10 +167,17 @@ def run_sweep(
         }
         run = _run_record(trace, grid, seed=seed, freshness_ms=freshness_ms, model=model,
                           decisions=decisions, per_dp_rank=per_dp_rank, timings=timings)
+        run["trace"]["facts"] = fleet_mod.trace_facts(trace, min_waiting, fresh_workers,
+                                                      int(freshness_ms) * 1_000_000)
+        run["fleet"] = FLEET if out_path is not None else None
+        run["report"] = REPORT if out_path is not None and report else None
         if tmp_dir is not None and out_path is not None:
             summary.write_parquet(tmp_dir / SUMMARY)
             summary.write_csv(tmp_dir / SUMMARY_CSV)
+            fleet_mod.fleet_table(trace, min_waiting, fresh_workers).write_parquet(tmp_dir / FLEET)
             (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
+            if report:
+                _write_report(tmp_dir, run)
             _move_into_place(tmp_dir, out_path)
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, trace, timings)
@@ -159,6 +186,19 @@ def run_sweep(
             writer.close()
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _write_report(tmp_dir: Path, run: dict) -> None:
+    """Build report.html inside the unfinished run dir; on failure note it in run.json."""
+    from .report import build_report
+
+    try:
+        build_report(tmp_dir, tmp_dir / REPORT)
+    except Exception as err:  # the sweep's results stand without their report
+        (tmp_dir / REPORT).unlink(missing_ok=True)
+        run["report"] = None
+        run["report_error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
 
 
 def _config_rows(grid: Grid) -> list[dict]:

@@ -26,7 +26,8 @@ from replay.sweep import run_sweep
 
 from conftest import tree_digest
 
-OUTPUTS = {"summary.parquet", "summary.csv", "decisions.parquet", "run.json"}
+OUTPUTS = {"summary.parquet", "summary.csv", "decisions.parquet", "run.json", "fleet.parquet",
+           "report.html"}
 GRID = ["--worker-queue-limit", "none,2,4,8", "--saturation-queue-floor", "none,1..4"]
 FLOOR_NEEDS_LIMIT = ("--saturation-queue-floor requires --worker-queue-limit "
                      "(there is no diversion to cancel without it)")

@@ -51,6 +51,8 @@ def _knob_options(fn):
 @click.option("--model", default=None, help="Replay only the requests of this model.")
 @click.option("--decisions/--no-decisions", default=True, show_default=True,
               help="Write decisions.parquet (one row per request and config).")
+@click.option("--report/--no-report", default=True, show_default=True,
+              help="Write report.html (see `router-replay report`).")
 @click.option("--per-dp-rank", is_flag=True,
               help="Read limit and floor values per rank and multiply them by the fleet's dp_size.")
 @click.option("--threads", default=None, type=click.IntRange(min=1),
@@ -58,8 +60,8 @@ def _knob_options(fn):
 @click.option("--force", is_flag=True, help="Replace an existing non-empty RUN_DIR.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @user_errors
-def sweep(trace_dir, out, freshness_ms, seed, model, decisions, per_dp_rank, threads, force, quiet,
-          **knobs):
+def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, force,
+          quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from ..sweep import check_run_dir, run_sweep
     from pathlib import Path
@@ -84,13 +86,16 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, per_dp_rank, thr
 
     try:
         result = run_sweep(trace_dir, grid_spec, out=out, seed=seed, freshness_ms=freshness_ms,
-                           model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force,
+                           model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force, report=report,
                            threads=threads, progress=progress, on_start=on_start)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
     if per_dp_rank and result.grid.warning_line() and not quiet:
         click.echo(f"warning: {result.grid.warning_line()}", err=True)
+    if result.run.get("report_error") and not quiet:
+        click.echo(f"warning: report.html not written ({result.run['report_error']}); "
+                   f"retry with `router-replay report {out}`", err=True)
     if not quiet:
         s = result.summary
         t = result.timings

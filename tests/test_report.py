@@ -1,0 +1,454 @@
+"""report.html end to end: real sweeps of generated traces, the real CLI, and a real headless Chromium.
+
+Covers the run-directory additions the report needs (``fleet.parquet`` and
+``run.json["trace"]["facts"]``, held to the reference's snapshot), the
+analysis behind the headline (pressure bound, best configs, baselines, Pareto
+front), every figure, the page's self-containment, the ``report`` command's
+errors, and that the page renders in Chromium without console errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from replay import reference
+from replay.cli import main
+from replay.generate import generate_trace
+from replay.report import HEATMAP_METRICS, figures, headline, load_run, pareto_front
+from replay.sweep import run_sweep
+from replay.trace import load_trace
+
+from conftest import tree_digest
+
+GRID = {"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..4"}
+ARTIFACTS = Path(__file__).parent / "artifacts"
+ALL_FIGURES = {"heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff"}
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_line_error(res, *needles):
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rep") / "trace"
+    generate_trace(d, n_requests=2000, n_workers=6, dp_size=2, sample_interval_ms=100, max_matches=6,
+                   seed=5)
+    return d
+
+
+@pytest.fixture(scope="module")
+def run_dir(trace_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rep_run") / "run"
+    run_sweep(trace_dir, GRID, out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def page(run_dir):
+    return (run_dir / "report.html").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------
+# what the sweep writes for the report
+
+
+def test_sweep_writes_report_and_fleet(run_dir):
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["report"] == "report.html" and "report_error" not in run
+    assert run["fleet"] == "fleet.parquet"
+    assert (run_dir / "report.html").stat().st_size > 3_000_000  # plotly.js inline
+    assert not [e for e in os.listdir(run_dir.parent) if e.startswith(".run.")]  # nothing left aside
+    fl = pl.read_parquet(run_dir / "fleet.parquet")
+    assert fl.columns == ["request_id", "ts", "model", "fleet_min_waiting", "fleet_fresh_workers"]
+    assert fl.height == 2000 and fl["ts"].is_sorted()
+
+
+def _reference_fleet_min(trace, freshness_ns=5_000_000_000):
+    """The fleet's smallest fresh basic ``waiting`` per request, from reference.LoadTable."""
+    table = reference.LoadTable(freshness=freshness_ns)
+    for w in range(trace.n_workers):
+        if trace.worker_dp_size[w] > 0:
+            table.expect(w, range(int(trace.worker_dp_size[w])))
+    out, fresh, j = [], [], 0
+    for i in range(trace.n_requests):
+        ts = int(trace.req_ts[i])
+        while j < trace.load_ts.shape[0] and int(trace.load_ts[j]) <= ts:
+            w, r = int(trace.load_worker[j]), int(trace.load_rank[j])
+            dp = int(trace.worker_dp_size[w])
+            if not (dp > 0 and r >= dp):
+                table.set(w, r, reference._rank_sample(trace, j), int(trace.load_ts[j]))
+            j += 1
+        snap = table.capture(ts)
+        vals = [snap.basic[w].waiting for w in trace.fleet(int(trace.req_model[i])) if int(w) in snap.basic]
+        out.append(min(vals) if vals else None)
+        fresh.append(len(vals))
+    return out, fresh
+
+
+def test_fleet_readings_equal_reference_snapshot(run_dir, trace_dir):
+    trace = load_trace(trace_dir)
+    want_min, want_fresh = _reference_fleet_min(trace)
+    fl = pl.read_parquet(run_dir / "fleet.parquet")
+    assert fl["fleet_min_waiting"].to_list() == want_min
+    assert fl["fleet_fresh_workers"].to_list() == want_fresh
+    assert fl["request_id"].to_list() == list(trace.request_id)
+    # the generator's bursts and its fleet-wide publisher pause are both visible
+    assert max(v for v in want_min if v is not None) >= 4
+    assert any(v is None for v in want_min)
+
+
+def test_fleet_readings_freshness_and_models(models_trace, tmp_path):
+    """A multi-model trace (with a model that has no fleet), and a freshness window of 0."""
+    trace = load_trace(models_trace)
+    for fresh_ms in (0, 5000):
+        out = tmp_path / f"m{fresh_ms}"
+        run_sweep(models_trace, {"worker_queue_limit": "1,2"}, out=out, freshness_ms=fresh_ms)
+        want, _ = _reference_fleet_min(trace, fresh_ms * 1_000_000)
+        assert pl.read_parquet(out / "fleet.parquet")["fleet_min_waiting"].to_list() == want
+        assert (out / "report.html").is_file()
+
+
+def test_trace_facts(run_dir, trace_dir):
+    run = json.loads((run_dir / "run.json").read_text())
+    f = run["trace"]["facts"]
+    trace = load_trace(trace_dir)
+    assert f["requests"] == 2000
+    assert f["span_s"] == pytest.approx((trace.req_ts.max() - trace.req_ts.min()) / 1e9)
+    assert f["fleet_workers"] == {"default": 6} and f["dp_sizes"] == {"2": 6}
+    mins, _ = _reference_fleet_min(trace)
+    sat = np.array([m is not None and m >= 1 for m in mins])
+    assert f["saturated_share_requests"] == pytest.approx(sat.mean())
+    gaps = np.diff(trace.req_ts).astype(float)
+    assert f["saturated_share_time"] == pytest.approx(gaps[sat[:-1]].sum() / gaps.sum())
+    assert 0.05 < f["saturated_share_time"] < 0.95  # bursts saturate the fleet part of the time
+    assert f["no_fresh_fleet_reading_share"] == pytest.approx(np.mean([m is None for m in mins]))
+
+
+def test_sweep_no_report_flag(trace_dir, tmp_path):
+    out = tmp_path / "nr"
+    res = invoke("sweep", trace_dir, "--out", out, "--worker-queue-limit", "2,4", "--no-report")
+    assert res.exit_code == 0, res.output
+    assert not (out / "report.html").exists()
+    assert json.loads((out / "run.json").read_text())["report"] is None
+    # and `report` builds it afterwards
+    res = invoke("report", out)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == f"wrote {out / 'report.html'}"
+    assert (out / "report.html").is_file()
+
+
+# ---------------------------------------------------------------------------
+# the analysis
+
+
+def test_pareto_front():
+    pts = [(1, 0.30, 1), (1, 0.35, 2), (2, 0.35, 3), (3, 0.50, 4), (5, 0.45, 5), (0, 0.10, 6)]
+    assert pareto_front(pts) == [6, 2, 4]
+    assert pareto_front([]) == []
+
+
+def test_pareto_front_on_run(run_dir):
+    s = pl.read_parquet(run_dir / "summary.parquet").drop_nulls(["hit_rate", "selected_waiting_mean"])
+    rows = list(zip(s["selected_waiting_mean"], s["hit_rate"], s["config_id"]))
+    front = set(pareto_front(rows))
+    for x, y, i in rows:  # brute force: on the front iff nobody dominates it
+        dominated = any((x2 <= x and y2 >= y) and (x2 < x or y2 > y) for x2, y2, _ in rows)
+        assert (i in front) == (not dominated), i
+
+
+def test_headline_best_under_bound(run_dir):
+    s = pl.read_parquet(run_dir / "summary.parquet")
+    h = headline(run_dir)
+    p99 = sorted(s["selected_waiting_p99"].drop_nulls().to_list())
+    assert h["bound"] == p99[(len(p99) + 1) // 2 - 1]  # the median (lower) p99 of the grid
+    ok = s.filter(pl.col("selected_waiting_p99") <= h["bound"]).sort(
+        ["hit_rate", "selected_waiting_mean", "config_id"], descending=[True, False, False])
+    best = h["best"]
+    assert best["config_id"].to_list() == ok["config_id"].head(5).to_list()
+    base = s.filter(pl.col("worker_queue_limit").is_null()).row(0, named=True)
+    for r in best.iter_rows(named=True):
+        cfg = s.filter(pl.col("config_id") == r["config_id"]).row(0, named=True)
+        assert r["baseline_config_id"] == base["config_id"]
+        assert r["hit_rate_delta_pts"] == pytest.approx(100 * (cfg["hit_rate"] - base["hit_rate"]))
+        assert r["selected_waiting_p99_delta"] == cfg["selected_waiting_p99"] - base["selected_waiting_p99"]
+    tight = headline(run_dir, max_p99_waiting=p99[0])
+    assert all(v <= p99[0] for v in s.filter(pl.col("config_id").is_in(tight["best"]["config_id"].to_list()))
+               ["selected_waiting_p99"])
+    assert headline(run_dir, max_p99_waiting=-1)["best"].height == 0
+    facts = h["facts"]
+    assert facts["requests"] == 2000 and facts["configs"] == s.height
+
+
+# ---------------------------------------------------------------------------
+# figures and page
+
+
+def test_figures_from_library(run_dir):
+    figs = figures(run_dir)
+    assert set(figs) == ALL_FIGURES
+    import plotly.graph_objects as go
+
+    assert all(isinstance(f, go.Figure) for f in figs.values())
+    heat = figs["heatmaps"]
+    assert len(heat.data) == len(HEATMAP_METRICS) == 8
+    s = pl.read_parquet(run_dir / "summary.parquet")
+    hr = heat.data[0]
+    assert list(hr.x) == ["none", "1", "2", "3", "4"] and list(hr.y) == ["none", "2", "4", "8"]
+    # cell (limit 4, floor 2) holds config 12's hit rate; (none, 1) is a refused combination
+    cfg = s.filter((pl.col("worker_queue_limit") == 4) & (pl.col("saturation_queue_floor") == 2)).row(0, named=True)
+    assert hr.z[2][2] == pytest.approx(cfg["hit_rate"])
+    assert hr.z[0][1] is None
+    assert f"config {cfg['config_id']}" in hr.customdata[2][2] and "owner rate" in hr.customdata[2][2]
+    pin = heat.data[2]
+    assert pin.z[2][2] == pytest.approx(cfg["pinned"] / cfg["routed"])
+    # the trade-off plot's front is the Pareto front of the run
+    front = [t for t in figs["tradeoff"].data if t.name == "Pareto front"]
+    assert len(front) == 2 and len(front[0].x) >= 1
+    # over time: a dropdown over several configs, the first of them shown
+    ot = figs["over_time"]
+    menu = ot.layout.updatemenus[0]
+    assert len(menu.buttons) >= 2
+    assert all(len(b.args[0]["visible"]) == len(ot.data) for b in menu.buttons)
+    assert sum(1 for t in ot.data if t.visible is not False) < len(ot.data)
+
+
+def test_over_time_counts(run_dir):
+    """Per-interval counts of the over-time figure add up to the config's summary."""
+    from replay.report import Analysis, over_time_frames
+
+    a = Analysis(load_run(run_dir))
+    s = pl.read_parquet(run_dir / "summary.parquet")
+    pinned = s.filter(pl.col("pinned") > 0)["config_id"][0]
+    frames = over_time_frames(a, [pinned])[pinned]
+    row = s.filter(pl.col("config_id") == pinned).row(0, named=True)
+    assert frames["requests"].sum() == row["requests"]
+    assert frames["pinned"].sum() == row["pinned"]
+    for d in ("cache_hit", "cache_miss", "cache_worker_queued", "all_queued"):
+        assert frames[d].sum() == row[d]
+
+
+def test_page_is_self_contained(page):
+    import plotly.offline
+
+    bundle = plotly.offline.get_plotlyjs()
+    assert page.startswith("<!DOCTYPE html>")
+    assert page.count(bundle) == 1  # plotly.js itself, once, inline
+    assert "plotly.js v" in bundle
+    # the page around the bundle loads nothing: no script src, no stylesheet, no remote reference
+    # (the bundle's own strings mention map tile servers and plotly.com; they are never fetched)
+    rest = page.replace(bundle, "")
+    assert not re.search(r"<script[^>]*\bsrc\s*=", rest, re.I)
+    assert not re.search(r"<link\b|@import|url\(", rest, re.I)
+    assert not re.search(r"https?://|//cdn", rest, re.I)
+    assert "Plotly.newPlot" in rest
+
+
+def test_page_has_every_section_and_figure(page, run_dir):
+    for n in range(1, 9):
+        assert f'id="s{n}"' in page
+    for key in ALL_FIGURES:
+        assert page.count(f'id="fig-{key}"') == 1, key
+    assert 'id="fig-closed_loop"' not in page
+    assert "No closed-loop results: no closed_loop_summary.parquet" in page
+    run = json.loads((run_dir / "run.json").read_text())
+    for info in run["trace"]["files"].values():
+        assert info["sha256"] in page
+    assert "Pressure bound: p99 waiting at the chosen worker" in page
+    assert "This run has one dp_size (2)" in page
+    assert "Best under the bound" in page
+
+
+def test_no_decisions_run_shows_note(trace_dir, tmp_path):
+    out = tmp_path / "nd"
+    run_sweep(trace_dir, GRID, out=out, decisions=False)
+    page = (out / "report.html").read_text()
+    assert "--no-decisions</code>, so per-request labels over time are not available" in page
+    assert 'id="fig-over_time"' not in page
+    assert set(figures(out)) == ALL_FIGURES - {"over_time"}
+
+
+def test_other_knobs_vary_default_slice(trace_dir, tmp_path):
+    out = tmp_path / "k"
+    run_sweep(trace_dir, {**GRID, "min_load_choices": "2,3"}, out=out)
+    page = (out / "report.html").read_text()
+    assert "Other knobs vary in this grid (--min-load-choices)" in page
+    assert "slice --min-load-choices 2 (the router&#x27;s defaults)" in page
+    heat = figures(out)["heatmaps"].data[0]
+    s = pl.read_parquet(out / "summary.parquet")
+    cfg = s.filter((pl.col("worker_queue_limit") == 8) & (pl.col("saturation_queue_floor") == 1)
+                   & (pl.col("min_load_choices") == 2)).row(0, named=True)
+    assert heat.z[3][1] == pytest.approx(cfg["hit_rate"])
+
+
+def test_per_dp_rank_floor_vs_dp(trace_dir, tmp_path):
+    out = tmp_path / "pr"
+    run_sweep(trace_dir, {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"},
+              out=out, per_dp_rank=True)
+    figs = figures(out)
+    lines = [t for t in figs["floor_vs_dp"].data if t.showlegend]
+    assert {t.name for t in lines} == {"dp 2 · limit 4 (2/rank)", "dp 2 · limit 8 (4/rank)"}
+    lim8 = next(t for t in lines if "limit 8" in t.name)
+    assert list(lim8.x) == [1, 2]  # per-rank floors
+    s = pl.read_parquet(out / "summary.parquet").filter(pl.col("worker_queue_limit") == 8).sort("per_rank_floor")
+    assert list(lim8.y) == pytest.approx(s.drop_nulls("per_rank_floor")["hit_rate"].to_list())
+    assert "8 (4/rank)" in figs["heatmaps"].data[0].y
+
+
+def test_closed_loop_section(run_dir, tmp_path):
+    copy = tmp_path / "cl"
+    shutil.copytree(run_dir, copy)
+    s = pl.read_parquet(copy / "summary.parquet")
+    pl.DataFrame({"config_id": s["config_id"], "true_hit_rate": (s["hit_rate"] * 0.9),
+                  "ttft_p50_ms": np.linspace(100, 200, s.height)}).write_parquet(copy / "closed_loop_summary.parquet")
+    res = invoke("report", copy, "--out", copy / "with_cl.html")
+    assert res.exit_code == 0, res.output
+    page = (copy / "with_cl.html").read_text()
+    assert 'id="fig-closed_loop"' in page and "matched on config_id" in page
+    fig = figures(copy)["closed_loop"]
+    names = [t.name for t in fig.data]
+    assert names == ["closed loop (true_hit_rate)", "open-loop estimate (this run)", "ttft_p50_ms"]
+    assert list(fig.data[1].y) == pytest.approx(s["hit_rate"].to_list())
+
+
+# ---------------------------------------------------------------------------
+# the report command
+
+
+def test_report_command_errors(run_dir, trace_dir, tmp_path):
+    one_line_error(invoke("report", tmp_path / "missing"), "run directory not found")
+    one_line_error(invoke("report", trace_dir), "not a run directory")
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    one_line_error(invoke("report", f), "not a directory")
+    one_line_error(invoke("report", run_dir), "report.html: exists (use --force to replace it)")
+    one_line_error(invoke("report", run_dir, "--out", tmp_path / "nodir" / "r.html"), "directory not found")
+    one_line_error(invoke("report", run_dir, "--out", tmp_path / "x.html", "--config", 999),
+                   "--config 999: no such config_id")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "run.json").write_text("{not json")
+    (bad / "summary.parquet").write_text("nope")
+    one_line_error(invoke("report", bad), "unreadable run record")
+    (bad / "run.json").write_text(json.dumps({"tool": "router-replay"}))
+    one_line_error(invoke("report", bad), "summary.parquet: unreadable Parquet")
+    assert not (tmp_path / "x.html").exists()
+    assert sorted(os.listdir(tmp_path)) == ["bad", "file.txt"]
+
+
+def test_report_command_leaves_run_untouched(run_dir, tmp_path):
+    before = tree_digest(run_dir)
+    out = tmp_path / "r.html"
+    res = invoke("report", run_dir, "--out", out, "--max-p99-waiting", 5)
+    assert res.exit_code == 0, res.output
+    assert tree_digest(run_dir) == before
+    assert "p99 waiting at the chosen worker ≤ 5 (given)" in out.read_text()
+    # an existing output needs --force, and --force replaces it in place
+    one_line_error(invoke("report", run_dir, "--out", out), "exists")
+    os.utime(out, (0, 0))
+    res = invoke("report", run_dir, "--out", out, "--force", "--config", 0, "-q")
+    assert res.exit_code == 0 and res.output == ""
+    assert out.stat().st_mtime > 0 and "Showing config 0 (given)" in out.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["r.html"]
+
+
+def test_report_help_has_example():
+    res = invoke("report", "--help")
+    assert res.exit_code == 0 and "router-replay report reports/sample" in res.output
+
+
+# ---------------------------------------------------------------------------
+# a real browser
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--hide-scrollbars"]
+
+
+def _run_chromium(exe: str, url: str, *extra: str) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as prof:
+        return subprocess.run([exe, *CHROME_FLAGS, f"--user-data-dir={prof}", "--enable-logging=stderr",
+                               "--v=0", "--virtual-time-budget=20000", *extra, url],
+                              capture_output=True, text=True, timeout=180)
+
+
+def _console_messages(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_report_renders_in_chromium(run_dir):
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("chromium not found on PATH (.ci/run installs Debian's chromium)")
+    url = (run_dir / "report.html").resolve().as_uri()
+    dom = _run_chromium(exe, url, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert _console_messages(dom.stderr) == []  # the page logs nothing: no errors, no warnings
+    html = dom.stdout
+    assert "data-report-errors" not in html.split(">", 2)[1]
+    for key in ALL_FIGURES:
+        m = re.search(rf'<div id="fig-{key}"[^>]*class="[^"]*js-plotly-plot', html)
+        assert m, f"figure {key} was not drawn by plotly.js"
+        start = m.start()
+        nxt = html.find('<div class="fig">', start)
+        chunk = html[start:nxt if nxt > 0 else len(html)]
+        assert 'class="main-svg"' in chunk, key
+    heat = html[html.find('id="fig-heatmaps"'):html.find('id="fig-decision_mix"')]
+    assert "heatmaplayer" in heat
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    res = _run_chromium(exe, url, f"--screenshot={shot}", "--window-size=1400,4000")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert _console_messages(res.stderr) == []
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1400, 4000)
+    assert len(data) > 100_000  # not a blank page
+
+
+def test_console_check_catches_errors(tmp_path):
+    """The browser check itself fails on a broken page (so a pass above means something)."""
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("chromium not found on PATH (.ci/run installs Debian's chromium)")
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><head><script>window.addEventListener("error",function(e){'
+                   'document.documentElement.setAttribute("data-report-errors","1")});</script></head>'
+                   '<body><div id="fig-x"></div><script>console.error("boom"); notDefined();</script></body></html>')
+    res = _run_chromium(exe, bad.resolve().as_uri(), "--dump-dom")
+    msgs = _console_messages(res.stderr)
+    assert any("boom" in m for m in msgs) and any("notDefined" in m for m in msgs)
+    assert 'data-report-errors="1"' in res.stdout
