@@ -1,0 +1,93 @@
+"""``router-replay simulate LOG --fleet FLEET --out DIR [knobs]``: the fleet simulator."""
+
+from __future__ import annotations
+
+import click
+
+from ..cli import user_errors
+from ..config import KNOBS, Grid
+from .sweep import _knob_options
+
+_EXAMPLE = """
+LOG is a Mooncake request log (JSONL or Parquet: timestamp ms, input_length,
+output_length, hash_ids) or an Azure LLM CSV (synthetic prefixes, seeded).
+Router knobs take the values `sweep` takes; one config writes the trace into
+DIR, a grid writes DIR/config-<id>/ per config and DIR/closed_loop_summary.parquet.
+
+\b
+Example:
+  router-replay simulate traces/sample-log/requests.jsonl \\
+      --fleet traces/sample-fleet.toml --out traces/sample-sim --force \\
+      --worker-queue-limit 8
+"""
+
+
+@click.command(epilog=_EXAMPLE)
+@click.argument("log", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Fleet file (TOML, or JSON by suffix); flags below override it.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=str),
+              help="Directory to write (trace, outcomes, or one directory per config).")
+@_knob_options
+@click.option("--workers", type=int, default=None, help="Prefill workers.")
+@click.option("--dp-size", type=int, default=None, help="Data-parallel ranks per worker.")
+@click.option("--prefill-tokens-per-s", type=float, default=None, help="Per rank.")
+@click.option("--decode-tokens-per-s", type=float, default=None, help="Per rank (decode steps/s).")
+@click.option("--max-running-requests", type=int, default=None, help="Per rank.")
+@click.option("--max-total-num-tokens", type=int, default=None, help="Per rank KV capacity.")
+@click.option("--decode-peers", type=int, default=None, help="Decode workers listed in workers.parquet.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "azure"]), default="auto",
+              show_default=True, help="Log format (auto: .csv is azure, else mooncake).")
+@click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
+              help="Simulate only the first N requests of the log.")
+@click.option("--publish-interval-ms", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--index-lag-ms", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--freshness-ms", type=click.IntRange(min=0), default=5000, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Parallel simulations for a grid.")
+@click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
+@click.option("--quiet", "-q", is_flag=True)
+@user_errors
+def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
+             max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
+             publish_interval_ms, index_lag_ms, freshness_ms, seed, threads, force, quiet, **knobs):
+    """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
+    from pathlib import Path
+
+    from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
+    from ..simulate.sim import _check_out
+
+    _check_out(Path(out), force)
+    texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
+    grid = Grid.from_texts(texts)
+    if grid.warning_line() and not quiet:
+        click.echo(f"warning: {grid.warning_line()}", err=True)
+    fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
+                       prefill_tokens_per_s=prefill_tokens_per_s,
+                       decode_tokens_per_s=decode_tokens_per_s,
+                       max_running_requests=max_running_requests,
+                       max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
+    req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size, limit=limit)
+    kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
+              freshness_ms=freshness_ms, force=force)
+    if len(grid.configs) == 1:
+        r = run_one(req_log, fleet, grid.configs[0], out, **kw)
+        if not quiet:
+            s = r.summary
+            click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
+                       f"{r.seconds:.2f} s -> {out}")
+            click.echo(f"true hit rate {s['true_hit_rate']:.4f}, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
+                       f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
+        return
+    table = simulate_grid(req_log, fleet, grid, out, threads=threads, **kw)
+    if not quiet:
+        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs -> {out}")
+        cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor",
+                            "true_hit_rate", "ttft_ms_p50", "ttft_ms_p99", "queue_wait_ms_mean")
+                if c in table.columns]
+        click.echo(str(table.select(cols)))
+
+
+COMMANDS = [simulate]

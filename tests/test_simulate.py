@@ -1,0 +1,340 @@
+"""The fleet simulator (issue 3): fidelity with sweep, the unbounded-cache hit rate,
+conservation, determinism, the CLI and the log readers.  Real files, real CLI, no mocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from replay.cli import main
+from replay.config import RouterConfig
+from replay.simulate import (FleetSpec, build_fleet, generate_log, load_fleet, read_azure,
+                             read_mooncake, simulate, simulate_grid, write_mooncake_jsonl)
+from replay.simulate.logs import LogError, RequestLog
+from replay.sweep import run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "traces"
+MOONCAKE = SHARED / "mooncake" / "conversation_trace.jsonl"
+AZURE = SHARED / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+needs_mooncake = pytest.mark.skipif(not MOONCAKE.is_file(), reason="../shared/traces/mooncake absent")
+needs_azure = pytest.mark.skipif(not AZURE.is_file(), reason="../shared/traces/azure-llm-2023 absent")
+
+LABELS = ("cache_hit", "cache_miss", "cache_worker_queued", "all_queued")
+
+
+@pytest.fixture(scope="module")
+def small_log() -> RequestLog:
+    return generate_log(1200, seed=3, rate_per_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def tight_fleet():
+    # small KV and slow prefill: queues, gate rejections, evictions
+    return build_fleet(FleetSpec(workers=4, dp_size=2, prefill_tokens_per_s=6000,
+                                 max_running_requests=8, max_total_num_tokens=40_000))
+
+
+def _knobs(cfg: RouterConfig) -> dict:
+    out = {}
+    for k, v in cfg.given_flags().items():
+        out[k] = "none" if v is None else str(v).lower()
+    return out
+
+
+def _assert_fidelity(res, trace_dir: Path, freshness_ms: int = 5000, seed: int = 0) -> None:
+    sweep = run_sweep(trace_dir, _knobs(res.config), freshness_ms=freshness_ms, seed=seed)
+    row = sweep.summary.row(0, named=True)
+    assert row["requests"] == res.summary["requests"]
+    assert row["agreement"] == 1.0
+    for label in LABELS:
+        assert row[label] == res.summary[label], label
+
+
+# ---------------------------------------------------------------------------
+# (1) fidelity: sweep on the simulated trace reproduces every decision
+
+@pytest.mark.parametrize("cfg, kw", [
+    (RouterConfig(), {}),
+    (RouterConfig(worker_queue_limit=4), {}),
+    (RouterConfig(worker_queue_limit=6, saturation_queue_floor=2, min_load_choices=1), {}),
+    (RouterConfig(worker_queue_limit=2, cache_affinity_min_matched_tokens=None,
+                  cache_candidate_min_workers=2),
+     {"publish_interval_ms": 37, "index_lag_ms": 250}),
+    # a freshness window shorter than the publish interval: stale ranks, fail-open gates
+    (RouterConfig(worker_queue_limit=3), {"publish_interval_ms": 100, "freshness_ms": 60}),
+])
+def test_fidelity_synthetic(tmp_path, small_log, tight_fleet, cfg, kw):
+    res = simulate(small_log, tight_fleet, cfg, tmp_path / "t", seed=5, **kw)
+    # the workload really exercised the router (not a trivially idle fleet)
+    assert res.stats["ss_evictions"] > 0
+    assert res.summary["cache_hit"] > 0 and res.summary["cache_miss"] > 0
+    _assert_fidelity(res, tmp_path / "t", kw.get("freshness_ms", 5000), seed=5)
+
+
+def test_fidelity_exercises_gate(tmp_path, small_log, tight_fleet):
+    res = simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=2), tmp_path / "t")
+    assert res.summary["cache_worker_queued"] + res.summary["all_queued"] > 0
+    _assert_fidelity(res, tmp_path / "t")
+
+
+@needs_mooncake
+def test_fidelity_mooncake_head(tmp_path):
+    log = read_mooncake(MOONCAKE, limit=2000)
+    fleet = build_fleet(FleetSpec(workers=8, dp_size=2, prefill_tokens_per_s=6000,
+                                  max_running_requests=16, max_total_num_tokens=200_000))
+    for cfg in (RouterConfig(worker_queue_limit=2, saturation_queue_floor=1),
+                RouterConfig(cache_affinity_min_matched_tokens=None)):
+        out = tmp_path / f"m{cfg.worker_queue_limit}"
+        res = simulate(log, fleet, cfg, out)
+        _assert_fidelity(res, out)
+
+
+# ---------------------------------------------------------------------------
+# (2) one worker, unbounded KV: the true hit rate is the log's prefix-cache hit rate
+
+def _unbounded(log: RequestLog) -> tuple[float, float]:
+    """Prefix-cache hit rate of an infinite cache, from the block ids alone (blocks, tokens)."""
+    seen: set[int] = set()
+    hit_b = tot_b = hit_t = 0
+    for i in range(log.n_requests):
+        h = log.hash_ids[log.hash_off[i]:log.hash_off[i + 1]].tolist()
+        L = int(log.input_tokens[i])
+        d = 0
+        while d < len(h) and h[d] in seen:
+            d += 1
+        hit_b += d
+        tot_b += len(h)
+        hit_t += sum(min(log.block_size, max(L - j * log.block_size, 0)) for j in range(d))
+        seen.update(h)
+    return hit_b / tot_b, hit_t / int(log.input_tokens.sum())
+
+
+def _one_unbounded_worker():
+    return build_fleet(FleetSpec(workers=1, dp_size=1, prefill_tokens_per_s=50_000,
+                                 max_running_requests=1_000_000, max_total_num_tokens=10**13))
+
+
+def test_unbounded_single_worker_synthetic(small_log):
+    res = simulate(small_log, _one_unbounded_worker(), RouterConfig())
+    blocks, tokens = _unbounded(small_log)
+    assert res.stats["ss_evictions"] == 0
+    assert res.summary["block_hit_rate"] == pytest.approx(blocks, abs=1e-12)
+    assert res.summary["true_hit_rate"] == pytest.approx(tokens, abs=1e-12)
+
+
+@needs_mooncake
+def test_unbounded_single_worker_mooncake():
+    log = read_mooncake(MOONCAKE)
+    blocks, tokens = _unbounded(log)
+    assert blocks == pytest.approx(0.366, abs=0.0005)  # traces/README.md: 36.6% of blocks
+    res = simulate(log, _one_unbounded_worker(), RouterConfig())
+    assert res.summary["block_hit_rate"] == pytest.approx(blocks, abs=1e-12)
+    assert res.summary["true_hit_rate"] == pytest.approx(tokens, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# (3) conservation
+
+def test_conservation(small_log, tight_fleet):
+    res = simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=4))
+    o = res.outcomes
+    assert (o["completions"] == 1).all()
+    assert o["worker"].null_count() == 0
+    assert (o["admit_ts"] >= o["arrival_ts"]).all()
+    assert (o["first_token_ts"] > o["admit_ts"]).all()
+    assert (o["completion_ts"] >= o["first_token_ts"]).all()
+    assert (o["cached_tokens"] <= o["input_tokens"]).all()
+    ld = res.loads
+    for c in ("num_waiting_reqs", "num_running_reqs", "num_tokens", "num_waiting_uncached_tokens",
+              "router_inflight"):
+        assert (ld[c] >= 0).all(), c
+    assert (ld["num_tokens"] <= ld["max_total_num_tokens"]).all()
+    assert (ld["num_running_reqs"] <= ld["max_running_requests"]).all()
+    assert res.stats["ss_neg_queue"] == 0
+    assert res.stats["max_kv_used_minus_capacity"] <= 0   # cache + running never above capacity
+    # monotonic native counters per rank
+    mono = ld.group_by("worker", "dp_rank", maintain_order=True).agg(
+        pl.col("total_prefill_uncached_tokens").diff().min().alias("a"),
+        pl.col("total_prefill_busy_us").diff().min().alias("b"))
+    assert (mono["a"] >= 0).all() and (mono["b"] >= 0).all()
+    # every prefilled token was counted: the counters' end equals the uncached work
+    last = ld.group_by("worker", "dp_rank").agg(pl.col("total_prefill_uncached_tokens").max())
+    work = (o["input_tokens"] - o["cached_tokens"]).clip(lower_bound=1).sum()
+    assert last["total_prefill_uncached_tokens"].sum() <= work
+    assert last["total_prefill_uncached_tokens"].sum() >= 0.9 * work  # last samples precede the drain
+
+
+def test_littles_law_per_rank(small_log, tight_fleet):
+    """Time-average waiting count (samples) ~ arrival rate x mean queue wait, per rank."""
+    res = simulate(small_log, tight_fleet, RouterConfig(), publish_interval_ms=10)
+    o = res.outcomes
+    ld = res.loads
+    t0, t1 = int(ld["ts"].min()), int(ld["ts"].max())
+    per = o.group_by("worker", "dp_rank").agg(pl.len().alias("n"), pl.col("queue_wait_ms").sum().alias("w"))
+    q = ld.group_by("worker", "dp_rank").agg(pl.col("num_waiting_reqs").mean().alias("lq"))
+    j = per.join(q, on=["worker", "dp_rank"])
+    span_ms = (t1 - t0) / 1e6
+    little = j["w"] / span_ms  # = lambda * W over the span
+    busy = j.filter(little > 0.05)
+    assert busy.height > 0
+    ratio = (busy["lq"] / (busy["w"] / span_ms)).to_numpy()
+    assert np.all(np.abs(ratio - 1) < 0.1), ratio
+
+
+# ---------------------------------------------------------------------------
+# (4) determinism
+
+def test_determinism_bytes(tmp_path, small_log, tight_fleet):
+    cfg = RouterConfig(worker_queue_limit=3, saturation_queue_floor=2)
+    simulate(small_log, tight_fleet, cfg, tmp_path / "a", seed=11, index_lag_ms=40)
+    simulate(small_log, tight_fleet, cfg, tmp_path / "b", seed=11, index_lag_ms=40)
+    for name in ("requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_grid_equals_single_runs(tmp_path, small_log, tight_fleet):
+    table = simulate_grid(small_log, tight_fleet,
+                          {"worker_queue_limit": "2,4", "saturation_queue_floor": "none,2"},
+                          tmp_path / "g", threads=2)
+    assert table.height == 4
+    for row in table.iter_rows(named=True):
+        cfg = RouterConfig(worker_queue_limit=row["worker_queue_limit"],
+                           saturation_queue_floor=row["saturation_queue_floor"])
+        one = simulate(small_log, tight_fleet, cfg)
+        assert row["true_hit_rate"] == one.summary["true_hit_rate"]
+        assert row["ttft_ms_p99"] == one.summary["ttft_ms_p99"]
+        d = tmp_path / "g" / f"config-{row['config_id']}"
+        assert (d / "requests.parquet").is_file() and (d / "outcomes.parquet").is_file()
+    assert (tmp_path / "g" / "closed_loop_summary.parquet").is_file()
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+def _run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_cli_single_and_grid(tmp_path):
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    out = tmp_path / "one"
+    r = _run(["simulate", str(log), "--fleet", str(fleet), "--out", str(out), "--requests", "600",
+              "--worker-queue-limit", "4"])
+    assert r.exit_code == 0, r.output
+    assert "true hit rate" in r.output
+    meta = json.loads((out / "sim.json").read_text())
+    assert meta["config"]["worker_queue_limit"] == 4 and meta["requests"] == 600
+    r = _run(["sweep", str(out), "--out", str(tmp_path / "run"), "--worker-queue-limit", "4", "-q"])
+    assert r.exit_code == 0, r.output
+    assert pl.read_parquet(tmp_path / "run" / "summary.parquet")["agreement"][0] == 1.0
+    # refuse a non-empty DIR without --force: one line, exit 2
+    r = _run(["simulate", str(log), "--fleet", str(fleet), "--out", str(out), "--requests", "50"])
+    assert r.exit_code == 2 and "not empty" in r.output and len(r.output.strip().splitlines()) == 1
+    r = _run(["simulate", str(log), "--fleet", str(fleet), "--out", str(tmp_path / "grid"),
+              "--requests", "400", "--worker-queue-limit", "2,4", "--workers", "3"])
+    assert r.exit_code == 0, r.output
+    s = pl.read_parquet(tmp_path / "grid" / "closed_loop_summary.parquet")
+    assert s["worker_queue_limit"].to_list() == [2, 4]
+    w = pl.read_parquet(tmp_path / "grid" / "config-1" / "workers.parquet")
+    assert w.height == 3
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--out", "{o}", "{missing}"], "no such file"),
+    (["--out", "{o}", "{log}", "--fleet", "{badfleet}"], "unknown key 'worker_count'"),
+    (["--out", "{o}", "{log}", "--workers", "0"], "workers must be"),
+    (["--out", "{o}", "{log}", "--saturation-queue-floor", "2"], "requires --worker-queue-limit"),
+    (["--out", "{o}", "{log}", "--max-total-num-tokens", "100"], "more than max_total_num_tokens"),
+])
+def test_cli_errors_one_line(tmp_path, args, text):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("worker_count = 3\n")
+    subs = {"o": str(tmp_path / "o"), "missing": str(tmp_path / "nope.jsonl"),
+            "log": str(ROOT / "traces" / "sample-log" / "requests.jsonl"), "badfleet": str(bad)}
+    r = _run(["simulate"] + [a.format(**subs) for a in args])
+    assert r.exit_code == 2, r.output
+    assert text in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------
+# logs and fleets
+
+def test_sample_log_regenerates():
+    """traces/sample-log/requests.jsonl is generate_log(3000, seed=7) (docs/simulator.md)."""
+    log = generate_log(3000, seed=7)
+    path = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    tmp = path.parent / ".regen-check.jsonl"
+    try:
+        write_mooncake_jsonl(log, tmp)
+        assert tmp.read_bytes() == path.read_bytes()
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def test_mooncake_roundtrip_and_parquet(tmp_path, small_log):
+    write_mooncake_jsonl(small_log, tmp_path / "log.jsonl")
+    back = read_mooncake(tmp_path / "log.jsonl")
+    assert np.array_equal(back.input_tokens, small_log.input_tokens)
+    assert np.array_equal(back.hash_ids, small_log.hash_ids)
+    df = pl.read_ndjson(tmp_path / "log.jsonl")
+    df.write_parquet(tmp_path / "log.parquet")
+    pq = read_mooncake(tmp_path / "log.parquet")
+    assert np.array_equal(pq.hash_off, small_log.hash_off)
+
+
+def test_log_rejects_inconsistent_prefix_ids(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [3, 2]}\n')
+    with pytest.raises(LogError, match="follows different blocks"):
+        read_mooncake(p)
+
+
+def test_azure_synthetic_prefixes(tmp_path):
+    p = tmp_path / "az.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        rows.append(f"2023-11-16 18:{15 + i // 60:02d}:{i % 60:02d}.{rng.integers(0, 10**7):07d},"
+                    f"{int(rng.integers(50, 6000))},{int(rng.integers(1, 300))}")
+    p.write_text("\n".join(rows) + "\n")
+    a = read_azure(p, seed=1)
+    b = read_azure(p, seed=1)
+    assert np.array_equal(a.hash_ids, b.hash_ids)
+    assert np.array_equal(a.query_blocks, -(-a.input_tokens // 512))
+    blocks, _ = _unbounded(a)
+    assert 0.05 < blocks < 0.95   # shared prompts and sessions give some, not total, reuse
+    res = simulate(a, build_fleet(FleetSpec(workers=2)), RouterConfig())
+    assert (res.outcomes["completions"] == 1).all()
+
+
+@needs_azure
+def test_azure_real_csv_head():
+    log = read_azure(AZURE, seed=0, limit=3000)
+    assert log.n_requests == 3000
+    res = simulate(log, build_fleet(FleetSpec(workers=4, max_total_num_tokens=400_000)), RouterConfig())
+    assert (res.outcomes["completions"] == 1).all()
+
+
+def test_fleet_file_and_overrides(tmp_path):
+    f = tmp_path / "f.toml"
+    f.write_text('workers = 3\ndp_size = 2\ndecode_peers = 1\n[[worker]]\nindex = 1\n'
+                 'prefill_tokens_per_s = 500\n')
+    fl = load_fleet(f, dp_size=4)
+    assert [w.role for w in fl.workers].count("decode") == 1
+    pre = [fl.workers[i] for i in fl.prefill]
+    assert [w.dp_size for w in pre] == [4, 4, 4]
+    assert pre[1].prefill_tokens_per_s == 500
+    assert fl.urls == sorted(fl.urls)
+    j = tmp_path / "f.json"
+    j.write_text(json.dumps({"workers": 2}))
+    assert len(load_fleet(j).prefill) == 2
