@@ -111,7 +111,7 @@ def _fmt(v: Any, fmt: str) -> str:
         v = float(v)
         for div, suf in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
             if abs(v) >= div:
-                return f"{v / div:.3g}{suf}"
+                return f"{v / div:#.3g}".rstrip(".") + suf  # 3 significant digits, zeros kept
         return f"{v:.3g}"
     return str(v)
 
@@ -466,13 +466,18 @@ def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFra
               pl.col("fleet_min_waiting").max().alias("fleet_min_max")]
     out = {}
     for cid in config_ids:
+        floor = a.rows[cid][FLOOR]
+        # the pin's precondition (spec 3.6): no fresh fleet reading below the floor
+        floor_expr = (((pl.col("fleet_min_waiting") >= floor) | pl.col("fleet_min_waiting").is_null()).sum()
+                      if floor is not None
+                      else pl.lit(None, dtype=pl.UInt32)).alias("reading_at_or_above_floor")
         d = dec.filter(pl.col("config_id") == cid).drop("config_id")
         if d.height == fl.height and d["request_id"].cast(pl.String).equals(fl["request_id"].cast(pl.String)):
             df = pl.concat([fl, d.drop("request_id")], how="horizontal")  # same (trace) order
         else:
             df = fl.join(d.with_columns(pl.col("request_id").cast(fl.schema["request_id"])),
                          on="request_id", how="inner", maintain_order="left")
-        out[cid] = (df.group_by("bin").agg(exprs).sort("bin")
+        out[cid] = (df.group_by("bin").agg(*exprs, floor_expr).sort("bin")
                     .with_columns(t_ns=pl.col("bin") * step + t0 + step // 2,
                                   interval_ns=pl.lit(step, dtype=pl.Int64)))
     return out
@@ -556,6 +561,11 @@ def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
         add(go.Scatter(x=t, y=df["gate_rejected"].to_numpy() / n_safe, name="gate rejected a candidate",
                        mode="lines", visible=vis, line=dict(color="#ff7f0e", width=1.5, dash="dot"),
                        hovertemplate="gate rejected: %{y:.1%}<extra></extra>"), 2, cid)
+        if row[FLOOR] is not None:
+            add(go.Scatter(x=t, y=df["reading_at_or_above_floor"].to_numpy() / n_safe,
+                           name="no fresh reading below floor (pin allowed)", mode="lines", visible=vis,
+                           line=dict(color="#555", width=1.2, dash="dash"),
+                           hovertemplate="pin allowed: %{y:.1%}<extra></extra>"), 2, cid)
         for val, name, color in ((row[FLOOR], "floor", "#9467bd"), (row[LIMIT], "limit", "#d62728")):
             if val is None:
                 continue
@@ -1080,7 +1090,8 @@ def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None =
         body = (f'<p class="note">Showing {_e(a.chosen_note)}; the menu at the top right switches to '
                 "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. The pin fires when the queue gate "
                 "rejects an owner and no fresh fleet worker reads below the floor, i.e. when the bottom "
-                "panel's reading is at or above the floor.</p>" + _fig_html(figs["over_time"], "over_time"))
+                "panel's reading is at or above the floor (or no fleet worker has a fresh reading): the "
+                "dashed grey line in the middle panel.</p>" + _fig_html(figs["over_time"], "over_time"))
     elif data.decisions is None:
         body = ('<p class="note">This run was written with <code>--no-decisions</code>, so per-request '
                 "labels over time are not available; re-run the sweep with decisions to see them.</p>")
