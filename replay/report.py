@@ -717,19 +717,33 @@ def fig_tradeoff(a: Analysis):
 
 
 def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
+    """The closed-loop table with this run's open-loop estimate of the same configs.
+
+    Configs are matched on the knob columns both tables have (config ids are
+    positions in a grid, so they agree only between identical grids); a table
+    without knob columns is matched on ``config_id``.
+    """
     cl = a.data.closed_loop
     if cl is None:
         return None, "no closed_loop_summary.parquet in this run directory"
-    keys = ["config_id"] if "config_id" in cl.columns else [k for k in (LIMIT, FLOOR) if k in cl.columns]
+    keys = [k for k in a.knobs if k in cl.columns]
+    if not keys and "config_id" in cl.columns:
+        keys = ["config_id"]
     if not keys:
-        return None, "closed_loop_summary.parquet has no config_id (or limit/floor) column to match configs"
-    open_cols = [c for c in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99") if c in a.summary.columns]
-    right = a.summary.select(open_cols).rename({c: f"open_loop_{c}" for c in ("hit_rate", "selected_waiting_p99")})
+        return None, "closed_loop_summary.parquet has no knob or config_id column to match configs by"
+    right = a.summary.select(
+        *[pl.col(k) for k in keys],
+        *([] if keys == ["config_id"] else [pl.col("config_id").alias("open_loop_config_id")]),
+        pl.col("hit_rate").alias("open_loop_hit_rate"),
+        pl.col("selected_waiting_p99").alias("open_loop_selected_waiting_p99"))
     try:
-        joined = cl.join(right, on=keys, how="left", suffix="_open_loop", nulls_equal=True)
+        joined = cl.join(right, on=keys, how="left", nulls_equal=True, maintain_order="left")
     except Exception as err:  # mismatched key types
-        return None, f"closed_loop_summary.parquet: cannot match configs on {', '.join(keys)} ({type(err).__name__})"
-    return joined, f"matched on {', '.join(keys)}"
+        return None, (f"closed_loop_summary.parquet: cannot match configs on {', '.join(keys)} "
+                      f"({type(err).__name__})")
+    matched = joined["open_loop_hit_rate"].is_not_null().sum()
+    how = "config_id" if keys == ["config_id"] else "the knob values"
+    return joined, f"{matched} of {joined.height} configs matched to this run on {how}"
 
 
 def _closed_hit_col(df: pl.DataFrame) -> str | None:
@@ -749,10 +763,14 @@ def fig_closed_loop(a: Analysis):
     hit = _closed_hit_col(df)
     fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
                     subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
-    if "config_id" in df.columns:
-        x = [f"{i}" for i in df["config_id"].to_list()]
-    else:
+    if LIMIT in df.columns and FLOOR in df.columns:
         x = [f"{_knob_text(l)}/{_knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
+        if len(set(x)) < len(x) and "config_id" in df.columns:  # other knobs vary too
+            x = [f"{v} (#{i})" for v, i in zip(x, df["config_id"].to_list())]
+        x_title = "limit / floor"
+    else:
+        x = [str(i) for i in df["config_id"].to_list()]
+        x_title = "config"
     if hit is not None:
         fig.add_trace(go.Bar(x=x, y=df[hit].to_list(), name=f"closed loop ({hit})", marker_color="#1f77b4"),
                       row=1, col=1)
@@ -763,7 +781,7 @@ def fig_closed_loop(a: Analysis):
         fig.add_trace(go.Bar(x=x, y=df[c].to_list(), name=c, marker_color=["#ff7f0e", "#d62728", "#8c564b",
                                                                            "#e377c2"][i % 4]), row=1, col=2)
     _base_layout(fig, height=400, barmode="group", legend=dict(orientation="h", y=-0.25, x=0))
-    fig.update_xaxes(type="category", title_text="config" if "config_id" in df.columns else "limit / floor")
+    fig.update_xaxes(type="category", title_text=x_title)
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
     return fig
 

@@ -338,19 +338,27 @@ def test_per_dp_rank_floor_vs_dp(trace_dir, tmp_path):
 
 
 def test_closed_loop_section(run_dir, tmp_path):
+    """A closed-loop table shaped like the simulator's (knob columns, its own config ids, true hit
+    rate, TTFT) is matched to this run's configs by knob values."""
     copy = tmp_path / "cl"
     shutil.copytree(run_dir, copy)
     s = pl.read_parquet(copy / "summary.parquet")
-    pl.DataFrame({"config_id": s["config_id"], "true_hit_rate": (s["hit_rate"] * 0.9),
-                  "ttft_p50_ms": np.linspace(100, 200, s.height)}).write_parquet(copy / "closed_loop_summary.parquet")
+    knobs = [c for c in s.columns[:s.columns.index("requests")] if c != "config_id"]
+    sub = s.filter(pl.col("worker_queue_limit").is_null() | (pl.col("worker_queue_limit") == 8))
+    cl = sub.select(pl.int_range(pl.len()).alias("config_id"), *knobs,
+                    (pl.col("hit_rate") * 0.9).alias("true_hit_rate"),
+                    pl.lit(120.0).alias("ttft_ms_p50"), pl.lit(900.0).alias("ttft_ms_p99"))
+    cl.write_parquet(copy / "closed_loop_summary.parquet")
     res = invoke("report", copy, "--out", copy / "with_cl.html")
     assert res.exit_code == 0, res.output
     page = (copy / "with_cl.html").read_text()
-    assert 'id="fig-closed_loop"' in page and "matched on config_id" in page
+    assert 'id="fig-closed_loop"' in page and "6 of 6 configs matched to this run on the knob values" in page
     fig = figures(copy)["closed_loop"]
-    names = [t.name for t in fig.data]
-    assert names == ["closed loop (true_hit_rate)", "open-loop estimate (this run)", "ttft_p50_ms"]
-    assert list(fig.data[1].y) == pytest.approx(s["hit_rate"].to_list())
+    assert [t.name for t in fig.data] == ["closed loop (true_hit_rate)", "open-loop estimate (this run)",
+                                          "ttft_ms_p50", "ttft_ms_p99"]
+    assert list(fig.data[0].x) == ["none/none", "8/none", "8/1", "8/2", "8/3", "8/4"]
+    assert list(fig.data[1].y) == pytest.approx(sub["hit_rate"].to_list())
+    assert list(fig.data[0].y) == pytest.approx((sub["hit_rate"] * 0.9).to_list())
 
 
 # ---------------------------------------------------------------------------
