@@ -194,7 +194,8 @@ def test_determinism_bytes(tmp_path, small_log, tight_fleet):
     cfg = RouterConfig(worker_queue_limit=3, saturation_queue_floor=2)
     simulate(small_log, tight_fleet, cfg, tmp_path / "a", seed=11, index_lag_ms=40)
     simulate(small_log, tight_fleet, cfg, tmp_path / "b", seed=11, index_lag_ms=40)
-    for name in ("requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet"):
+    for name in ("requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet",
+                 "sim.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
@@ -278,6 +279,17 @@ def test_sample_log_regenerates():
         assert tmp.read_bytes() == path.read_bytes()
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def test_sample_sim_regenerates(tmp_path):
+    """traces/sample-sim is the documented simulate command's output, byte for byte."""
+    r = _run(["simulate", str(ROOT / "traces" / "sample-log" / "requests.jsonl"), "--fleet",
+              str(ROOT / "traces" / "sample-fleet.toml"), "--out", str(tmp_path / "s"), "-q",
+              "--worker-queue-limit", "8", "--saturation-queue-floor", "2"])
+    assert r.exit_code == 0, r.output
+    for name in ("requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet"):
+        assert ((tmp_path / "s" / name).read_bytes()
+                == (ROOT / "traces" / "sample-sim" / name).read_bytes()), name
 
 
 def test_mooncake_roundtrip_and_parquet(tmp_path, small_log):

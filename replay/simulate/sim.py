@@ -279,7 +279,6 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     stat["max_queue_len"] = int(rs[:, nb.RS_MAX_QLEN].max())
     stat["load_rows"] = int(loads.shape[1])
     summary = _summary(log, rq, out_t, stats)
-    summary["sim_seconds"] = round(seconds, 4)
     res = SimResult(config, pl.from_arrow(req_t), pl.from_arrow(loads_t), pl.from_arrow(workers_t),
                     pl.from_arrow(out_t), summary, stat, out, seconds)
     if out is not None:
@@ -293,9 +292,18 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     return res
 
 
-def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
+def _mkdtemp_beside(out: Path) -> Path:
+    """A hidden sibling of ``out`` with ordinary permissions (mkdtemp makes it 0700)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
+    tmp = _mkdtemp_beside(out)
     try:
         for name, t in tables.items():
             _write_parquet(t, tmp / name)
@@ -343,8 +351,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     rows_by_id = {r["config_id"]: r for r in grid.rows()}
     tmp = None
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        tmp = _mkdtemp_beside(out)
 
     def one(j: int) -> dict:
         cfg = grid.configs[j]

@@ -1,0 +1,62 @@
+"""Simulator speed (issue 3): the Mooncake conversation trace on 16 workers x dp 2.
+
+Skipped when ``../shared/traces/mooncake`` is absent.  Compilation is
+excluded (one warm-up simulation on the first 200 requests).  Reports wall
+time per config, requests and events per second, and a 9-config closed-loop
+grid (threads).  Run with ``python -m pytest benches/test_bench_simulate.py
+--benchmark-enable -s``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import stat
+
+MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake"
+            / "conversation_trace.jsonl")
+pytestmark = pytest.mark.skipif(not MOONCAKE.is_file(), reason="../shared/traces/mooncake absent")
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    from replay.simulate import FleetSpec, build_fleet, read_mooncake, simulate
+
+    log = read_mooncake(MOONCAKE)
+    fleet = build_fleet(FleetSpec(workers=16, dp_size=2, prefill_tokens_per_s=10_000,
+                                  decode_tokens_per_s=40, max_running_requests=32,
+                                  max_total_num_tokens=300_000))
+    simulate(log.head(200), fleet)  # compile (or load numba's cache)
+    return log, fleet
+
+
+def test_simulate_one_config(benchmark, report, mooncake):
+    from replay.config import RouterConfig
+    from replay.simulate import simulate
+
+    log, fleet = mooncake
+    cfg = RouterConfig(worker_queue_limit=4, saturation_queue_floor=2)
+    benchmark.group = "simulate"
+    res = benchmark.pedantic(simulate, args=(log, fleet, cfg), rounds=3, iterations=1)
+    best = stat(benchmark, "min")
+    report(requests=log.n_requests, workers=16, dp_size=2,
+           kernel_s=round(res.seconds, 3), wall_s=round(best, 3) if best else None,
+           requests_per_s=round(log.n_requests / res.seconds),
+           events=res.stats["ss_events"], events_per_s=round(res.stats["ss_events"] / res.seconds),
+           load_rows=res.stats["load_rows"], floor_s_per_config=1.0)
+
+
+def test_simulate_grid_9(benchmark, report, mooncake):
+    from replay.simulate import simulate_grid
+
+    log, fleet = mooncake
+    benchmark.group = "simulate"
+    grid = {"worker_queue_limit": "2,4,8", "saturation_queue_floor": "none,1,2"}
+    t0 = time.perf_counter()
+    table = benchmark.pedantic(simulate_grid, args=(log, fleet, grid), kwargs={"threads": 2},
+                               rounds=1, iterations=1)
+    wall = time.perf_counter() - t0
+    report(configs=table.height, wall_s=round(wall, 3), s_per_config=round(wall / table.height, 3))
