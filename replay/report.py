@@ -651,8 +651,8 @@ def fig_floor_vs_dp(a: Analysis):
     fig.update_layout(margin=dict(b=110))
     fig.update_xaxes(title_text="floor per rank")
     fig.update_yaxes(**_int_axis(p["row"][metrics[2].key] for p in pts), row=1, col=3)
-    fig.update_yaxes(tickformat=".0%", row=1, col=1)
-    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    fig.update_yaxes(tickformat=".1%", row=1, col=1)
+    fig.update_yaxes(tickformat=".1%", row=1, col=2)
     return fig
 
 
@@ -709,7 +709,7 @@ def fig_tradeoff(a: Analysis):
                           annotation_text=f"bound {_knob_text(a.bound)}", annotation_position="top left")
     _base_layout(fig, height=460, legend=dict(orientation="h", y=-0.2, x=0))
     fig.update_layout(margin=dict(b=100))
-    fig.update_yaxes(tickformat=".0%", title_text="hit rate", row=1, col=1)
+    fig.update_yaxes(tickformat=".1%", title_text="hit rate", row=1, col=1)
     fig.update_xaxes(title_text="p99 waiting (requests)", row=1, col=1,
                      **_int_axis(r["selected_waiting_p99"] for r in rows))
     fig.update_xaxes(title_text="mean waiting (requests)", row=1, col=2)
@@ -737,6 +737,8 @@ def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
         pl.col("hit_rate").alias("open_loop_hit_rate"),
         pl.col("selected_waiting_p99").alias("open_loop_selected_waiting_p99"))
     try:
+        # a table built from Python rows types an all-None knob column as Null: align the keys
+        cl = cl.with_columns(*[pl.col(k).cast(right.schema[k], strict=False) for k in keys])
         joined = cl.join(right, on=keys, how="left", nulls_equal=True, maintain_order="left")
     except Exception as err:  # mismatched key types
         return None, (f"closed_loop_summary.parquet: cannot match configs on {', '.join(keys)} "
@@ -783,6 +785,7 @@ def fig_closed_loop(a: Analysis):
     _base_layout(fig, height=400, barmode="group", legend=dict(orientation="h", y=-0.25, x=0))
     fig.update_xaxes(type="category", title_text=x_title)
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=1, col=2)
     return fig
 
 
@@ -1055,12 +1058,23 @@ def _closed_loop_html(a: Analysis) -> tuple[str, bool]:
     df, note = _closed_loop_join(a)
     if df is None:
         return f'<p class="note">No closed-loop results: {_e(note)}.</p>', False
-    cols = df.columns[:16]
-    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_e(_cell(v))}</td>" for v in row) + "</tr>"
+    # the knobs that tell its configs apart, then the outcomes beside this run's estimate
+    knobs = [k for k in a.knobs if k in df.columns and (k in (LIMIT, FLOOR) or df[k].n_unique() > 1)]
+    hit = _closed_hit_col(df)
+    wanted = [hit, "open_loop_hit_rate", "open_loop_selected_waiting_p99",
+              *[c for c in df.columns if ("ttft" in c.lower() or "queue_wait" in c.lower())
+                and df.schema[c].is_numeric()],
+              "throughput_req_s", "failed"]
+    metrics = [c for c in dict.fromkeys(wanted) if c is not None and c in df.columns]
+    cols = knobs + metrics or df.columns[:12]
+    head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in cols)
+    pct = {c for c in cols if c.endswith("hit_rate")}
+    body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(v, 'pct') if c in pct and v is not None else _cell(v))}</td>"
+                                    for c, v in zip(cols, row)) + "</tr>"
                    for row in df.select(cols).head(60).iter_rows())
-    return (f'<p class="note">From closed_loop_summary.parquet ({df.height} rows, {_e(note)}); '
-            "the open-loop columns come from this run's summary.</p>"
+    more = f" (first 60 of {df.height})" if df.height > 60 else ""
+    return (f'<p class="note">From closed_loop_summary.parquet: {_e(note)}. Columns starting '
+            f"“open loop” are this run's estimates of the same configs{more}.</p>"
             f"<table><tr>{head}</tr>{body}</table>"), True
 
 

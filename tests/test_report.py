@@ -348,11 +348,15 @@ def test_closed_loop_section(run_dir, tmp_path):
     cl = sub.select(pl.int_range(pl.len()).alias("config_id"), *knobs,
                     (pl.col("hit_rate") * 0.9).alias("true_hit_rate"),
                     pl.lit(120.0).alias("ttft_ms_p50"), pl.lit(900.0).alias("ttft_ms_p99"))
+    # built from Python rows, as the simulator does: all-None knob columns come out typed Null
+    cl = pl.DataFrame(cl.to_dicts())
+    assert cl.schema["pressure_abs_threshold_ms"] == pl.Null
     cl.write_parquet(copy / "closed_loop_summary.parquet")
     res = invoke("report", copy, "--out", copy / "with_cl.html")
     assert res.exit_code == 0, res.output
     page = (copy / "with_cl.html").read_text()
     assert 'id="fig-closed_loop"' in page and "6 of 6 configs matched to this run on the knob values" in page
+    assert "<th>true hit rate</th><th>open loop hit rate</th>" in page
     fig = figures(copy)["closed_loop"]
     assert [t.name for t in fig.data] == ["closed loop (true_hit_rate)", "open-loop estimate (this run)",
                                           "ttft_ms_p50", "ttft_ms_p99"]
