@@ -480,17 +480,27 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             rs[r, RS_NEXT_SAMPLE] = t0 + rank_phase[r]
     next_req = 0
     n_done = 0
+    # Every rank publishes every publish_ns from its own phase, so the ranks
+    # sample in one fixed cyclic order (phase, then rank): the next sample time
+    # is that of order[k_samp], with no scan.  Step ends change only when a
+    # step starts (after a step end or an arrival), so their minimum is
+    # recomputed only then.
+    order = np.argsort(rank_phase[:R], kind="mergesort")
+    k_samp = 0
+    steps_changed = True
+    t_step = INF
     while n_done < N:
         stats[SS_EVENTS] += 1
-        t_step = INF
-        t_samp = INF
-        for r in range(R):
-            if rs[r, RS_END] < t_step:
-                t_step = rs[r, RS_END]
-            if rs[r, RS_NEXT_SAMPLE] < t_samp:
-                t_samp = rs[r, RS_NEXT_SAMPLE]
+        if steps_changed:
+            t_step = INF
+            for r in range(R):
+                if rs[r, RS_END] < t_step:
+                    t_step = rs[r, RS_END]
+            steps_changed = False
+        t_samp = rs[order[k_samp], RS_NEXT_SAMPLE] if R > 0 else INF
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
+            steps_changed = True
             t = t_step
             for r in range(R):
                 if rs[r, RS_END] == t:
@@ -501,9 +511,9 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             t = t_samp
             loads = _grow2(loads, nl + R)
             tail = _grow1(tail, nl + R)
-            for r in range(R):
-                if rs[r, RS_NEXT_SAMPLE] != t:
-                    continue
+            while rs[order[k_samp], RS_NEXT_SAMPLE] == t:  # ranks due now, in (phase, rank) order
+                r = order[k_samp]
+                k_samp = k_samp + 1 if k_samp + 1 < R else 0
                 w = rs[r, RS_WORKER]
                 loads[LD_TS, nl] = t
                 loads[LD_WORKER, nl] = w
@@ -526,6 +536,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             t = t_arr
             i = next_req
             next_req += 1
+            steps_changed = True
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = len(ev)
             while ev_head < ne and ev[ev_head] <= t:
