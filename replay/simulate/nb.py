@@ -115,7 +115,7 @@ def _grow2(a, need):
     new = max(cap * 2, 16)
     while new < need:
         new *= 2
-    b = np.zeros((a.shape[0], new), dtype=a.dtype)
+    b = np.empty((a.shape[0], new), dtype=a.dtype)  # no zero fill: fresh pages are costly here
     b[:, :cap] = a
     return b
 
@@ -128,7 +128,7 @@ def _grow1(a, need):
     new = max(cap * 2, 16)
     while new < need:
         new *= 2
-    b = np.zeros(new, dtype=a.dtype)
+    b = np.empty(new, dtype=a.dtype)
     b[:cap] = a
     return b
 
@@ -451,8 +451,13 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
     # --- outputs
-    loads = np.zeros((LD_NCOLS, 1024), dtype=np.int64)
-    tail = np.ones(1024, dtype=np.bool_)
+    # sized for the samples up to the last arrival, plus a quarter (it grows if
+    # the drain takes longer): growing by doubling touches far more memory
+    n_samples = 1024
+    if N > 0 and publish_ns > 0:
+        n_samples += R * ((req_ts[N - 1] - req_ts[0]) // publish_ns + 2) * 5 // 4
+    loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
+    tail = np.ones(n_samples, dtype=np.bool_)
     nl = 0
     m_off = np.zeros(N + 1, dtype=np.int64)
     m_worker = np.zeros(1024, dtype=np.int64)
@@ -634,4 +639,4 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             if rs[r, RS_KIND] == 0:
                 _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
-    return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl].copy(), nl, stats, rs
+    return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], nl, stats, rs

@@ -149,7 +149,10 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
     lw = loads[nb.LD_WORKER]
     loads_t = pa.table({
         "ts": pa.array(loads[nb.LD_TS]),
-        "worker": pa.array(urls[lw].tolist() if lw.size else [], type=pa.string()),
+        # decoded from a dictionary in C++: a million Python strings would dominate
+        "worker": pa.DictionaryArray.from_arrays(
+            pa.array(lw.astype(np.int32)), pa.array(fleet.urls, type=pa.string())
+        ).dictionary_decode(),
         "dp_rank": pa.array(loads[nb.LD_RANK]),
         "num_running_reqs": pa.array(loads[nb.LD_RUNNING]),
         "num_waiting_reqs": pa.array(loads[nb.LD_WAITING]),
