@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,6 +37,7 @@ import pyarrow.parquet as pq
 from . import __version__
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
+from .outdir import move_into_place, partial_beside, refuse_existing
 from .sweep import DECISIONS, RUN_JSON, SUMMARY
 
 # ---------------------------------------------------------------------------
@@ -354,27 +354,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 1
 
 def check_out_dir(out: str | os.PathLike, force: bool) -> None:
     """Refuse a file in place of output directory ``out``, or an existing non-empty one unless ``force``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ReplayError(f"{out}: output directory exists and is not empty (use --force to replace it)")
+    refuse_existing(out, force)
 
 
 def _prepare_out_dir(out: Path, force: bool) -> Path:
     check_out_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    return partial_beside(out)
 
 
 def refuse_file(path: str | os.PathLike, force: bool, what: str = "output file") -> None:
@@ -571,7 +556,7 @@ def write_comparison(cmp: Comparison, out: str | os.PathLike, *, force: bool = F
             cmp.transitions = transition_counts(pl.scan_parquet(tmp / "changed_requests.parquet"))
             cmp.transitions.write_parquet(tmp / "transitions.parquet")
         names = sorted(p.name for p in tmp.iterdir())
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
         tmp = None
         return [out / n for n in names]
     finally:

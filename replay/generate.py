@@ -76,7 +76,6 @@ def generate_trace(
     n_sec = int(np.ceil(duration_s))
     urls = [worker_url(i) for i in range(n_workers + n_decode)]
     fleet_urls = urls[:n_workers]
-    decode_urls = urls[n_workers:]
     unknown_urls = [f"http://10.9.0.{i}:30000" for i in range(1, 4)]
 
     # ---------------- arrival-rate profile (1 s bins) ----------------

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from functools import cmp_to_key
 from typing import Hashable, Iterable, Optional, Sequence
 
-import numpy as np
 
 from . import fields as _fields
 from . import labels

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ from . import __version__, engine
 from . import fleet as fleet_mod
 from .config import Grid, fleet_dp_size
 from .errors import ReplayError
+from .outdir import move_into_place, partial_beside, refuse_existing
 from .results import Accumulator, DecisionWriter
 from .trace import Trace, load_trace
 
@@ -57,10 +57,7 @@ class SweepResult:
 
 def check_run_dir(out: Path, force: bool) -> None:
     """Refuse an existing non-empty RUN_DIR unless ``force``; refuse a file in its place."""
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ReplayError(f"{out}: run directory exists and is not empty (use --force to replace it)")
+    refuse_existing(out, force, "run directory")
 
 
 def fleet_dp(trace: Trace) -> int:
@@ -125,8 +122,7 @@ def run_sweep(
     tmp_dir: Path | None = None
     writer = None
     if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.partial-", dir=out_path.parent))
+        tmp_dir = partial_beside(out_path)
     try:
         if tmp_dir is not None and decisions:
             writer = DecisionWriter(str(tmp_dir / DECISIONS), trace, grid.config_ids)
@@ -178,7 +174,7 @@ def run_sweep(
             (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
             if report:
                 _write_report(tmp_dir, run)
-            _move_into_place(tmp_dir, out_path)
+            move_into_place(tmp_dir, out_path)
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, trace, timings)
     finally:
@@ -210,17 +206,6 @@ def _config_rows(grid: Grid) -> list[dict]:
             row.update({k: r[k] for k in extra})
         rows.append(row)
     return rows
-
-
-def _move_into_place(tmp_dir: Path, out: Path) -> None:
-    """Replace ``out`` by the finished ``tmp_dir`` (the old run is removed only after)."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp_dir.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp_dir.rename(out)
 
 
 def _run_record(trace: Trace, grid: Grid, **kw) -> dict:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from .. import labels as L_
 from ..config import Grid, RouterConfig
 from ..engine import encode_configs
 from ..errors import ReplayError
+from ..outdir import move_into_place, partial_beside, refuse_existing
 from . import nb
 from .fleet import Fleet
 from .logs import RequestLog
@@ -57,10 +57,7 @@ class SimResult:
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ReplayError(f"{out}: directory is not empty (use --force to replace it)")
+    refuse_existing(out, force, "directory")
 
 
 def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> dict:
@@ -295,29 +292,13 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     return res
 
 
-def _mkdtemp_beside(out: Path) -> Path:
-    """A hidden sibling of ``out`` with ordinary permissions (mkdtemp makes it 0700)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
-
-
 def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
-    tmp = _mkdtemp_beside(out)
+    tmp = partial_beside(out)
     try:
         for name, t in tables.items():
             _write_parquet(t, tmp / name)
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -354,7 +335,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     rows_by_id = {r["config_id"]: r for r in grid.rows()}
     tmp = None
     if out is not None:
-        tmp = _mkdtemp_beside(out)
+        tmp = partial_beside(out)
 
     def one(j: int) -> dict:
         cfg = grid.configs[j]
@@ -379,13 +360,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                 "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
                 "freshness_ms": int(freshness_ms), "fleet": fleet.describe()},
                 indent=2, default=_json) + "\n")
-            if out.exists():
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
-                out.rename(old)
-                tmp.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(out)
+            move_into_place(tmp, out)
             tmp = None
         return table
     finally:

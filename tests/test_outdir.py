@@ -1,0 +1,56 @@
+"""Atomic output directories (replay/outdir.py), shared by sweep, simulate and compare."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from replay.errors import ReplayError
+from replay.outdir import move_into_place, partial_beside, refuse_existing
+from replay.sweep import run_sweep
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_refuses_non_empty_and_files_but_not_empty_dirs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    refuse_existing(tmp_path / "empty", force=False)
+    refuse_existing(tmp_path / "missing", force=False)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("keep me")
+    with pytest.raises(ReplayError, match="not empty.*--force"):
+        refuse_existing(full, force=False)
+    refuse_existing(full, force=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ReplayError, match="not a directory"):
+        refuse_existing(tmp_path / "file", force=True)
+    assert (full / "x").read_text() == "keep me"
+
+
+def test_move_into_place_replaces_only_after_the_new_one_is_complete(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "old").write_text("old")
+    tmp = partial_beside(out)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".run.partial-")
+    (tmp / "new").write_text("new")
+    move_into_place(tmp, out)
+    assert sorted(p.name for p in out.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no hidden leftovers
+
+
+def test_a_sweep_run_directory_has_ordinary_permissions(tmp_path):
+    out = tmp_path / "run"
+    run_sweep(SAMPLE, {"worker_queue_limit": "4"}, out=out, decisions=False, report=False)
+    mode = stat.S_IMODE(out.stat().st_mode)
+    assert mode == 0o777 & ~_umask(), oct(mode)
