@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -103,6 +104,9 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         click.echo(f"replayed {result.trace.n_requests:,} requests x {s.height} configs "
                    f"= {n_dec:,} decisions in {t['total_s']:.2f} s -> {out}")
         _print_top(s)
+        report = Path(out) / "report.html"
+        if report.is_file():
+            click.echo(f"report: {report} (open it in a browser)")
 
 
 def _print_top(s) -> None:
