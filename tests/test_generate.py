@@ -14,7 +14,7 @@ from replay.cli import main
 from replay.generate import generate_trace
 from replay.trace import load_trace
 
-SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "traces" / "sample"
+SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "traces" / "generated-sample"
 
 
 def test_round_trip_and_shape(tmp_path):
@@ -92,7 +92,7 @@ def test_generate_command(tmp_path):
 
 
 def test_committed_sample_matches_its_regeneration_command(tmp_path):
-    # traces/README.md: router-replay generate traces/sample --requests 3000 --workers 8 --dp-size 2
+    # traces/README.md: router-replay generate traces/generated-sample --requests 3000 --workers 8 --dp-size 2
     #                   --sample-interval-ms 100 --max-matches 8 --seed 7
     res = CliRunner().invoke(main, ["generate", str(tmp_path / "s"), "--requests", "3000", "--workers", "8",
                                     "--dp-size", "2", "--sample-interval-ms", "100", "--max-matches", "8",

@@ -282,14 +282,14 @@ def test_sample_log_regenerates():
 
 
 def test_sample_sim_regenerates(tmp_path):
-    """traces/sample-sim is the documented simulate command's output, byte for byte."""
+    """traces/sample (the bundled sample) is the documented simulate command's output, byte for byte."""
     r = _run(["simulate", str(ROOT / "traces" / "sample-log" / "requests.jsonl"), "--fleet",
               str(ROOT / "traces" / "sample-fleet.toml"), "--out", str(tmp_path / "s"), "-q",
               "--worker-queue-limit", "8", "--saturation-queue-floor", "2"])
     assert r.exit_code == 0, r.output
     for name in ("requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet"):
         assert ((tmp_path / "s" / name).read_bytes()
-                == (ROOT / "traces" / "sample-sim" / name).read_bytes()), name
+                == (ROOT / "traces" / "sample" / name).read_bytes()), name
 
 
 def test_mooncake_roundtrip_and_parquet(tmp_path, small_log):

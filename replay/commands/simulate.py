@@ -17,7 +17,7 @@ DIR, a grid writes DIR/config-<id>/ per config and DIR/closed_loop_summary.parqu
 \b
 Example:
   router-replay simulate traces/sample-log/requests.jsonl \\
-      --fleet traces/sample-fleet.toml --out traces/sample-sim --force \\
+      --fleet traces/sample-fleet.toml --out traces/sample --force \\
       --worker-queue-limit 8
 """
 
