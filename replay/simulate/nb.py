@@ -55,7 +55,9 @@ RS_NEXT_SAMPLE = 19
 RS_HN = 20            # LRU heap size
 RS_MAX_USED = 21      # largest RS_USED seen
 RS_MAX_QLEN = 22
-RS_NCOLS = 23
+RS_STEP_START = 23    # start of the current step
+RS_STEP_K = 24        # decode steps the current step stands for (see _start_step)
+RS_NCOLS = 25
 
 # per-request state
 ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
@@ -331,13 +333,39 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
         rs[r, RS_STEP_DUR] = dur
         rs[r, RS_END] = t + dur
     elif rs[r, RS_RUN_N] > 0:
+        # Decode.  With nothing waiting, the next steps up to the first
+        # completion change nothing anyone can see (running count, KV and the
+        # native counters stay put), so they run as one event of k steps; an
+        # arrival on this rank cuts it back to the step boundary after it
+        # (_cut_decode), so no admission is ever delayed.
+        k = 1
+        if rs[r, RS_QHEAD] < 0:
+            k = st[run_ids[r, 0], ST_REMAIN]
+            for x in range(1, rs[r, RS_RUN_N]):
+                k = min(k, st[run_ids[r, x], ST_REMAIN])
+            k = max(k, 1)
         rs[r, RS_KIND] = 2
         rs[r, RS_STEP_DUR] = rs[r, RS_DECODE_NS]
-        rs[r, RS_END] = t + rs[r, RS_DECODE_NS]
+        rs[r, RS_STEP_START] = t
+        rs[r, RS_STEP_K] = k
+        rs[r, RS_END] = t + k * rs[r, RS_DECODE_NS]
     else:
         rs[r, RS_KIND] = 0
         rs[r, RS_END] = INF
     stats[SS_STEPS] += 1
+
+
+@njit
+def _cut_decode(r, t, rs):
+    """A request was queued on rank ``r`` at ``t``: a multi-step decode event ends
+    at the first step boundary the one-step-at-a-time model would admit it at
+    (a boundary at exactly ``t`` has already passed: step ends come first)."""
+    if rs[r, RS_KIND] == 2 and rs[r, RS_STEP_K] > 1:
+        d = rs[r, RS_DECODE_NS]
+        m = (t - rs[r, RS_STEP_START]) // d + 1
+        if m < rs[r, RS_STEP_K]:
+            rs[r, RS_STEP_K] = m
+            rs[r, RS_END] = rs[r, RS_STEP_START] + m * d
 
 
 @njit
@@ -379,7 +407,7 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
             st[i, ST_REMAIN] = req_out[i] - 1
             finished = st[i, ST_REMAIN] <= 0
         elif kind == 2 and st[i, ST_STATUS] == 3:
-            st[i, ST_REMAIN] -= 1
+            st[i, ST_REMAIN] -= rs[r, RS_STEP_K]
             finished = st[i, ST_REMAIN] <= 0
         if finished:
             _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk,
@@ -639,4 +667,6 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             if rs[r, RS_KIND] == 0:
                 _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
+            else:
+                _cut_decode(r, t, rs)
     return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], nl, stats, rs
