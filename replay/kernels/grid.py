@@ -102,6 +102,15 @@ def split_states_nb(ptr, block_ts, load_ts, load_worker, load_rank, load_running
 
 
 @njit
+def _count_below(values, n, bound):
+    """How many of ``values[:n]`` are below ``bound`` (absent readings are stored huge)."""
+    cnt = 0
+    for x in range(n):
+        cnt += values[x] < bound
+    return cnt
+
+
+@njit
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi, lim_vals, fl_vals, seed,
                     res_i, res_f, src_of, memo, lclass, fclass, fleet_wait, audit, scratch_i, cands,
@@ -129,22 +138,13 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             n_absent += 1
     for j in range(lim_vals.shape[0]):
         lim = lim_vals[j]
-        if lim < 0:
-            lclass[j] = 0
-        else:
-            cnt = 0
-            for x in range(n_fleet):
-                cnt += fleet_wait[x] < lim
-            lclass[j] = cnt + 1
+        lclass[j] = 0 if lim < 0 else _count_below(fleet_wait, n_fleet, lim) + 1
     for j in range(fl_vals.shape[0]):
         fl = fl_vals[j]
         if fl < 0:
             fclass[j] = 0
         else:
-            cnt = 0
-            for x in range(n_fleet):
-                cnt += fleet_wait[x] < fl
-            fclass[j] = 2 if cnt > 0 else 1
+            fclass[j] = 2 if _count_below(fleet_wait, n_fleet, fl) > 0 else 1
     has_signal = qb > 0
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
