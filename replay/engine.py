@@ -147,7 +147,7 @@ class Totals:
         return out
 
 
-def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n_models = max(len(trace.models), 1)
     offs = [0]
     members: list[np.ndarray] = []
@@ -159,6 +159,24 @@ def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         offs.append(offs[-1] + len(f))
     fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
     return np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet
+
+
+def load_columns(trace: Trace) -> tuple[np.ndarray, ...]:
+    """The load samples as the argument tuple of ``snapshot.advance_dirty_nb`` (ts .. inflight)."""
+    cols = (trace.load_ts, trace.load_worker, trace.load_rank, trace.load_running,
+            trace.load_waiting, trace.load_num_tokens, trace.load_max_total, trace.load_has_tail,
+            trace.load_waiting_uncached, trace.load_total_tokens, trace.load_max_running,
+            trace.load_prefill_tokens, trace.load_prefill_busy_us, trace.load_router_inflight)
+    return tuple(np.ascontiguousarray(a, dtype=np.bool_ if a.dtype == np.bool_ else np.int64)
+                 for a in cols)
+
+
+def dp_sizes(trace: Trace) -> np.ndarray:
+    """int64 dp_size per worker id (0 = use the ranks observed so far)."""
+    n_w = max(trace.n_workers, 1)
+    dp = np.zeros(n_w, dtype=np.int64)
+    dp[:trace.worker_dp_size.shape[0]] = trace.worker_dp_size
+    return dp
 
 
 def n_rank_slots(trace: Trace) -> int:
@@ -202,23 +220,15 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     if threads is not None:
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
-    fleet_off, fleet_w, in_fleet = _fleet_tables(trace)
+    fleet_off, fleet_w, in_fleet = fleet_tables(trace)
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
-    dp = trace.worker_dp_size.astype(np.int64)
-    if dp.size < n_w:
-        dp = np.zeros(n_w, dtype=np.int64)
+    dp = dp_sizes(trace)
     m_off = trace.match_offsets.astype(np.int64)
     m_worker = trace.match_worker.astype(np.int64)
     m_blocks = trace.match_blocks.astype(np.int64)
     sizes = np.diff(m_off)
     max_matches = int(sizes.max()) if sizes.size else 0
-    loads = (trace.load_ts, trace.load_worker.astype(np.int64), trace.load_rank.astype(np.int64),
-             trace.load_running, trace.load_waiting, trace.load_num_tokens, trace.load_max_total,
-             trace.load_has_tail.astype(np.bool_), trace.load_waiting_uncached, trace.load_total_tokens,
-             trace.load_max_running, trace.load_prefill_tokens, trace.load_prefill_busy_us,
-             trace.load_router_inflight)
-    loads = tuple(np.ascontiguousarray(a, dtype=np.bool_ if a.dtype == np.bool_ else np.int64)
-                  for a in loads)
+    loads = load_columns(trace)
     req = (np.ascontiguousarray(trace.req_ts, dtype=np.int64),
            np.ascontiguousarray(trace.req_index, dtype=np.int64),
            np.ascontiguousarray(trace.req_input_tokens, dtype=np.int64),

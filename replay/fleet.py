@@ -7,12 +7,9 @@ workers had such a reading.  The saturation pin can fire only when no fresh
 fleet worker reads below the floor (section 3.6), i.e. when this minimum is
 ``>= floor``; the report plots it beside the pin share over time.
 
-Same snapshot rules as ``reference.LoadTable``: a sample is visible when its
-``ts <= request ts`` (later rows of equal ``ts`` win), fresh when
-``request ts - sample ts <= freshness``; with a ``dp_size`` the required ranks
-are ``0..dp_size-1`` and rows of other ranks are ignored, without one they are
-the ranks observed so far.  ``tests/test_report.py`` holds it equal to the
-reference's snapshot.
+It is the replay's own snapshot (``kernels/snapshot.py``, the same sweep the
+engine runs), reduced per request; ``tests/test_report.py`` holds it equal to
+the reference's snapshot.
 """
 
 from __future__ import annotations
@@ -20,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from .engine import dp_sizes, fleet_tables, load_columns, n_rank_slots
 from .kernels._jit import njit
+from .kernels.snapshot import S_BASIC, S_NCOLS, S_WAITING, advance_dirty_nb, new_rank_table, refresh_nb
 from .trace import Trace
 
 FLEET = "fleet.parquet"
@@ -33,61 +32,36 @@ SATURATED_DEFINITION = (
 
 
 @njit
-def _fleet_min_nb(req_ts, req_model, load_ts, load_worker, load_rank, load_waiting, dp,
-                  n_slots, fleet_off, fleet_w, freshness, out_min, out_fresh):
-    n_w = dp.shape[0]
-    seen = np.zeros((n_w, n_slots), dtype=np.bool_)
-    at = np.zeros((n_w, n_slots), dtype=np.int64)
-    wait = np.zeros((n_w, n_slots), dtype=np.int64)
-    n_loads = load_ts.shape[0]
-    j = 0
+def _fleet_min_nb(req_ts, req_model, load_ts, load_worker, load_rank, load_running, load_waiting,
+                  load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok,
+                  load_pbusy, load_inflight, dp, table, inflight, fleet_off, fleet_w, freshness,
+                  out_min, out_fresh):
+    """The replay's own snapshot (kernels/snapshot.py) per request, reduced to the
+    fleet's smallest fresh basic waiting count and the number of fresh workers."""
+    n_w = inflight.shape[0]
+    snap = np.zeros((n_w, S_NCOLS), dtype=np.int64)
+    est = np.full(n_w, np.nan)
+    oldest = np.zeros(n_w, dtype=np.int64)
+    dirty = np.ones(n_w, dtype=np.bool_)
+    ptr = 0
     for i in range(req_ts.shape[0]):
         now = req_ts[i]
-        while j < n_loads and load_ts[j] <= now:
-            w = load_worker[j]
-            r = load_rank[j]
-            if not (dp[w] > 0 and r >= dp[w]):
-                seen[w, r] = True
-                at[w, r] = load_ts[j]
-                wait[w, r] = load_waiting[j]
-            j += 1
+        ptr = advance_dirty_nb(ptr, now, load_ts, load_worker, load_rank, load_running,
+                               load_waiting, load_tokens, load_maxtot, load_tail, load_wu,
+                               load_total, load_maxrun, load_ptok, load_pbusy, load_inflight, dp,
+                               table, inflight, dirty)
+        refresh_nb(table, inflight, dp, now, freshness, snap, est, oldest, dirty)
         m = req_model[i]
         best = -1
         n_fresh = 0
         for k in range(fleet_off[m], fleet_off[m + 1]):
             w = fleet_w[k]
-            total = 0
-            ok = True
-            n_req_ranks = 0
-            top = dp[w] if dp[w] > 0 else n_slots
-            for r in range(top):
-                if not seen[w, r]:
-                    if dp[w] > 0:
-                        ok = False
-                        break
-                    continue
-                n_req_ranks += 1
-                if now - at[w, r] > freshness:
-                    ok = False
-                    break
-                total += wait[w, r]
-            if ok and n_req_ranks > 0:
+            if snap[w, S_BASIC] == 1:
                 n_fresh += 1
-                if best < 0 or total < best:
-                    best = total
+                if best < 0 or snap[w, S_WAITING] < best:
+                    best = snap[w, S_WAITING]
         out_min[i] = best
         out_fresh[i] = n_fresh
-
-
-def _fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    offs = [0]
-    members = []
-    for m in range(max(len(trace.models), 1)):
-        f = np.asarray(trace.fleet(m), dtype=np.int64)
-        members.append(f)
-        offs.append(offs[-1] + len(f))
-    fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
-    return np.asarray(offs, dtype=np.int64), fleet_w.astype(np.int64)
 
 
 def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.ndarray, np.ndarray]:
@@ -102,19 +76,12 @@ def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.
     out_fresh = np.zeros(n, dtype=np.int32)
     if n == 0:
         return out_min, out_fresh
-    n_w = max(trace.n_workers, 1)
-    dp = np.zeros(n_w, dtype=np.int64)
-    dp[:trace.worker_dp_size.shape[0]] = trace.worker_dp_size
-    top = int(trace.load_rank.max()) + 1 if trace.load_rank.size else 1
-    n_slots = max(top, int(dp.max()) if dp.size else 0, 1)
-    fleet_off, fleet_w = _fleet_tables(trace)
+    table, inflight = new_rank_table(max(trace.n_workers, 1), n_rank_slots(trace))
+    fleet_off, fleet_w, _in_fleet = fleet_tables(trace)
     _fleet_min_nb(np.ascontiguousarray(trace.req_ts, dtype=np.int64),
                   np.ascontiguousarray(trace.req_model, dtype=np.int64),
-                  np.ascontiguousarray(trace.load_ts, dtype=np.int64),
-                  np.ascontiguousarray(trace.load_worker, dtype=np.int64),
-                  np.ascontiguousarray(trace.load_rank, dtype=np.int64),
-                  np.ascontiguousarray(trace.load_waiting, dtype=np.int64),
-                  dp, n_slots, fleet_off, fleet_w, int(freshness_ns), out_min, out_fresh)
+                  *load_columns(trace), dp_sizes(trace), table, inflight, fleet_off, fleet_w,
+                  int(freshness_ns), out_min, out_fresh)
     return out_min, out_fresh
 
 
@@ -139,18 +106,8 @@ def fleet_table(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray
 def _fleet_dp_sizes(trace: Trace) -> dict[str, int]:
     """dp_size -> number of fleet workers (workers table, else ranks observed)."""
     sizes: dict[int, int] = {}
-    seen: set[int] = set()
-    for m in range(max(len(trace.models), 1)):
-        for w in trace.fleet(m):
-            w = int(w)
-            if w in seen:
-                continue
-            seen.add(w)
-            dp = int(trace.worker_dp_size[w])
-            if dp <= 0:
-                ranks = trace.load_rank[trace.load_worker == w]
-                dp = int(ranks.max()) + 1 if ranks.size else 0
-            sizes[dp] = sizes.get(dp, 0) + 1
+    for dp in trace.fleet_dp_sizes().values():
+        sizes[dp] = sizes.get(dp, 0) + 1
     return {str(k): v for k, v in sorted(sizes.items())}
 
 

@@ -62,14 +62,7 @@ def check_run_dir(out: Path, force: bool) -> None:
 
 def fleet_dp(trace: Trace) -> int:
     """The single dp_size of the fleet (workers table, else ranks observed), for --per-dp-rank."""
-    sizes = []
-    for m in range(max(len(trace.models), 1)):
-        for w in trace.fleet(m):
-            dp = int(trace.worker_dp_size[w])
-            if dp <= 0:
-                ranks = trace.load_rank[trace.load_worker == w]
-                dp = int(ranks.max()) + 1 if ranks.size else 0
-            sizes.append(dp)
+    sizes = list(trace.fleet_dp_sizes().values())
     if not sizes:
         raise ReplayError("--per-dp-rank: the trace has no fleet workers")
     return fleet_dp_size(sizes)

@@ -97,6 +97,22 @@ class Trace:
     def n_workers(self) -> int:
         return len(self.workers)
 
+    def fleet_dp_sizes(self) -> dict[int, int]:
+        """dp_size of every fleet worker (any model), by worker id: the workers
+        table's, else the ranks observed in the load trace (0 when none)."""
+        out: dict[int, int] = {}
+        for m in range(max(len(self.models), 1)):
+            for w in self.fleet(m):
+                w = int(w)
+                if w in out:
+                    continue
+                dp = int(self.worker_dp_size[w])
+                if dp <= 0:
+                    ranks = self.load_rank[self.load_worker == w]
+                    dp = int(ranks.max()) + 1 if ranks.size else 0
+                out[w] = dp
+        return out
+
     def fleet(self, model: int) -> np.ndarray:
         """Routable prefill fleet of a model: worker ids, ascending (section 0, items 9 and 11).
 

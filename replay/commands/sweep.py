@@ -65,7 +65,6 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
           quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from ..sweep import check_run_dir, run_sweep
-    from pathlib import Path
 
     check_run_dir(Path(out), force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
