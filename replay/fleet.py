@@ -103,7 +103,7 @@ def fleet_table(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray
     })
 
 
-def _fleet_dp_sizes(trace: Trace) -> dict[str, int]:
+def _fleet_dp_sizes(trace) -> dict[str, int]:
     """dp_size -> number of fleet workers (workers table, else ranks observed)."""
     sizes: dict[int, int] = {}
     for dp in trace.fleet_dp_sizes().values():
@@ -111,15 +111,89 @@ def _fleet_dp_sizes(trace: Trace) -> dict[str, int]:
     return {str(k): v for k, v in sorted(sizes.items())}
 
 
-def trace_facts(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray,
-                freshness_ns: int) -> dict:
-    """Config-independent facts of the replayed trace, for ``run.json["trace"]["facts"]``."""
-    n = trace.n_requests
+class FleetFacts:
+    """Mergeable per-request fleet statistics (exact integer sums and counts), fed
+    in time order window by window or shard by shard; :func:`trace_facts` reads them.
+
+    Each gap between consecutive requests carries the state read at its first
+    request, including the gap that crosses from one window to the next.
+    """
+
+    def __init__(self):
+        self.n = 0
+        self.first_ts: int | None = None
+        self.last_ts: int | None = None
+        self.last_sat = False
+        self.first_sat = False
+        self.span_ns = 0          # sum of gaps
+        self.sat_ns = 0           # sum of gaps that start at a saturated request
+        self.sat = 0              # saturated requests
+        self.no_reading = 0       # requests whose fleet had no fresh reading
+        self.values = np.zeros(0, dtype=np.int64)   # distinct known min_waiting values
+        self.counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, req_ts: np.ndarray, min_waiting: np.ndarray) -> "FleetFacts":
+        """Book the requests of the next window (``req_ts`` ascending, after all earlier ones)."""
+        part = FleetFacts()
+        n = int(req_ts.shape[0])
+        if n:
+            ts = np.asarray(req_ts, dtype=np.int64)
+            sat = np.asarray(min_waiting) >= 1
+            gaps = np.diff(ts)
+            part.n = n
+            part.first_ts, part.last_ts = int(ts[0]), int(ts[-1])
+            part.first_sat, part.last_sat = bool(sat[0]), bool(sat[-1])
+            part.span_ns = int(gaps.sum())
+            part.sat_ns = int(gaps[sat[:-1]].sum())
+            part.sat = int(sat.sum())
+            part.no_reading = int((np.asarray(min_waiting) < 0).sum())
+            known = np.asarray(min_waiting)[np.asarray(min_waiting) >= 0]
+            part.values, part.counts = np.unique(known, return_counts=True)
+        return self.merge(part)
+
+    def merge(self, later: "FleetFacts") -> "FleetFacts":
+        """Fold in the facts of requests that all come after this one's."""
+        if later.n == 0:
+            return self
+        if self.n:
+            gap = later.first_ts - self.last_ts
+            self.span_ns += gap
+            self.sat_ns += gap if self.last_sat else 0
+        else:
+            self.first_ts, self.first_sat = later.first_ts, later.first_sat
+        self.n += later.n
+        self.last_ts, self.last_sat = later.last_ts, later.last_sat
+        self.span_ns += later.span_ns
+        self.sat_ns += later.sat_ns
+        self.sat += later.sat
+        self.no_reading += later.no_reading
+        v = np.concatenate([self.values, later.values])
+        c = np.concatenate([self.counts, later.counts])
+        self.values, inv = np.unique(v, return_inverse=True)
+        self.counts = np.bincount(inv, weights=c, minlength=self.values.shape[0]).astype(np.int64)
+        return self
+
+    def quantile(self, q: float) -> int:
+        """numpy's ``inverted_cdf`` quantile of the known readings."""
+        total = int(self.counts.sum())
+        k = max(1, int(np.ceil(total * q)))
+        return int(self.values[int(np.searchsorted(np.cumsum(self.counts), k, side="left"))])
+
+
+def trace_facts(trace, min_waiting: np.ndarray | None, fresh_workers: np.ndarray | None,
+                freshness_ns: int, merged: FleetFacts | None = None) -> dict:
+    """Config-independent facts of the replayed trace, for ``run.json["trace"]["facts"]``.
+
+    ``trace`` is a Trace (with its per-request readings) or, with ``merged``
+    (the FleetFacts of every window), a TraceSet.
+    """
+    ff = merged if merged is not None else FleetFacts().add(trace.req_ts, min_waiting)
+    n = ff.n
     facts: dict = {
         "requests": n,
-        "span_start_ns": int(trace.req_ts[0]) if n else None,
-        "span_end_ns": int(trace.req_ts[-1]) if n else None,
-        "span_s": (int(trace.req_ts[-1]) - int(trace.req_ts[0])) / 1e9 if n else 0.0,
+        "span_start_ns": ff.first_ts,
+        "span_end_ns": ff.last_ts,
+        "span_s": (ff.last_ts - ff.first_ts) / 1e9 if n else 0.0,
         "fleet_workers": {mname: int(trace.fleet(i).shape[0]) for i, mname in enumerate(trace.models)},
         "dp_sizes": _fleet_dp_sizes(trace),
         "freshness_ms": int(freshness_ns) // 1_000_000,
@@ -129,17 +203,11 @@ def trace_facts(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray
         facts.update(saturated_share_time=None, saturated_share_requests=None,
                      no_fresh_fleet_reading_share=None, fleet_min_waiting={})
         return facts
-    sat = min_waiting >= 1
-    gaps = np.diff(trace.req_ts).astype(np.float64)
-    span = float(gaps.sum())
     # each inter-request gap carries the state read at its first request
-    facts["saturated_share_time"] = float(gaps[sat[:-1]].sum() / span) if span > 0 else float(sat[0])
-    facts["saturated_share_requests"] = float(sat.mean())
-    facts["no_fresh_fleet_reading_share"] = float((min_waiting < 0).mean())
-    known = min_waiting[min_waiting >= 0]
+    facts["saturated_share_time"] = (ff.sat_ns / ff.span_ns if ff.span_ns > 0 else float(ff.first_sat))
+    facts["saturated_share_requests"] = ff.sat / n
+    facts["no_fresh_fleet_reading_share"] = ff.no_reading / n
     facts["fleet_min_waiting"] = (
-        {"p50": int(np.quantile(known, 0.5, method="inverted_cdf")),
-         "p90": int(np.quantile(known, 0.9, method="inverted_cdf")),
-         "p99": int(np.quantile(known, 0.99, method="inverted_cdf")),
-         "max": int(known.max())} if known.size else {})
+        {"p50": ff.quantile(0.5), "p90": ff.quantile(0.9), "p99": ff.quantile(0.99),
+         "max": int(ff.values[-1])} if ff.values.size else {})
     return facts

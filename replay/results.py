@@ -168,17 +168,21 @@ class DecisionWriter:
     def _nullable(values: np.ndarray, dtype=np.int64) -> pa.Array:
         return pa.array(values.astype(dtype), mask=values < 0)
 
-    def write(self, chunk: Chunk) -> None:
+    def write(self, chunk: Chunk, trace: Trace | None = None) -> None:
+        """Append a chunk's rows; ``trace`` is the window the chunk belongs to
+        (default: the writer's trace)."""
+        tr = self.trace if trace is None else trace
         n = chunk.stop - chunk.start
         n_cfg = len(self.config_ids)
         o = chunk.out_i.reshape(kg.O_NCOLS, n * n_cfg)
         rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
-        ids = self.trace.request_id[chunk.start:chunk.stop]
+        ids = getattr(tr, "request_id", np.zeros(0, dtype=object))[chunk.start:chunk.stop]
         if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
             rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
         else:
             rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
-        qb = np.maximum(self.trace.req_query_blocks[chunk.start:chunk.stop], 0).astype(np.int64)
+        qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
+                        0).astype(np.int64)
         ms = chunk.out_f.reshape(-1)
 
         def i32(col):

@@ -164,13 +164,22 @@ def _one_line(text: str) -> str:
 class _File:
     """Error helpers bound to one file name (messages: file, column, row)."""
 
-    def __init__(self, name: str, df: pl.DataFrame):
+    def __init__(self, name: str, df: pl.DataFrame, locate=None):
         self.name = name
         self.df = df
+        # locate(row) -> (file name, row in that file) for frames made of
+        # several files or of a window of rows (replay/traceset.py)
+        self.locate = locate
+
+    def where(self, row: int) -> tuple[str, int]:
+        return self.locate(int(row)) if self.locate is not None else (self.name, int(row))
 
     def fail(self, col: str, msg: str, row: int | None = None):
+        name = self.name
+        if row is not None:
+            name, row = self.where(row)
         where = f"column '{col}'" + (f" row {row}" if row is not None else "")
-        raise TraceError(f"{self.name}: {where}: {msg}")
+        raise TraceError(f"{name}: {where}: {msg}")
 
     def has(self, col: str) -> bool:
         return col in self.df.columns
@@ -282,57 +291,129 @@ def _segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass
+class Frames:
+    """A trace's rows as polars frames (``replay/traceset.py`` reads them), with
+    the names that error messages use and where each row came from."""
+
+    path: str
+    requests: pl.DataFrame
+    loads: pl.DataFrame
+    workers: pl.DataFrame | None
+    files: dict[str, dict]
+    req_name: str = REQUESTS
+    load_name: str = LOADS
+    # row -> (file name, row in that file); None: the frame is one whole file
+    req_locate: object = None
+    load_locate: object = None
+
+
+@dataclass
+class Universe:
+    """Worker ids and models of a whole trace: fixed once, so every window of
+    a trace set encodes workers and models exactly as the whole trace would."""
+
+    workers: list[str]
+    models: list[str]
+    worker_model: np.ndarray
+    worker_role: np.ndarray
+    worker_dp: np.ndarray
+    worker_listed: np.ndarray
+    has_table: bool
+    non_fleet_load: list[str]
+
+
+def parse_workers_table(wk_df: pl.DataFrame):
+    """Check ``workers.parquet``; return ``(names, models, roles, dp_sizes)``."""
+    W = _File(WORKERS, wk_df)
+    t_name = W.strings("worker", nullable=False)
+    dup = ~t_name.is_first_distinct()
+    if dup.any():
+        row = int(dup.arg_max())
+        W.fail("worker", f"duplicate worker {t_name[row]!r}", row)
+    t_model = (W.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if W.has("model")
+               else pl.Series([DEFAULT_MODEL] * wk_df.height, dtype=pl.String))
+    if W.has("role"):
+        roles = W.strings("role", nullable=True).fill_null("plain")
+        bad = ~roles.is_in(list(labels.ROLES))
+        if bad.any():
+            row = int(bad.arg_max())
+            W.fail("role", f"must be one of prefill|decode|plain, got {roles[row]!r}", row)
+        t_role = roles.replace_strict(list(labels.ROLES), [labels.ROLES.index(r) for r in labels.ROLES],
+                                      return_dtype=pl.Int8).to_numpy()
+    else:
+        t_role = np.full(wk_df.height, labels.ROLE_PLAIN, dtype=np.int8)
+    t_dp = (W.ints("dp_size", nullable=True, fill=0, lo=1, hi=MAX_INT32) if W.has("dp_size")
+            else np.zeros(wk_df.height, dtype=np.int64))
+    return t_name.to_list(), t_model.to_list(), t_role, t_dp
+
+
+def make_universe(table, load_names, match_names, req_models) -> Universe:
+    """Worker ids and models from the workers table (or None) and the distinct
+    load workers, match addresses and request models of the whole trace."""
+    load_names = set(load_names)
+    if table is None:
+        workers = sorted(load_names | set(match_names))
+        models = sorted(set(req_models)) or [DEFAULT_MODEL]
+        n = len(workers)
+        return Universe(workers, models, np.zeros(n, dtype=np.int32),
+                        np.full(n, labels.ROLE_PLAIN, dtype=np.int8), np.zeros(n, dtype=np.int32),
+                        np.ones(n, dtype=bool), False, [])
+    t_name, t_model, t_role, t_dp = table
+    listed = set(t_name)
+    non_fleet_load = sorted(load_names - listed)
+    workers = sorted(listed | set(non_fleet_load))
+    models = sorted(set(t_model) | set(req_models))
+    pos = {w: i for i, w in enumerate(workers)}
+    mid = {m: i for i, m in enumerate(models)}
+    n = len(workers)
+    worker_model = np.full(n, -1, dtype=np.int32)
+    worker_role = np.full(n, labels.ROLE_DECODE, dtype=np.int8)
+    worker_dp = np.zeros(n, dtype=np.int32)
+    worker_listed = np.zeros(n, dtype=bool)
+    idx = np.array([pos[w] for w in t_name], dtype=np.int64)
+    if idx.size:
+        worker_model[idx] = [mid[m] for m in t_model]
+        worker_role[idx] = t_role
+        worker_dp[idx] = t_dp
+        worker_listed[idx] = True
+    return Universe(workers, models, worker_model, worker_role, worker_dp, worker_listed, True,
+                    non_fleet_load)
+
+
 def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     """Read, check and encode a trace directory (see ``traces/README.md``).
 
-    ``path`` holds ``requests.parquet``, ``loads.parquet`` and optionally
-    ``workers.parquet``.  Rows are sorted by ``ts`` (stable) in memory; the
-    files are never modified.  With ``model``, only that model's requests
-    are kept (``Trace.req_index`` keeps their position in the whole
-    time-sorted trace); an unknown model is an error.
+    ``path`` holds ``requests.parquet`` (or a ``requests/`` folder of Parquet
+    files, optionally hive-partitioned), ``loads.parquet`` (or ``loads/``)
+    and optionally ``workers.parquet``.  Rows are sorted by ``ts`` (stable)
+    in memory; the files are never modified.  With ``model``, only that
+    model's requests are kept (``Trace.req_index`` keeps their position in
+    the whole time-sorted trace); an unknown model is an error.
 
     Raises :class:`TraceError` (one line: file, column, first bad row,
-    0-based in the file as given) on any bad input.
+    0-based in the file as given) on any bad input.  Traces larger than
+    memory are replayed window by window instead (``replay.traceset``).
     """
-    dirpath = os.fspath(path)
-    if not os.path.isdir(dirpath):
-        raise TraceError(f"{dirpath}: not a trace directory (expected {REQUESTS}, {LOADS})")
-    files: dict[str, dict] = {}
-    req_df, info = _read(dirpath, REQUESTS, required=True)
-    files[REQUESTS] = info
-    load_df, info = _read(dirpath, LOADS, required=True)
-    files[LOADS] = info
-    wk_df, info = _read(dirpath, WORKERS, required=False)
-    if wk_df is not None:
-        files[WORKERS] = info
-    facts: dict = {}
+    from .traceset import read_frames
 
-    # ---------------- workers.parquet ----------------
-    R = _File(REQUESTS, req_df)
-    L = _File(LOADS, load_df)
-    table = None
-    if wk_df is not None:
-        W = _File(WORKERS, wk_df)
-        t_name = W.strings("worker", nullable=False)
-        dup = ~t_name.is_first_distinct()
-        if dup.any():
-            row = int(dup.arg_max())
-            W.fail("worker", f"duplicate worker {t_name[row]!r}", row)
-        t_model = (W.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if W.has("model")
-                   else pl.Series([DEFAULT_MODEL] * wk_df.height, dtype=pl.String))
-        if W.has("role"):
-            roles = W.strings("role", nullable=True).fill_null("plain")
-            bad = ~roles.is_in(list(labels.ROLES))
-            if bad.any():
-                row = int(bad.arg_max())
-                W.fail("role", f"must be one of prefill|decode|plain, got {roles[row]!r}", row)
-            t_role = roles.replace_strict(list(labels.ROLES), [labels.ROLES.index(r) for r in labels.ROLES],
-                                          return_dtype=pl.Int8).to_numpy()
-        else:
-            t_role = np.full(wk_df.height, labels.ROLE_PLAIN, dtype=np.int8)
-        t_dp = (W.ints("dp_size", nullable=True, fill=0, lo=1, hi=MAX_INT32) if W.has("dp_size")
-                else np.zeros(wk_df.height, dtype=np.int64))
-        table = (t_name.to_list(), t_model.to_list(), t_role, t_dp)
+    return build_trace(read_frames(path), model=model)
+
+
+def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | None = None,
+                index_offset: int = 0, strict_model: bool = True) -> Trace:
+    """Check and encode frames into a :class:`Trace`.
+
+    With ``universe`` (a window of a trace set), worker ids and models are the
+    whole set's, and request ``i`` of the frame has request index
+    ``index_offset + i`` (after the stable sort by ts).  ``strict_model=False``
+    accepts a ``model`` that has no request in these frames (a window).
+    """
+    req_df, load_df, wk_df, files = fr.requests, fr.loads, fr.workers, fr.files
+    facts: dict = {}
+    R = _File(fr.req_name, req_df, fr.req_locate)
+    L = _File(fr.load_name, load_df, fr.load_locate)
+    table = parse_workers_table(wk_df) if wk_df is not None and universe is None else None
 
     # ---------------- requests.parquet: columns ----------------
     req_ts = R.timestamps("ts")
@@ -345,8 +426,9 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     dup = ~rid_s.is_first_distinct()
     if dup.any():
         row = int(dup.arg_max())
-        first = int((rid_s == rid_s[row]).arg_max())
-        R.fail("request_id", f"duplicate request_id {rid_s[row]!r} (first at row {first})", row)
+        first_name, first = R.where(int((rid_s == rid_s[row]).arg_max()))
+        at = f"row {first}" if first_name == R.where(row)[0] else f"{first_name} row {first}"
+        R.fail("request_id", f"duplicate request_id {rid_s[row]!r} (first at {at})", row)
     if request_id is None:
         request_id = rid_s.to_numpy()
     req_model_s = (R.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if R.has("model")
@@ -421,35 +503,14 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
                 else np.full(load_df.height, -1, dtype=np.int64))
 
     # ---------------- worker universe ----------------
-    load_names = lw_s.unique().to_list()
-    if table is None:
-        names = sorted(set(load_names) | set(ent_worker.unique().to_list()))
-        workers = names
-        models = sorted(set(req_model_s.unique().to_list())) or [DEFAULT_MODEL]
-        worker_model = np.zeros(len(workers), dtype=np.int32)
-        worker_role = np.full(len(workers), labels.ROLE_PLAIN, dtype=np.int8)
-        worker_dp = np.zeros(len(workers), dtype=np.int32)
-        worker_listed = np.ones(len(workers), dtype=bool)
-        non_fleet_load = []
-    else:
-        t_name, t_model, t_role, t_dp = table
-        listed = set(t_name)
-        non_fleet_load = sorted(set(load_names) - listed)
-        workers = sorted(listed | set(non_fleet_load))
-        models = sorted(set(t_model) | set(req_model_s.unique().to_list()))
-        pos = {w: i for i, w in enumerate(workers)}
-        mid = {m: i for i, m in enumerate(models)}
-        n = len(workers)
-        worker_model = np.full(n, -1, dtype=np.int32)
-        worker_role = np.full(n, labels.ROLE_DECODE, dtype=np.int8)
-        worker_dp = np.zeros(n, dtype=np.int32)
-        worker_listed = np.zeros(n, dtype=bool)
-        idx = np.array([pos[w] for w in t_name], dtype=np.int64)
-        if idx.size:
-            worker_model[idx] = [mid[m] for m in t_model]
-            worker_role[idx] = t_role
-            worker_dp[idx] = t_dp
-            worker_listed[idx] = True
+    if universe is None:
+        universe = make_universe(table if wk_df is not None else None, lw_s.unique().to_list(),
+                                 ent_worker.unique().to_list(), req_model_s.unique().to_list())
+    workers, models = universe.workers, universe.models
+    worker_model, worker_role = universe.worker_model, universe.worker_role
+    worker_dp, worker_listed = universe.worker_dp, universe.worker_listed
+    non_fleet_load = universe.non_fleet_load
+    table = True if universe.has_table else None
     # match addresses: with a table only listed workers are known
     known = workers if table is None else [w for w, ok in zip(workers, worker_listed) if ok]
     known_ids = np.array([workers.index(w) for w in known], dtype=np.int32) if table is not None else None
@@ -459,6 +520,12 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     match_worker = mw
     load_worker = _map_names(lw_s, workers)
     req_model = _map_names(req_model_s, models)
+    if load_worker.size and (load_worker < 0).any():   # only with a fixed universe
+        row = int(np.argmax(load_worker < 0))
+        L.fail("worker", f"worker {lw_s[row]!r} is not in the trace's worker index", row)
+    if req_model.size and (req_model < 0).any():
+        row = int(np.argmax(req_model < 0))
+        R.fail("model", f"model {req_model_s[row]!r} is not in the trace's model index", row)
     if sel_s is not None:
         sel = _map_names(sel_s, workers)
         facts["selected_worker_null"] = int(sel_s.null_count())
@@ -528,15 +595,16 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     (load_ts, load_worker, load_rank, l_run, l_wait, l_tok, l_max, tail_valid,
      t_wu, t_tot, t_mr, t_pt, t_pb, inflight) = load_cols
 
-    req_index = None
+    req_index = (None if index_offset == 0
+                 else np.arange(index_offset, index_offset + req_ts.shape[0], dtype=np.int64))
     if model is not None:
-        if model not in models or facts["models"].get(model, 0) == 0:
+        if model not in models or (strict_model and facts["models"].get(model, 0) == 0):
             raise TraceError(f"{REQUESTS}: column 'model': no request has model {model!r} "
                              f"(models: {', '.join(models)})")
         keep = np.nonzero(req_model == models.index(model))[0]
         facts["model_filter"] = model
         facts["requests_kept"] = int(keep.shape[0])
-        req_index = keep.astype(np.int64)
+        req_index = keep.astype(np.int64) + int(index_offset)
         m_off, (match_worker, match_blocks) = _permute_csr(m_off, keep, match_worker, match_blocks)
         req_ts, request_id, req_model = req_ts[keep], request_id[keep], req_model[keep]
         input_tokens, query_blocks, best_prefix = input_tokens[keep], query_blocks[keep], best_prefix[keep]
@@ -546,7 +614,7 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
     i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
     return Trace(
-        path=os.path.abspath(dirpath),
+        path=fr.path,
         workers=workers,
         models=models,
         worker_model=i32(worker_model),
