@@ -38,7 +38,7 @@ from . import __version__
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
 from .outdir import move_into_place, partial_beside, refuse_existing
-from .sweep import DECISIONS, RUN_JSON, SUMMARY
+from .sweep import DECISIONS, RUN_JSON, SUMMARY, decision_files
 
 # ---------------------------------------------------------------------------
 # Metrics
@@ -152,7 +152,7 @@ class Run:
     path: Path
     meta: dict
     summary: pl.DataFrame
-    decisions: Path | None
+    decisions: list[Path] | None   # the run's decisions files (one, or one per shard)
 
     @property
     def trace_hashes(self) -> dict[str, str]:
@@ -211,9 +211,8 @@ def load_run(path: str | os.PathLike) -> Run:
         raise ReplayError(f"{sp}: missing column {missing[0]!r}")
     if summary.height == 0:
         raise ReplayError(f"{sp}: no configs")
-    dp = p / DECISIONS
-    decisions = None
-    if dp.exists():
+    decisions = decision_files(p, meta if isinstance(meta, dict) else None)
+    for dp in decisions or []:
         try:
             names = set(pq.read_schema(dp).names)
         except Exception as err:  # noqa: BLE001
@@ -222,7 +221,6 @@ def load_run(path: str | os.PathLike) -> Run:
         absent = [c for c in need if c not in names]
         if absent:
             raise ReplayError(f"{dp}: missing column {absent[0]!r}")
-        decisions = dp
     return Run(p, meta, summary, decisions)
 
 

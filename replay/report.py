@@ -34,6 +34,7 @@ import polars as pl
 from . import __version__, labels
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
+from .sweep import decision_files
 
 REPORT = "report.html"
 CLOSED_LOOP = "closed_loop_summary.parquet"
@@ -148,7 +149,7 @@ class RunData:
     path: Path
     run: dict
     summary: pl.DataFrame
-    decisions: Path | None
+    decisions: list[Path] | None   # one file, or one per shard
     fleet: pl.DataFrame | None
     closed_loop: pl.DataFrame | None
     notes: list[str] = field(default_factory=list)
@@ -175,12 +176,12 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     for col in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99"):
         if col not in summary.columns:
             raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
-    dec = p / run["decisions"] if run.get("decisions") else None
+    dec = decision_files(p, run)
     fleet_path = p / FLEET
     fleet = _read_parquet(fleet_path) if fleet_path.is_file() else None
     cl_path = p / CLOSED_LOOP
     closed = _read_parquet(cl_path) if cl_path.is_file() else None
-    return RunData(p, run, summary, dec if dec is not None and dec.is_file() else None, fleet, closed)
+    return RunData(p, run, summary, dec, fleet, closed)
 
 
 def _read_parquet(path: Path) -> pl.DataFrame:

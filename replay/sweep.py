@@ -59,6 +59,23 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> list[Path] | None:
+    """The decisions files of a run: ``run.json``'s ``decisions`` (one file, or
+    the list a sharded sweep writes), else ``decisions.parquet`` if present;
+    None when the run kept no decisions (or a listed file is gone)."""
+    p = Path(run_dir)
+    if run is None:
+        try:
+            run = json.loads((p / RUN_JSON).read_text())
+        except (OSError, ValueError):
+            run = {}
+    listed = run.get("decisions", DECISIONS) if isinstance(run, Mapping) else DECISIONS
+    if not listed:
+        return None
+    files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
+    return files if all(f.is_file() for f in files) else None
+
+
 def check_run_dir(out: Path, force: bool) -> None:
     """Refuse an existing non-empty RUN_DIR unless ``force``; refuse a file in its place."""
     refuse_existing(out, force, "run directory")
@@ -92,6 +109,7 @@ def run_sweep(
     ray_address: str | None = None,
     configs_per_task: int | None = None,
     ray_retries: int = 2,
+    ray_cpus: int | None = None,
 ) -> SweepResult:
     """Replay a trace under every config of a grid in one pass.
 
@@ -109,7 +127,9 @@ def run_sweep(
     ``0``/``"none"`` (in memory) or a window in nanoseconds or as text
     (``"1h"``); results never depend on it.  ``executor="ray"`` runs the
     windows (and blocks of ``configs_per_task`` configs) as Ray tasks
-    (``replay/shards.py``; ``ray_address`` joins an existing cluster).
+    (``replay/shards.py``; ``ray_address`` joins an existing cluster, else a
+    local Ray with ``ray_cpus`` CPUs starts; a failing task is retried
+    ``ray_retries`` times).
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
@@ -177,7 +197,7 @@ def run_sweep(
             from . import shards
 
             done = shards.run_ray(job, window_ns, address=ray_address, configs_per_task=configs_per_task,
-                                  retries=ray_retries)
+                                  retries=ray_retries, cpus=ray_cpus)
         summary = Accumulator(len(configs), done.totals).summary(
             _config_rows(grid), has_selected=done.has_selected)
         timings = {

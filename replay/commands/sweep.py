@@ -58,15 +58,38 @@ def _knob_options(fn):
               help="Read limit and floor values per rank and multiply them by the fleet's dp_size.")
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="Kernel threads (results never depend on it).")
+@click.option("--window", default="auto", show_default=True, metavar="auto|none|DURATION",
+              help="Replay the trace in time windows of this length (90s, 15m, 1h, 1d) so memory is "
+                   "bound by a window; auto: in memory when the trace is small. Results never depend on it.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: run the windows (and config blocks) as Ray tasks; needs router-replay[ray].")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local Ray.")
+@click.option("--ray-cpus", default=None, type=click.IntRange(min=1),
+              help="CPUs of the local Ray started without --ray-address (default: all).")
+@click.option("--configs-per-task", default=None, type=click.IntRange(min=1),
+              help="With --executor ray: split the grid into blocks of this many configs per task.")
+@click.option("--ray-retries", default=2, show_default=True, type=click.IntRange(min=0),
+              help="With --executor ray: retries of a failed task before the sweep fails.")
 @click.option("--force", is_flag=True, help="Replace an existing non-empty RUN_DIR.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @user_errors
-def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, force,
-          quiet, **knobs):
+def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, window,
+          executor, ray_address, ray_cpus, configs_per_task, ray_retries, force, quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
+    from ..errors import ReplayError
     from ..sweep import check_run_dir, run_sweep
+    from ..traceset import parse_window
 
     check_run_dir(Path(out), force)
+    try:
+        window_ns = parse_window(window)
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
+    for flag, value in (("--ray-address", ray_address), ("--ray-cpus", ray_cpus),
+                        ("--configs-per-task", configs_per_task)):
+        if value is not None and executor != "ray":
+            raise ReplayError(f"{flag} needs --executor ray")
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid_spec = Grid.from_texts(texts) if not per_dp_rank else texts
     if isinstance(grid_spec, Grid) and grid_spec.warning_line() and not quiet:
@@ -87,7 +110,9 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     try:
         result = run_sweep(trace_dir, grid_spec, out=out, seed=seed, freshness_ms=freshness_ms,
                            model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force, report=report,
-                           threads=threads, progress=progress, on_start=on_start)
+                           threads=threads, progress=progress, on_start=on_start, window=window_ns,
+                           executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
+                           configs_per_task=configs_per_task, ray_retries=ray_retries)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
@@ -99,13 +124,28 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     if not quiet:
         s = result.summary
         t = result.timings
-        n_dec = result.trace.n_requests * s.height
-        click.echo(f"replayed {result.trace.n_requests:,} requests x {s.height} configs "
-                   f"= {n_dec:,} decisions in {t['total_s']:.2f} s -> {out}")
+        n_req = int(result.run["trace"]["requests"])
+        n_dec = n_req * s.height
+        ex = result.run.get("execution", {})
+        how = ""
+        if ex.get("window_s"):
+            how = f" ({ex['windows']} windows of {format_window(ex['window_s'] * NS)}"
+            how += f", {ex['tasks']} Ray tasks)" if ex.get("executor") == "ray" else ")"
+        click.echo(f"replayed {n_req:,} requests x {s.height} configs "
+                   f"= {n_dec:,} decisions in {t['total_s']:.2f} s{how} -> {out}")
         _print_top(s)
         report = Path(out) / "report.html"
         if report.is_file():
             click.echo(f"report: {report} (open it in a browser)")
+
+
+def format_window(ns: int) -> str:
+    from ..traceset import format_window as fmt
+
+    return fmt(ns)
+
+
+NS = 1_000_000_000
 
 
 def _print_top(s) -> None:
