@@ -122,6 +122,80 @@ def ensure_trace(params: dict | None = None, *, log=None) -> Path:
     return d
 
 
+# The trace-set bench trace: 100M requests at 1000/s (about 28 h over two
+# dates) in hourly partitions, same fleet as the 1M trace.
+# ``ROUTER_REPLAY_BENCH_SET_REQUESTS`` overrides the request count (smoke runs only).
+BENCH_SET_REQUESTS = 100_000_000
+BENCH_SET_PARAMS = dict(n_workers=64, dp_size=2, sample_interval_ms=100, max_matches=8, seed=0,
+                        rate_per_s=1000.0, partition_s=3600)
+
+
+def bench_set_requests() -> int:
+    """``$ROUTER_REPLAY_BENCH_SET_REQUESTS`` or 100M."""
+    return int(os.environ.get("ROUTER_REPLAY_BENCH_SET_REQUESTS", BENCH_SET_REQUESTS))
+
+
+def trace_set_dir_for(params: dict) -> Path:
+    """Cache directory of a generated trace set, keyed by the parameters and
+    the generator's source (a changed generator gets a new directory)."""
+    key = hashlib.sha256((json.dumps(params, sort_keys=True) + _generator_hash()).encode()).hexdigest()[:10]
+    return bench_root() / f"bench-set-{size_label(params['n_requests']).lower()}-{key}"
+
+
+def bench_set_trace(n_requests: int | None = None, *, log=None) -> Path:
+    """Path of the cached trace set of ``n_requests`` requests (default
+    ``bench_set_requests()``: 100M unless overridden), generating it first if needed.
+
+    ``replay.generate.generate_trace_set(n_requests=N, **BENCH_SET_PARAMS)``
+    is written into a temporary sibling directory (``.bench-set-...partial-*``)
+    and renamed into place only when complete, so a directory under the
+    final name is always a whole trace set; an interrupted build leaves only
+    its partial sibling, which is never reused (delete it by hand).
+    ``log(message)`` gets a line at the start, after each partition and at the end.
+    """
+    params = {"n_requests": bench_set_requests() if n_requests is None else int(n_requests), **BENCH_SET_PARAMS}
+    d = trace_set_dir_for(params)
+    if d.is_dir():
+        return d
+    from replay.generate import generate_trace_set, plan_trace_set
+
+    n_parts = len(plan_trace_set(params["n_requests"], rate_per_s=params["rate_per_s"],
+                                 partition_s=params["partition_s"]))
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.partial-", dir=d.parent))
+    t0 = time.perf_counter()
+
+    def progress(k):
+        if log:
+            el = time.perf_counter() - t0
+            log(f"partition {k}/{n_parts} written, {el:.0f} s elapsed, "
+                f"~{el / k * (n_parts - k):.0f} s to go, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
+
+    try:
+        if log:
+            log(f"generating bench trace set {params} ({n_parts} partitions) -> {d} ...")
+        summary = generate_trace_set(tmp, progress=progress, **params)
+        meta = {"params": params, "generator_sha256": _generator_hash(),
+                "summary": {k: v for k, v in summary.items() if k != "out_dir"},
+                "generate_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes()}
+        (tmp / "bench-params.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            tmp.rename(d)
+        except OSError:
+            if not d.is_dir():      # not a concurrent build that finished first
+                raise
+        if log:
+            log(f"generated in {meta['generate_s']} s -> {d}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return d
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def grid(name: str):
     from replay.config import Grid
 
@@ -366,3 +440,23 @@ def git_rev() -> str | None:
         return rev + ("+dirty(replay/)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _main(argv: list[str]) -> int:
+    """``python3 benches/_support.py build-set [N]``: build (or find) the cached
+    trace set and print its path; progress goes to stderr."""
+    if len(argv) not in (1, 2) or argv[0] != "build-set":
+        print("usage: python3 benches/_support.py build-set [N]", file=sys.stderr)
+        return 2
+    n = int(argv[1].replace("_", "")) if len(argv) == 2 else None
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    print(bench_set_trace(n, log=log), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))       # this checkout's replay/ (the one hashed above)
+    sys.exit(_main(sys.argv[1:]))

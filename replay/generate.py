@@ -21,17 +21,28 @@ the router's cache-aware decision under worker-queue limits of 2..16:
   ``selected_worker`` on part of the requests, optional ``router_inflight``.
 
 Everything is a pure function of the arguments (``seed`` included).
+
+``generate_trace_set`` writes the same kind of trace as a *trace set*
+(``requests/`` and ``loads/`` folders of hive-partitioned Parquet files, one
+pair per partition of ``partition_s`` seconds) in bounded memory: each
+partition is generated on its own, by the same code as a whole
+``generate_trace`` directory, with its own start time, request count and seed.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 NS = 1_000_000_000
+DAY_S = 86_400
+START_NS = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z
 
 
 def worker_url(i: int) -> str:
@@ -42,39 +53,45 @@ def _write(table: pa.Table, path: str) -> None:
     pq.write_table(table, path, compression="zstd", row_group_size=1 << 20)
 
 
-def generate_trace(
-    out_dir: str | os.PathLike,
-    *,
-    n_requests: int,
-    n_workers: int,
-    dp_size: int,
-    sample_interval_ms: int = 100,
-    max_matches: int = 8,
-    seed: int = 0,
-    rate_per_s: float | None = None,
-    block_size: int = 512,
-    n_decode: int | None = None,
-    router_inflight: bool = True,
-    start_ns: int = 1_767_225_600 * NS,  # 2026-01-01T00:00:00Z
-) -> dict:
-    """Write a synthetic trace directory; return a small summary dict.
+@dataclass(frozen=True)
+class _Fleet:
+    """What every partition of a trace shares: the fleet and the sampling knobs."""
 
-    ``rate_per_s`` defaults to ``n_requests / max(60, n_requests / 280)``:
-    about 280 requests per second (1M requests span about an hour), and at
-    least a 60 s span for small traces.  ``n_decode`` decode peers (default
-    1, 2 from 16 workers) publish load samples but are not fleet members.
-    The directory is created if needed; existing trace files are overwritten.
-    """
+    n_workers: int
+    n_decode: int
+    dp_size: int
+    sample_interval_ms: int
+    max_matches: int
+    block_size: int
+    router_inflight: bool
+
+    @property
+    def urls(self) -> list[str]:
+        return [worker_url(i) for i in range(self.n_workers + self.n_decode)]
+
+
+def _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, block_size, n_decode,
+           router_inflight) -> _Fleet:
     if n_requests < 0 or n_workers < 1 or dp_size < 1 or sample_interval_ms < 1 or max_matches < 0:
         raise ValueError("need n_requests >= 0, n_workers >= 1, dp_size >= 1, "
                          "sample_interval_ms >= 1, max_matches >= 0")
-    rng = np.random.default_rng(seed)
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     n_decode = (1 if n_workers < 16 else 2) if n_decode is None else n_decode
+    return _Fleet(n_workers, n_decode, dp_size, sample_interval_ms, max_matches, block_size,
+                  bool(router_inflight))
+
+
+def _span_s(n_requests: int, rate_per_s: float | None) -> int:
+    """Whole seconds a trace of ``n_requests`` spans (see ``generate_trace``)."""
     duration_s = max(60.0, n_requests / 280.0) if rate_per_s is None else max(1.0, n_requests / rate_per_s)
-    n_sec = int(np.ceil(duration_s))
-    urls = [worker_url(i) for i in range(n_workers + n_decode)]
+    return int(np.ceil(duration_s))
+
+
+def _requests(rng: np.random.Generator, fleet: _Fleet, *, n_requests: int, n_sec: int, start_ns: int,
+              id_prefix: str):
+    """The requests table of one partition; also its sorted ``ts`` and match-entry count."""
+    n_workers, n_decode = fleet.n_workers, fleet.n_decode
+    block_size, max_matches = fleet.block_size, fleet.max_matches
+    urls = fleet.urls
     fleet_urls = urls[:n_workers]
     unknown_urls = [f"http://10.9.0.{i}:30000" for i in range(1, 4)]
 
@@ -154,7 +171,7 @@ def generate_trace(
     selected = pa.array(fleet_urls, pa.string()).take(pa.array(sel_idx))
     selected = pa.compute.if_else(pa.array(sel_mask), pa.nulls(n_requests, pa.string()), selected)
     req_ids = pa.compute.binary_join_element_wise(
-        "req-", pa.array(np.arange(n_requests)).cast(pa.string()), "")
+        id_prefix, pa.array(np.arange(n_requests)).cast(pa.string()), "")
     qb = pa.array(query_blocks, pa.int64(), mask=(req_k == 0) & (rng.random(n_requests) < 0.05))
     requests = pa.table({
         "ts": pa.array(req_ts, pa.int64()),
@@ -166,7 +183,17 @@ def generate_trace(
         "best_prefix_blocks": pa.array(best, pa.int64()),
         "selected_worker": selected,
     })
-    _write(requests, os.path.join(out_dir, "requests.parquet"))
+    return requests, req_ts, total
+
+
+def _loads(rng: np.random.Generator, fleet: _Fleet, req_ts: np.ndarray, *, n_requests: int, n_sec: int,
+           start_ns: int, counters=None):
+    """The loads table of one partition, its row count and the publishers' final
+    prefill counters.  ``counters`` (the previous partition's final counters)
+    offsets this partition's monotonic counters so they continue across partitions."""
+    n_workers, n_decode, dp_size = fleet.n_workers, fleet.n_decode, fleet.dp_size
+    sample_interval_ms, router_inflight = fleet.sample_interval_ms, fleet.router_inflight
+    urls = fleet.urls
 
     # ---------------- load samples ----------------
     interval_ns = sample_interval_ms * 1_000_000
@@ -212,6 +239,10 @@ def generate_trace(
     busy = np.minimum(interval_ns // 1000, np.ceil(served * 1e6 / thr[None, :])).astype(np.int64)
     prefill_tokens = np.cumsum(served, axis=0).astype(np.int64)
     prefill_busy = np.cumsum(busy, axis=0).astype(np.int64)
+    if counters is not None:                             # continue the previous partition's counters
+        prefill_tokens += counters[0][None, :]
+        prefill_busy += counters[1][None, :]
+    counters_end = (prefill_tokens[-1].copy(), prefill_busy[-1].copy())
     del served, busy, arr
 
     ts = (np.arange(n_ticks, dtype=np.int64)[:, None] * interval_ns
@@ -281,22 +312,230 @@ def generate_trace(
     if router_inflight:
         inflight = (l_run + l_wait) * dp_size
         table["router_inflight"] = pa.array(inflight, pa.int64(), mask=rng.random(n_rows) < 0.05)
-    _write(pa.table(table), os.path.join(out_dir, "loads.parquet"))
+    return pa.table(table), int(n_rows), counters_end
 
-    workers = pa.table({
+
+def _generate_part(rng: np.random.Generator, fleet: _Fleet, requests_path: str, loads_path: str, *,
+                   n_requests: int, n_sec: int, start_ns: int, id_prefix: str, counters=None) -> dict:
+    """Generate and write one partition (a whole ``generate_trace`` trace is one):
+    ``n_requests`` requests in ``[start_ns, start_ns + n_sec s)`` and the load
+    samples of that span.  The requests are written and dropped before the
+    loads are built, so the peak memory is the larger of the two, not the sum."""
+    requests, req_ts, n_entries = _requests(rng, fleet, n_requests=n_requests, n_sec=n_sec,
+                                            start_ns=start_ns, id_prefix=id_prefix)
+    _write(requests, requests_path)
+    del requests
+    pa.default_memory_pool().release_unused()
+    loads, n_rows, counters_end = _loads(rng, fleet, req_ts, n_requests=n_requests, n_sec=n_sec,
+                                         start_ns=start_ns, counters=counters)
+    del req_ts
+    _write(loads, loads_path)
+    del loads
+    pa.default_memory_pool().release_unused()
+    return {"load_rows": n_rows, "match_entries": n_entries, "counters": counters_end}
+
+
+def _workers_table(fleet: _Fleet) -> pa.Table:
+    urls = fleet.urls
+    return pa.table({
         "worker": pa.array(urls, pa.string()),
         "model": pa.array(["default"] * len(urls), pa.string()),
-        "role": pa.array(["prefill"] * n_workers + ["decode"] * n_decode, pa.string()),
-        "dp_size": pa.array([dp_size] * len(urls), pa.int32()),
+        "role": pa.array(["prefill"] * fleet.n_workers + ["decode"] * fleet.n_decode, pa.string()),
+        "dp_size": pa.array([fleet.dp_size] * len(urls), pa.int32()),
     })
-    _write(workers, os.path.join(out_dir, "workers.parquet"))
+
+
+def generate_trace(
+    out_dir: str | os.PathLike,
+    *,
+    n_requests: int,
+    n_workers: int,
+    dp_size: int,
+    sample_interval_ms: int = 100,
+    max_matches: int = 8,
+    seed: int = 0,
+    rate_per_s: float | None = None,
+    block_size: int = 512,
+    n_decode: int | None = None,
+    router_inflight: bool = True,
+    start_ns: int = START_NS,
+) -> dict:
+    """Write a synthetic trace directory; return a small summary dict.
+
+    ``rate_per_s`` defaults to ``n_requests / max(60, n_requests / 280)``:
+    about 280 requests per second (1M requests span about an hour), and at
+    least a 60 s span for small traces.  ``n_decode`` decode peers (default
+    1, 2 from 16 workers) publish load samples but are not fleet members.
+    The directory is created if needed; existing trace files are overwritten.
+    """
+    fleet = _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, block_size, n_decode,
+                   router_inflight)
+    rng = np.random.default_rng(seed)
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    n_sec = _span_s(n_requests, rate_per_s)
+    part = _generate_part(rng, fleet, os.path.join(out_dir, "requests.parquet"),
+                          os.path.join(out_dir, "loads.parquet"),
+                          n_requests=n_requests, n_sec=n_sec, start_ns=start_ns, id_prefix="req-")
+    _write(_workers_table(fleet), os.path.join(out_dir, "workers.parquet"))
     return {
         "out_dir": out_dir,
         "requests": n_requests,
-        "load_rows": int(n_rows),
+        "load_rows": part["load_rows"],
         "workers": n_workers,
-        "decode_peers": n_decode,
+        "decode_peers": fleet.n_decode,
         "dp_size": dp_size,
         "span_s": n_sec,
-        "match_entries": total,
+        "match_entries": part["match_entries"],
+    }
+
+
+# ---------------------------------------------------------------------------
+# trace sets
+
+
+class Partition(NamedTuple):
+    """One partition of a generated trace set."""
+
+    index: int          # 0-based position in the set
+    start_ns: int       # first instant of the partition (inclusive)
+    n_sec: int          # length in seconds (the last partition may be shorter)
+    n_requests: int
+    name: str           # path of its file under requests/ and loads/, e.g. date=2026-01-01/part-00.parquet
+
+    @property
+    def end_ns(self) -> int:
+        """First instant after the partition (exclusive)."""
+        return self.start_ns + self.n_sec * NS
+
+
+def plan_trace_set(n_requests: int, *, rate_per_s: float | None = None, partition_s: int = 3600,
+                   start_ns: int = START_NS) -> list[Partition]:
+    """The partitions ``generate_trace_set`` writes, without writing anything.
+
+    The span is ``generate_trace``'s (whole seconds from ``n_requests`` and
+    ``rate_per_s``), cut into ``partition_s``-second partitions (the last one
+    shorter); requests are spread in proportion to partition length, exactly
+    ``n_requests`` in all.  When ``partition_s`` divides a day, a file is named
+    ``date=<UTC date of its start>/part-<partition of that day>.parquet``
+    (zero-padded: ``part-00`` .. ``part-23`` for hourly partitions); otherwise
+    ``date=<UTC date of its start>/part-<running index, 5+ digits>.parquet``.
+    """
+    if n_requests < 0:
+        raise ValueError("need n_requests >= 0")
+    if int(partition_s) != partition_s or partition_s < 1:
+        raise ValueError(f"partition_s must be a whole number of seconds >= 1, got {partition_s!r}")
+    partition_s = int(partition_s)
+    span = _span_s(n_requests, rate_per_s)
+    n_parts = -(-span // partition_s)
+    per_day = DAY_S // partition_s if DAY_S % partition_s == 0 else 0
+    width = max(2, len(str(per_day - 1))) if per_day else max(5, len(str(n_parts - 1)))
+    parts = []
+    for k in range(n_parts):
+        a, b = k * partition_s, min(span, (k + 1) * partition_s)
+        p_start = start_ns + a * NS
+        sec = p_start // NS
+        date = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%d")
+        num = (sec % DAY_S) // partition_s if per_day else k
+        parts.append(Partition(index=k, start_ns=p_start, n_sec=b - a,
+                               n_requests=n_requests * b // span - n_requests * a // span,
+                               name=f"date={date}/part-{num:0{width}d}.parquet"))
+    return parts
+
+
+def _remove_stale(out_dir: str, keep: set[str]) -> None:
+    """Remove trace files of an earlier run that this set does not rewrite (a
+    reader would otherwise pick them up): single-layout ``requests.parquet`` /
+    ``loads.parquet`` and Parquet files under ``requests/`` and ``loads/``."""
+    for name in ("requests.parquet", "loads.parquet"):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    for sub in ("requests", "loads"):
+        root = os.path.join(out_dir, sub)
+        for dirpath, _dirs, files in os.walk(root, topdown=False):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if f.endswith(".parquet") and os.path.relpath(path, out_dir) not in keep:
+                    os.remove(path)
+            if dirpath != root and not os.listdir(dirpath):
+                os.rmdir(dirpath)
+
+
+def generate_trace_set(
+    out_dir: str | os.PathLike,
+    *,
+    n_requests: int,
+    n_workers: int,
+    dp_size: int,
+    sample_interval_ms: int = 100,
+    max_matches: int = 8,
+    seed: int = 0,
+    rate_per_s: float | None = None,
+    partition_s: int = 3600,
+    router_inflight: bool = True,
+    start_ns: int = START_NS,
+    progress: Callable[[int], None] | None = None,
+    block_size: int = 512,
+    n_decode: int | None = None,
+) -> dict:
+    """Write a synthetic *trace set*; return a summary dict.
+
+    Layout (``plan_trace_set`` names the partitions)::
+
+        OUT/workers.parquet
+        OUT/requests/date=2026-01-01/part-00.parquet   (hour 00 of that day)
+        OUT/loads/date=2026-01-01/part-00.parquet
+        ...
+
+    Each partition is generated on its own, as ``generate_trace`` generates a
+    whole trace: its own span, request count, and a seed derived from
+    ``(seed, partition index)``; request ids carry the partition
+    (``p0003-17``), so they are unique across the set.  Every partition has the
+    same workers (``workers.parquet`` is written once).  The only state carried
+    from one partition to the next is each publisher's pair of monotonic
+    prefill counters, so they stay monotonic over the whole set.  Memory is
+    bounded by one partition.  ``progress(k)`` is called after each partition
+    is written, ``k`` being the number of partitions written so far.
+
+    The arguments mean what they mean for ``generate_trace``.  Trace files of
+    an earlier run in ``out_dir`` that this set does not rewrite are removed.
+    """
+    fleet = _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, block_size, n_decode,
+                   router_inflight)
+    parts = plan_trace_set(n_requests, rate_per_s=rate_per_s, partition_s=partition_s, start_ns=start_ns)
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    _remove_stale(out_dir, {os.path.join(sub, *p.name.split("/")) for p in parts
+                            for sub in ("requests", "loads")})
+    _write(_workers_table(fleet), os.path.join(out_dir, "workers.parquet"))
+    id_width = max(4, len(str(len(parts) - 1)))
+    load_rows = entries = 0
+    counters = None
+    for p in parts:
+        paths = []
+        for sub in ("requests", "loads"):
+            path = os.path.join(out_dir, sub, *p.name.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            paths.append(path)
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(p.index,)))
+        info = _generate_part(rng, fleet, *paths, n_requests=p.n_requests, n_sec=p.n_sec,
+                              start_ns=p.start_ns, id_prefix=f"p{p.index:0{id_width}d}-", counters=counters)
+        counters = info["counters"]
+        load_rows += info["load_rows"]
+        entries += info["match_entries"]
+        if progress is not None:
+            progress(p.index + 1)
+    return {
+        "out_dir": out_dir,
+        "requests": n_requests,
+        "load_rows": load_rows,
+        "files": 2 * len(parts) + 1,
+        "partitions": len(parts),
+        "partition_s": int(partition_s),
+        "span_s": sum(p.n_sec for p in parts),
+        "workers": n_workers,
+        "decode_peers": fleet.n_decode,
+        "dp_size": dp_size,
+        "match_entries": entries,
     }

@@ -1,8 +1,9 @@
-"""``router-replay generate OUT_DIR``: write a seeded synthetic trace."""
+"""``router-replay generate OUT_DIR``: write a seeded synthetic trace (or trace set)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
@@ -22,21 +23,61 @@ from ..errors import ReplayError
 @click.option("--rate", "rate_per_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Mean requests per second (default: ~280/s, span >= 60 s).")
 @click.option("--no-router-inflight", is_flag=True, help="Omit the router_inflight column.")
+@click.option("--partition-s", type=click.IntRange(min=1), default=None, metavar="SECONDS",
+              help="Write a trace set instead: requests/ and loads/ folders with one Parquet file "
+                   "per SECONDS of trace time, generated one at a time (bounded memory), named "
+                   "date=YYYY-MM-DD/part-HH.parquet for --partition-s 3600.")
 @click.option("--force", is_flag=True, help="Write into a non-empty OUT_DIR.")
 @user_errors
 def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_matches, seed,
-             rate_per_s, no_router_inflight, force) -> None:
-    """Write a synthetic trace directory (requests, loads, workers Parquet)."""
+             rate_per_s, no_router_inflight, partition_s, force) -> None:
+    """Write a synthetic trace directory (requests, loads, workers Parquet).
+
+    \b
+    Example, 100M requests at 1000/s (~28 h) as hourly partitions:
+      router-replay generate big --requests 100000000 --workers 64 --dp-size 2 \\
+          --rate 1000 --partition-s 3600
+    """
     from ..generate import generate_trace
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ReplayError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
         raise ReplayError(f"{out_dir}: directory is not empty (use --force to write into it)")
+    if partition_s is not None:
+        _generate_set(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                      sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
+                      rate_per_s=rate_per_s, partition_s=partition_s, router_inflight=not no_router_inflight)
+        return
     info = generate_trace(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
                           sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
                           rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
     click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows, "
+               f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
+               f"{info['span_s']} s")
+
+
+def _generate_set(out_dir, **kwargs) -> None:
+    from ..generate import generate_trace_set, plan_trace_set
+
+    bar = None
+    if sys.stderr.isatty():
+        n = len(plan_trace_set(kwargs["n_requests"], rate_per_s=kwargs["rate_per_s"],
+                               partition_s=kwargs["partition_s"]))
+        bar = click.progressbar(length=n, label="partitions", file=sys.stderr)
+        bar.__enter__()
+
+    def progress(k):
+        if bar is not None:
+            bar.update(k - bar.pos)
+
+    try:
+        info = generate_trace_set(out_dir, progress=progress, **kwargs)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
+               f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
                f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
                f"{info['span_s']} s")
 
