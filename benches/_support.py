@@ -320,7 +320,7 @@ TIME_BIN = "/usr/bin/time"
 def cli_command() -> list[str]:
     """``router-replay`` of this interpreter's environment."""
     exe = Path(sys.executable).parent / "router-replay"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "replay.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "replay"]
 
 
 def run_cli(args: list[str], *, env: dict | None = None, cwd: Path | None = None) -> dict:
@@ -460,3 +460,45 @@ def _main(argv: list[str]) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))       # this checkout's replay/ (the one hashed above)
     sys.exit(_main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------------------
+# scale (issue 5): the 100M trace set, streaming windows, the Ray executor
+
+# the grid of the scale benches: 3 limits x 3 floors, 7 valid configs
+SCALE_GRID = {"--worker-queue-limit": "2,4,8", "--saturation-queue-floor": "none,1,2"}
+
+
+def scale_args() -> list[str]:
+    return [x for kv in SCALE_GRID.items() for x in kv]
+
+
+def first_partitions(set_dir: Path, n: int, work: Path) -> Path:
+    """A trace set of the first ``n`` hourly partitions of ``set_dir`` (symlinks):
+    the sub-trace that fits in memory."""
+    out = Path(tempfile.mkdtemp(prefix="subset-", dir=work)) / "trace"
+    for kind in ("requests", "loads"):
+        files = sorted((set_dir / kind).rglob("*.parquet"), key=lambda p: p.relative_to(set_dir).parts)[:n]
+        for f in files:
+            dst = out / f.relative_to(set_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(f)
+    (out / "workers.parquet").symlink_to(set_dir / "workers.parquet")
+    return out
+
+
+def run_scale_sweep(trace_dir: Path, work: Path, *extra: str) -> dict:
+    """``router-replay sweep TRACE --no-decisions --no-report`` on the scale grid,
+    with ``extra`` flags; wall, peak RSS and the run's own timings/execution."""
+    out = Path(tempfile.mkdtemp(prefix="run-", dir=work)) / "run"
+    try:
+        r = run_cli(["sweep", str(trace_dir), "--out", str(out), "-q", "--no-decisions", "--no-report",
+                     *scale_args(), *extra])
+        run = json.loads((out / "run.json").read_text())
+        r.update(timings=run["timings"], execution=run["execution"], n_requests=run["trace"]["requests"],
+                 n_configs=len(run["config_ids"]),
+                 summary_sha256=hashlib.sha256((out / "summary.parquet").read_bytes()).hexdigest())
+        r["decisions_per_s"] = r["n_requests"] * r["n_configs"] / r["wall_s"]
+        return r
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)

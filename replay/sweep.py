@@ -351,6 +351,9 @@ def _replay_local(job: _Job, traces) -> _Done:
                 n += 1
                 has_selected |= trace.req_selected_worker is not None
                 _replay_one(job, trace, totals, writer, fleet_sink, facts, pool, pending, clock)
+                if pending:             # the writer still reads this window's ids
+                    pending.pop().result()
+                del trace               # let the window go before the next is read
             now = time.perf_counter()
             if pending:
                 pending.pop().result()
@@ -370,8 +373,14 @@ def _replay_in_memory(job: _Job) -> _Done:
 
 def _replay_windows(job: _Job, window_ns: int) -> _Done:
     tset: TraceSet = job.source
-    windows = tset.iter_windows(window_ns, model=job.model)
-    done = _replay_local(job, (w.trace for w in windows))
+    def traces():
+        for win in tset.iter_windows(window_ns, model=job.model):
+            trace = win.trace
+            del win
+            yield trace
+            del trace
+
+    done = _replay_local(job, traces())
     done.has_selected = tset.has_selected
     return done
 

@@ -401,14 +401,17 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
 
 
 def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | None = None,
-                index_offset: int = 0, strict_model: bool = True) -> Trace:
+                index_offset: int = 0, strict_model: bool = True, facts: bool = True) -> Trace:
     """Check and encode frames into a :class:`Trace`.
 
     With ``universe`` (a window of a trace set), worker ids and models are the
     whole set's, and request ``i`` of the frame has request index
     ``index_offset + i`` (after the stable sort by ts).  ``strict_model=False``
-    accepts a ``model`` that has no request in these frames (a window).
+    accepts a ``model`` that has no request in these frames (a window);
+    ``facts=False`` skips the data facts that cost memory (per-worker ranks,
+    unknown address names), which a window does not need.
     """
+    want_facts = facts
     req_df, load_df, wk_df, files = fr.requests, fr.loads, fr.workers, fr.files
     facts: dict = {}
     R = _File(fr.req_name, req_df, fr.req_locate)
@@ -545,9 +548,11 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
     facts["requests_without_prefix_signal"] = int(((m_len == 0) | (query_blocks == 0)).sum())
     facts["match_entries"] = int(match_worker.shape[0])
     facts["unknown_match_entries"] = int(unknown.sum())
-    unk_names = ent_worker.filter(pl.Series(unknown)).unique().sort().to_list() if unknown.any() else []
+    unk_names = (ent_worker.filter(pl.Series(unknown)).unique().sort().to_list()
+                 if want_facts and unknown.any() else [])
     facts["unknown_match_addresses"] = len(unk_names)
     facts["unknown_match_address_examples"] = unk_names[:5]
+    facts["unknown_match_address_examples_all"] = unk_names if len(unk_names) <= 1000 else unk_names[:1000]
     if req_df.height:
         facts["span_start_ns"] = int(req_ts.min())
         facts["span_end_ns"] = int(req_ts.max())
@@ -566,7 +571,7 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
     dp_of_row = worker_dp[load_worker] if load_worker.size else np.zeros(0, dtype=np.int32)
     ignored = (dp_of_row > 0) & (load_rank >= dp_of_row)
     facts["ignored_rank_rows"] = int(ignored.sum())
-    if load_df.height:
+    if load_df.height and want_facts:
         rk = (pl.DataFrame({"w": load_worker, "r": load_rank}).unique()
               .group_by("w").agg(pl.col("r").sort()).sort("w"))
         facts["ranks_per_worker"] = {workers[w]: [int(x) for x in r]
@@ -676,14 +681,25 @@ def fresh_fleet_sample_mask(trace: Trace, freshness_ns: int = FRESHNESS_NS) -> n
     return out
 
 
-def validate_trace(path: str | os.PathLike, *, freshness_ms: int = 5000) -> dict:
+def validate_trace(path: str | os.PathLike, *, freshness_ms: int = 5000, window: int | None = 0,
+                   progress=None) -> dict:
     """Load a trace (raising :class:`TraceError` on bad input) and return its data facts.
 
     Adds to ``Trace.facts``: ``requests_without_fresh_fleet_sample`` (and its
     ``share``), the freshness used, the fleet size per model and the files.
+    ``window`` (ns; None = auto, as ``sweep --window``) checks a trace larger
+    than memory window by window (``replay.traceset.validate_windows``).
     """
+    if window != 0:
+        from .traceset import TraceSet, auto_window, validate_windows
+
+        tset = TraceSet.open(path, hash_files=False)
+        w = auto_window(tset) if window is None else int(window)
+        if w:
+            return validate_windows(tset, w, int(freshness_ms) * 1_000_000, progress)
     trace = load_trace(path)
     facts = dict(trace.facts)
+    facts.pop("unknown_match_address_examples_all", None)
     fresh = fresh_fleet_sample_mask(trace, int(freshness_ms) * 1_000_000)
     stale = int((~fresh).sum())
     facts["freshness_ms"] = int(freshness_ms)

@@ -58,6 +58,7 @@ class Group:
     rows: int
     ts_min: int
     ts_max: int
+    last: int = 0             # ts of the group's last row
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Part:
     hive: dict[str, str] = field(default_factory=dict)
     rows: int = 0
     groups: list[Group] = field(default_factory=list)
+    sorted: bool = True             # ts non-decreasing through the whole file
 
 
 # ---------------------------------------------------------------------------
@@ -242,7 +244,10 @@ def _scan(part: Part, cols: list[str]):
         df = _to_frame(part, pf.read_row_group(g, columns=["ts", *cols]))
         ts = _ts_ns(part, df, part.rows)
         if ts.size:
-            part.groups.append(Group(part.rows, int(ts.size), int(ts.min()), int(ts.max())))
+            if part.sorted and (bool(np.any(ts[1:] < ts[:-1]))
+                                or (part.groups and int(ts[0]) < part.groups[-1].last)):
+                part.sorted = False
+            part.groups.append(Group(part.rows, int(ts.size), int(ts.min()), int(ts.max()), int(ts[-1])))
         part.rows += df.height
         yield df, ts
 
@@ -443,7 +448,8 @@ class TraceSet:
             for gi, g in enumerate(part.groups):
                 if g.ts_max < t0 or g.ts_min >= t1:
                     continue
-                df, ts = (cache.get(part, gi, g) if cache is not None
+                df, ts = (cache.get(part, gi, g) if cache is not None and g.ts_max >= t1
+                          else cache.pop(part, gi, g) if cache is not None
                           else self._group(part, gi, g))
                 keep = np.nonzero((ts >= t0) & (ts < t1))[0]
                 if keep.size == 0:
@@ -467,12 +473,13 @@ class TraceSet:
 
     def iter_windows(self, window_ns: int, *, model: str | None = None,
                      carry: dict | None = None, bounds: list[tuple[int, int]] | None = None,
-                     first_request: int | None = None) -> Iterator[Window]:
+                     first_request: int | None = None, facts: bool = False) -> Iterator[Window]:
         """Yield the windows in time order, each a Trace with its carry.
 
         ``bounds``/``carry``/``first_request`` start part-way (a shard): the
         carry at the first bound (from :meth:`carries`) and the request
-        index of its first request.
+        index of its first request.  ``facts`` computes each window's data
+        facts (``validate``), which the replay does not need.
         """
         if model is not None and model not in self.model_counts:
             raise TraceError(f"{REQUESTS}: column 'model': no request has model {model!r} "
@@ -482,13 +489,17 @@ class TraceSet:
         cache = _GroupCache()
         for k, (t0, t1) in enumerate(bounds):
             fr = self.read_window(t0, t1, cache=cache)
-            tr = build_trace(fr, model=model, universe=self.universe, index_offset=offset,
-                             strict_model=False)
             n_all = fr.requests.height
+            tr = build_trace(fr, model=model, universe=self.universe, index_offset=offset,
+                             strict_model=False, facts=facts)
+            del fr                      # the frames go before the window is replayed
             n_carry = 0 if carry is None else int(carry["load_ts"].shape[0])
             tr = with_carry(tr, carry)
-            yield Window(k, t0, t1, tr, offset, n_carry)
             carry = carry_of(tr)
+            win = Window(k, t0, t1, tr, offset, n_carry)
+            del tr
+            yield win
+            del win                     # nothing of a window outlives its turn here
             offset += n_all
 
     def carries(self, bounds: list[tuple[int, int]]) -> list[dict | None]:
@@ -525,6 +536,14 @@ class _GroupCache:
             self.items[key] = (g, df, ts)
             self.rows += df.height
         return df, ts
+
+    def pop(self, part: Part, gi: int, g: Group):
+        """A group no later window needs: taken out of the cache (or read)."""
+        hit = self.items.pop((part.path, gi), None)
+        if hit is None:
+            return TraceSet._group(part, gi, g)
+        self.rows -= hit[1].height
+        return hit[1], hit[2]
 
     def drop_before(self, t: int) -> None:
         for key in [k for k, (g, _d, _t) in self.items.items() if g.ts_max < t]:
@@ -600,6 +619,78 @@ def encode_loads(tset: TraceSet, load_df: pl.DataFrame, locate) -> dict:
     return {f: getattr(tr, f) for f in LOAD_FIELDS}
 
 
+def sorted_on_disk(parts: list[Part]) -> bool:
+    """Rows already in ts order across the files, in file order."""
+    prev = None
+    for p in parts:
+        if not p.sorted:
+            return False
+        if p.groups:
+            if prev is not None and p.groups[0].ts_min < prev:
+                return False
+            prev = p.groups[-1].last
+    return True
+
+
+# facts summed over windows; the others are merged below
+_SUMMED = ("requests", "requests_with_matches", "requests_without_prefix_signal", "match_entries",
+           "unknown_match_entries", "load_rows", "load_rows_with_tail", "load_rows_partial_tail",
+           "load_rows_without_tail", "ignored_rank_rows", "query_blocks_null", "selected_worker_null",
+           "selected_worker_unknown", "requests_without_fresh_fleet_sample")
+
+
+def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress=None) -> dict:
+    """``validate_trace``'s facts for a trace checked window by window (every
+    row is checked exactly as in memory; ``request_id`` uniqueness within each
+    window only)."""
+    from . import labels
+    from .trace import fresh_fleet_sample_mask
+
+    facts: dict = {k: 0 for k in _SUMMED}
+    unknown: set[str] = set()
+    ranks: dict[str, set[int]] = {}
+    has_inflight = False
+    span = [None, None]
+    windows = 0
+    for win in tset.iter_windows(window_ns, facts=True):
+        windows += 1
+        tr = win.trace
+        f = tr.facts
+        for k in _SUMMED[:-1]:
+            facts[k] += int(f.get(k, 0))
+        facts["requests_without_fresh_fleet_sample"] += int((~fresh_fleet_sample_mask(tr, freshness_ns)).sum())
+        unknown.update(f.get("unknown_match_address_examples_all", []))
+        for w, rs in f.get("ranks_per_worker", {}).items():
+            ranks.setdefault(w, set()).update(rs)
+        has_inflight |= bool(f.get("has_router_inflight"))
+        if tr.n_requests:
+            a, b = int(tr.req_ts[0]), int(tr.req_ts[-1])
+            span = [a if span[0] is None else min(span[0], a), b if span[1] is None else max(span[1], b)]
+        if progress is not None:
+            progress(tr.n_requests)
+    n = facts["requests"]
+    u = tset.universe
+    names = sorted(unknown)
+    facts.update(
+        unknown_match_addresses=len(names), unknown_match_address_examples=names[:5],
+        requests_sorted_on_disk=sorted_on_disk(tset.requests), loads_sorted_on_disk=sorted_on_disk(tset.loads),
+        workers=tset.n_workers, models=dict(tset.model_counts), has_workers_table=u.has_table,
+        non_fleet_load_workers=list(u.non_fleet_load), has_router_inflight=has_inflight,
+        ranks_per_worker={w: sorted(r) for w, r in sorted(ranks.items())},
+        has_selected_worker=tset.has_selected,
+        freshness_ms=int(freshness_ns) // 1_000_000,
+        share_without_fresh_fleet_sample=facts["requests_without_fresh_fleet_sample"] / n if n else 0.0,
+        fleet_workers={m: int(tset.fleet(i).shape[0]) for i, m in enumerate(tset.models)},
+        roles={r: int((u.worker_role == i).sum()) for i, r in enumerate(labels.ROLES)},
+        files=tset.hashed_files(), path=tset.path, window_s=window_ns // NS, windows=windows,
+        request_id_unique="within each window",
+    )
+    facts["workers_without_samples"] = sorted(set(tset.workers) - set(ranks))
+    if n:
+        facts.update(span_start_ns=span[0], span_end_ns=span[1], span_s=(span[1] - span[0]) / 1e9)
+    return facts
+
+
 # ---------------------------------------------------------------------------
 # window sizes
 # ---------------------------------------------------------------------------
@@ -607,8 +698,8 @@ WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # auto: replay in memory up to these sizes, else windows of about this many rows
 AUTO_IN_MEMORY_REQUESTS = 4_000_000
 AUTO_IN_MEMORY_LOAD_ROWS = 16_000_000
-AUTO_WINDOW_REQUESTS = 2_000_000
-AUTO_WINDOW_LOAD_ROWS = 4_000_000
+AUTO_WINDOW_REQUESTS = 1_000_000
+AUTO_WINDOW_LOAD_ROWS = 2_000_000
 
 
 def parse_window(text: str) -> int | None:
@@ -634,7 +725,13 @@ def auto_window(tset: TraceSet) -> int:
     span_s = max(1.0, (tset.ts_max - tset.ts_min) / NS)
     per_s = max(tset.n_requests / AUTO_WINDOW_REQUESTS, tset.n_load_rows / AUTO_WINDOW_LOAD_ROWS) / span_s
     seconds = max(1, int(math.floor(1.0 / per_s))) if per_s > 0 else int(span_s) + 1
-    return seconds * NS
+    nice = [s for s in NICE_WINDOWS_S if s <= seconds]
+    return (nice[-1] if nice else seconds) * NS
+
+
+# auto windows are rounded down to one of these lengths (seconds)
+NICE_WINDOWS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
+                  86400)
 
 
 def format_window(window_ns: int) -> str:

@@ -18,6 +18,9 @@ def format_report(f: dict) -> str:
     """Human-readable lines for a ``validate_trace`` report."""
     n = f["requests"]
     lines = [f"trace {f['path']}: OK"]
+    if f.get("windows"):
+        lines[0] += (f" (checked in {f['windows']} windows of {f['window_s']} s; request_id "
+                     f"uniqueness checked within each window)")
     for name, info in f["files"].items():
         lines.append(f"  {name}: {info['bytes']:,} bytes, sha256 {info['sha256'][:16]}...")
     lines.append(f"requests: {n:,} ({f['requests_with_matches']:,} with matches, "
@@ -63,16 +66,37 @@ def format_report(f: dict) -> str:
 @click.option("--freshness-ms", type=click.IntRange(min=0), default=5000, show_default=True,
               help="Freshness window for the no-fresh-sample fact.")
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
+@click.option("--window", default="auto", show_default=True, metavar="auto|none|DURATION",
+              help="Check a trace larger than memory in time windows (as sweep --window).")
 @user_errors
-def validate(trace_dir: str, freshness_ms: int, as_json: bool) -> None:
+def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> None:
     """Check a trace directory's schema and invariants and print its data facts.
 
     Exit 0 when the trace is valid; on bad input print one line naming file,
     column and first bad row (0-based, in the file as given) and exit 2.
     """
-    from ..trace import validate_trace
+    import sys
 
-    facts = validate_trace(trace_dir, freshness_ms=freshness_ms)
+    from ..errors import ReplayError
+    from ..trace import validate_trace
+    from ..traceset import parse_window
+
+    try:
+        window_ns = parse_window(window)
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
+    bar = None
+
+    def progress(n):
+        nonlocal bar
+        if bar is None and sys.stderr.isatty() and not as_json:
+            bar = click.progressbar(length=None, label="checking", file=sys.stderr)
+        if bar is not None:
+            bar.update(n)
+
+    facts = validate_trace(trace_dir, freshness_ms=freshness_ms, window=window_ns, progress=progress)
+    if bar is not None:
+        bar.render_finish()
     if as_json:
         import json
 

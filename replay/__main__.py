@@ -1,0 +1,5 @@
+"""``python -m replay ...`` runs the ``router-replay`` command."""
+
+from .cli import main
+
+main()
