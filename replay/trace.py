@@ -518,7 +518,9 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
     known = workers if table is None else [w for w, ok in zip(workers, worker_listed) if ok]
     known_ids = np.array([workers.index(w) for w in known], dtype=np.int32) if table is not None else None
     mw = _map_names(ent_worker, known)
-    if known_ids is not None and mw.size:
+    if known_ids is not None and mw.size and known_ids.size == 0:   # an empty workers table
+        mw = np.full(mw.shape[0], -1, dtype=np.int32)
+    elif known_ids is not None and mw.size:
         mw = np.where(mw >= 0, known_ids[np.maximum(mw, 0)], -1).astype(np.int32)
     match_worker = mw
     load_worker = _map_names(lw_s, workers)

@@ -37,6 +37,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from .kernels.snapshot import carry_mask_nb
 from .trace import (DEFAULT_MODEL, LOADS, REQUESTS, WORKERS, Frames, Trace, TraceError, Universe, _File, _one_line,
                     _read, build_trace, make_universe, parse_workers_table)
 
@@ -59,6 +60,7 @@ class Group:
     ts_min: int
     ts_max: int
     last: int = 0             # ts of the group's last row
+    index: int = 0            # the Parquet row group's number in its file
 
 
 @dataclass
@@ -122,7 +124,25 @@ def _open(part: Part) -> pq.ParquetFile:
         raise TraceError(f"{part.name}: unreadable Parquet ({type(err).__name__}: {_one_line(err)})") from None
 
 
-def _to_frame(part: Part, table) -> pl.DataFrame:
+def _epoch_ns(part: Part, df: pl.DataFrame, offset: int) -> pl.DataFrame:
+    """A Datetime ``ts`` (any unit, any zone; naive read as UTC) as int64 epoch
+    nanoseconds, so files with different units concatenate and compare alike."""
+    t = df.schema.get("ts")
+    if not isinstance(t, pl.Datetime):
+        return df
+    raw = df.get_column("ts").dt.epoch(t.time_unit)
+    factor = {"ns": 1, "us": 1_000, "ms": 1_000_000}[t.time_unit]
+    if factor > 1:
+        bad = (raw.abs() > (2**63 - 1) // factor).fill_null(False)
+        if bad.any():
+            row = offset + int(bad.arg_max())
+            raise TraceError(f"{part.name}: column 'ts' row {row}: datetime outside the int64 "
+                             f"nanosecond range (years 1678..2262)")
+        raw = raw * factor
+    return df.with_columns(raw.cast(pl.Int64).alias("ts"))
+
+
+def _to_frame(part: Part, table, offset: int = 0) -> pl.DataFrame:
     try:
         df = pl.from_arrow(table)
     except Exception as err:
@@ -134,17 +154,46 @@ def _to_frame(part: Part, table) -> pl.DataFrame:
     if casts:
         df = df.with_columns(casts)
     extra = [pl.lit(v, dtype=pl.String).alias(k) for k, v in part.hive.items() if k not in df.columns]
-    return df.with_columns(extra) if extra else df
+    if extra:
+        df = df.with_columns(extra)
+    return _canonical(_epoch_ns(part, df, offset))
 
 
-def read_part(part: Part, groups: list[int] | None = None) -> pl.DataFrame:
-    """A file (or some of its row groups) as a polars frame with its hive columns."""
+MATCHES_T = pl.List(pl.Struct({"worker": pl.String, "blocks": pl.Int64}))
+
+
+def _canonical(df: pl.DataFrame) -> pl.DataFrame:
+    """Types that may legitimately differ between the files of a set, made one:
+    ``matches`` as list<struct{worker: string, blocks: int64}> (any integer
+    width, categorical workers, fixed-size lists, extra fields dropped)."""
+    fixes = []
+    m = df.schema.get("matches")
+    if m is not None and m != MATCHES_T and isinstance(m, (pl.List, pl.Array)):
+        inner = m.inner
+        names = {f.name: f.dtype for f in inner.fields} if isinstance(inner, pl.Struct) else {}
+        w, b = names.get("worker"), names.get("blocks")
+        if (w is not None and b is not None and b.is_integer()
+                and (w == pl.String or isinstance(w, (pl.Categorical, pl.Enum)))):
+            col = pl.col("matches").cast(pl.List(inner)) if isinstance(m, pl.Array) else pl.col("matches")
+            fixes.append(col.list.eval(pl.struct(pl.element().struct.field("worker").cast(pl.String),
+                                                 pl.element().struct.field("blocks").cast(pl.Int64))))
+    if not fixes:
+        return df
+    try:
+        return df.with_columns(fixes)
+    except Exception:   # out-of-range values: left as they are, the checks name the row
+        return df
+
+
+def read_part(part: Part, groups: list[int] | None = None, offset: int = 0) -> pl.DataFrame:
+    """A file (or some of its row groups, the first at row ``offset``) as a
+    polars frame with its hive columns."""
     pf = _open(part)
     try:
         table = pf.read() if groups is None else pf.read_row_groups(groups)
     except Exception as err:
         raise TraceError(f"{part.name}: unreadable Parquet ({type(err).__name__}: {_one_line(err)})") from None
-    return _to_frame(part, table)
+    return _to_frame(part, table, offset)
 
 
 def _kind_of(dtype) -> str:
@@ -241,13 +290,13 @@ def _scan(part: Part, cols: list[str]):
     if "ts" not in pf.schema_arrow.names:
         raise TraceError(f"{part.name}: column 'ts': missing (required column)")
     for g in range(pf.metadata.num_row_groups):
-        df = _to_frame(part, pf.read_row_group(g, columns=["ts", *cols]))
+        df = _to_frame(part, pf.read_row_group(g, columns=["ts", *cols]), part.rows)
         ts = _ts_ns(part, df, part.rows)
         if ts.size:
             if part.sorted and (bool(np.any(ts[1:] < ts[:-1]))
                                 or (part.groups and int(ts[0]) < part.groups[-1].last)):
                 part.sorted = False
-            part.groups.append(Group(part.rows, int(ts.size), int(ts.min()), int(ts.max()), int(ts[-1])))
+            part.groups.append(Group(part.rows, int(ts.size), int(ts.min()), int(ts.max()), int(ts[-1]), g))
         part.rows += df.height
         yield df, ts
 
@@ -343,9 +392,9 @@ class TraceSet:
         n_load = 0
         for part in load_parts:
             names = _open(part).schema_arrow.names
-            if "worker" not in names:
+            if "worker" not in names and "worker" not in part.hive:
                 raise TraceError(f"{part.name}: column 'worker': missing (required column)")
-            for df, ts in _scan(part, ["worker"] + [c for c in ("dp_rank",) if c in names]):
+            for df, ts in _scan(part, [c for c in ("worker", "dp_rank") if c in names]):
                 if not ts.size:
                     continue
                 rk = pl.col("dp_rank").fill_null(0) if "dp_rank" in df.columns else pl.lit(0)
@@ -437,15 +486,16 @@ class TraceSet:
 
     def read_window(self, t0: int, t1: int, *, cache: "_GroupCache | None" = None) -> Frames:
         """The rows with ``t0 <= ts < t1`` of every file, in file order (a Frames)."""
-        req_df, req_loc = self._read_rows(self.requests, t0, t1, cache)
-        load_df, load_loc = self._read_rows(self.loads, t0, t1, cache)
-        return Frames(self.path, req_df, load_df, self.workers_df, self.files,
-                      self.requests[0].name, self.loads[0].name, req_loc, load_loc)
+        req_df, req_name, req_loc = self._read_rows(self.requests, t0, t1, cache)
+        load_df, load_name, load_loc = self._read_rows(self.loads, t0, t1, cache)
+        return Frames(self.path, req_df, load_df, self.workers_df, self.files, req_name, load_name,
+                      req_loc, load_loc)
 
     def _read_rows(self, parts: list[Part], t0: int, t1: int, cache):
         dfs, pidx, rows = [], [], []
         for i, part in enumerate(parts):
-            for gi, g in enumerate(part.groups):
+            for g in part.groups:
+                gi = g.index
                 if g.ts_max < t0 or g.ts_min >= t1:
                     continue
                 df, ts = (cache.get(part, gi, g) if cache is not None and g.ts_max >= t1
@@ -462,13 +512,16 @@ class TraceSet:
         names = [p.name for p in parts]
         if not dfs:
             df = read_part(parts[0], [])
-            return df, _locator(names, np.zeros(0, np.int64), np.zeros(0, np.int64))
+            return df, parts[0].name, _locator(names, np.zeros(0, np.int64), np.zeros(0, np.int64))
         used = [parts[int(p[0])] for p in pidx]
-        return _concat(used, dfs), _locator(names, np.concatenate(pidx), np.concatenate(rows))
+        # errors without a row name the window's first file (type errors that
+        # differ between files name the later one, in _concat)
+        return (_concat(used, dfs), used[0].name,
+                _locator(names, np.concatenate(pidx), np.concatenate(rows)))
 
     @staticmethod
     def _group(part: Part, gi: int, g: Group):
-        df = read_part(part, [gi])
+        df = read_part(part, [gi], g.offset)
         return df, _ts_ns(part, df, g.offset)
 
     def iter_windows(self, window_ns: int, *, model: str | None = None,
@@ -510,8 +563,8 @@ class TraceSet:
         cache = _GroupCache()
         for t0, t1 in bounds:
             out.append(carry)
-            load_df, locate = self._read_rows(self.loads, t0, t1, cache)
-            loads = encode_loads(self, load_df, locate)
+            load_df, name, locate = self._read_rows(self.loads, t0, t1, cache)
+            loads = encode_loads(self, load_df, name, locate)
             carry = carry_of_columns(_concat_cols(carry, loads))
         return out
 
@@ -553,38 +606,21 @@ class _GroupCache:
 # ---------------------------------------------------------------------------
 # the carry
 # ---------------------------------------------------------------------------
-def _last_k_per_key(key: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the last ``k`` rows of every key (rows in time order)."""
-    n = key.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.argsort(key, kind="stable")          # by key, time order inside a key
-    sk = key[order]
-    last_of_run = np.ones(n, dtype=bool)
-    last_of_run[:-1] = sk[1:] != sk[:-1]
-    ends = np.nonzero(last_of_run)[0]
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    picks = [order[e] for e in ends]
-    for j in range(1, k):
-        ok = ends - j >= starts
-        picks.extend(order[(ends - j)[ok]])
-    return np.asarray(picks, dtype=np.int64)
-
-
 def carry_of_columns(cols: dict | None) -> dict | None:
     """The rows of ``cols`` (load columns in time order, ``LOAD_FIELDS``) that the
     snapshot state after them depends on: each (worker, rank)'s last two
-    samples and each worker's last sample with a ``router_inflight`` value."""
+    samples and each worker's last sample with a ``router_inflight`` value
+    (``kernels.snapshot.carry_mask_nb``)."""
     if cols is None or cols["load_ts"].shape[0] == 0:
         return cols
     w = cols["load_worker"].astype(np.int64)
     r = cols["load_rank"].astype(np.int64)
-    key = w * (int(r.max()) + 1) + r
-    keep = _last_k_per_key(key, 2)
-    has_inf = np.nonzero(cols["load_router_inflight"] >= 0)[0]
-    if has_inf.size:
-        keep = np.concatenate([keep, has_inf[_last_k_per_key(w[has_inf], 1)]])
-    keep = np.unique(keep)
+    n_w, n_r = int(w.max()) + 1, int(r.max()) + 1
+    if n_w * n_r > 50_000_000:          # stray huge ranks: number the ranks seen instead
+        _u, r = np.unique(r, return_inverse=True)
+        n_r = int(r.max()) + 1
+    keep = np.zeros(w.shape[0], dtype=np.bool_)
+    carry_mask_nb(w, r.astype(np.int64), cols["load_router_inflight"].astype(np.int64), n_r, keep)
     return {f: cols[f][keep] for f in LOAD_FIELDS}
 
 
@@ -606,15 +642,14 @@ def with_carry(trace: Trace, carry: dict | None) -> Trace:
                                          for f in LOAD_FIELDS})
 
 
-def encode_loads(tset: TraceSet, load_df: pl.DataFrame, locate) -> dict:
+def encode_loads(tset: TraceSet, load_df: pl.DataFrame, name: str, locate) -> dict:
     """Load rows alone, encoded (and checked) as a Trace would hold them."""
     empty_req = pl.DataFrame({"ts": pl.Series([], dtype=pl.Int64), "request_id": pl.Series([], dtype=pl.String),
                               "input_tokens": pl.Series([], dtype=pl.Int64),
                               "query_blocks": pl.Series([], dtype=pl.Int64),
                               "matches": pl.Series([], dtype=pl.List(pl.Struct({"worker": pl.String,
                                                                                 "blocks": pl.Int64})))})
-    fr = Frames(tset.path, empty_req, load_df, tset.workers_df, tset.files, REQUESTS, tset.loads[0].name,
-                None, locate)
+    fr = Frames(tset.path, empty_req, load_df, tset.workers_df, tset.files, REQUESTS, name, None, locate)
     tr = build_trace(fr, universe=tset.universe)
     return {f: getattr(tr, f) for f in LOAD_FIELDS}
 

@@ -212,3 +212,27 @@ def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirt
                 snap[w, j] = 0
             snap[w, S_INFLIGHT] = inflight[w]
             est[w] = np.nan
+
+
+@njit
+def carry_mask_nb(load_worker, load_rank, load_inflight, n_ranks, keep):
+    """Mark in ``keep`` the samples the per-rank table and the in-flight counts
+    still depend on after the last of them (samples in time order): each
+    (worker, rank)'s last two samples (the latest, and the previous one whose
+    native tail feeds the throughput delta) and each worker's last sample with
+    a ``router_inflight`` value.  Ranks are ``0..n_ranks-1``."""
+    n_w = 0
+    for i in range(load_worker.shape[0]):
+        if load_worker[i] + 1 > n_w:
+            n_w = load_worker[i] + 1
+    seen = np.zeros(n_w * n_ranks, dtype=np.int8)
+    seen_inf = np.zeros(n_w, dtype=np.bool_)
+    for i in range(load_worker.shape[0] - 1, -1, -1):
+        w = load_worker[i]
+        k = w * n_ranks + load_rank[i]
+        if seen[k] < 2:
+            seen[k] += 1
+            keep[i] = True
+        if load_inflight[i] >= 0 and not seen_inf[w]:
+            seen_inf[w] = True
+            keep[i] = True
