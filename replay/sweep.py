@@ -371,16 +371,60 @@ def _replay_in_memory(job: _Job) -> _Done:
     return _replay_local(job, [job.source])
 
 
-def _replay_windows(job: _Job, window_ns: int) -> _Done:
-    tset: TraceSet = job.source
-    def traces():
-        for win in tset.iter_windows(window_ns, model=job.model):
-            trace = win.trace
-            del win
+def _prefetched(windows, depth: int = 1):
+    """Yield the windows' traces, reading (and encoding) the next window on a
+    background thread while the current one is replayed: Parquet decoding and
+    the kernels both release the GIL.  At most ``depth`` windows wait; an
+    error while reading is raised here, in order."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    END = object()
+
+    def produce():
+        try:
+            for win in windows:
+                trace = win.trace
+                del win
+                while not stop.is_set():
+                    try:
+                        q.put((trace, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                del trace
+                if stop.is_set():
+                    return
+            q.put((END, None))
+        except BaseException as err:  # handed to the consumer, raised there
+            q.put((None, err))
+
+    thread = threading.Thread(target=produce, name="window-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            trace, err = q.get()
+            if err is not None:
+                raise err
+            if trace is END:
+                return
             yield trace
             del trace
+    finally:
+        stop.set()
+        while thread.is_alive():      # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.1)
 
-    done = _replay_local(job, traces())
+
+def _replay_windows(job: _Job, window_ns: int) -> _Done:
+    tset: TraceSet = job.source
+    done = _replay_local(job, _prefetched(tset.iter_windows(window_ns, model=job.model)))
     done.has_selected = tset.has_selected
     return done
 
