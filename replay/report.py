@@ -150,7 +150,9 @@ class RunData:
     run: dict
     summary: pl.DataFrame
     decisions: list[Path] | None   # one file, or one per shard
-    fleet: pl.DataFrame | None
+    # fleet.parquet, scanned lazily (one row per request: never read whole); a
+    # DataFrame works too.  ``.collect()`` it to get the table.
+    fleet: pl.LazyFrame | pl.DataFrame | None
     closed_loop: pl.DataFrame | None
     notes: list[str] = field(default_factory=list)
 
@@ -178,18 +180,33 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
     dec = decision_files(p, run)
     fleet_path = p / FLEET
-    fleet = _read_parquet(fleet_path) if fleet_path.is_file() else None
+    fleet = _scan_parquet(fleet_path) if fleet_path.is_file() else None
     cl_path = p / CLOSED_LOOP
     closed = _read_parquet(cl_path) if cl_path.is_file() else None
     return RunData(p, run, summary, dec, fleet, closed)
+
+
+def _unreadable(path: Path, err: Exception) -> ReplayError:
+    msg = " ".join(str(err).split())[:200]
+    return ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})")
 
 
 def _read_parquet(path: Path) -> pl.DataFrame:
     try:
         return pl.read_parquet(path)
     except Exception as err:  # polars / arrow raise many kinds
-        msg = " ".join(str(err).split())[:200]
-        raise ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})") from None
+        raise _unreadable(path, err) from None
+
+
+def _scan_parquet(path: Path) -> pl.LazyFrame:
+    """A lazy scan of a (possibly request-sized) table; its footer is read now, so a file
+    that is not Parquet fails here rather than halfway through the page."""
+    try:
+        lf = pl.scan_parquet(path)
+        lf.collect_schema()
+    except Exception as err:  # polars / arrow raise many kinds
+        raise _unreadable(path, err) from None
+    return lf
 
 
 # ---------------------------------------------------------------------------
@@ -444,43 +461,226 @@ def _interval_text(ns: int) -> str:
     return f"{s} s"
 
 
+# Over time.  fleet.parquet holds one row per request and the decisions one per
+# request and config (hundreds of millions of rows on a long trace), while the
+# figure needs a few numbers per interval.  Neither is ever read whole: the
+# fleet's readings are counted per (interval, reading) in polars' streaming
+# engine, and the decisions of the configs shown are streamed beside the fleet's
+# rows and counted per (config, interval) batch by batch, so memory is bounded
+# by the number of intervals and configs, not by the number of requests.
+BATCH = 1 << 18  # rows read at a time from fleet.parquet and from a decisions file
+COUNTS = ("requests", *labels.DECISIONS, FAILED, "pinned", "gate_rejected")
+FLEET_STATS = ("fleet_min_p50", "fleet_min_min", "fleet_min_max")
+
+
+@dataclass
+class FleetBins:
+    """fleet.parquet per interval: the bins, and its readings counted per bin."""
+
+    t0: int               # first request's ts; bin b covers [t0 + b*step, t0 + (b+1)*step)
+    step: int             # interval, ns (``_nice_interval_ns`` over the ts span)
+    rows: int             # fleet rows (requests)
+    hist: pl.DataFrame    # bin, w (fleet_min_waiting, null: no fresh reading), n (requests)
+    stats: pl.DataFrame   # bin, fleet_min_p50, fleet_min_min, fleet_min_max (every bin)
+
+    def bin_expr(self) -> pl.Expr:
+        return ((pl.col("ts") - self.t0) // self.step).alias("bin")
+
+    def at_or_above(self, floor: Any) -> pl.DataFrame:
+        """Per bin: requests with no fresh reading below ``floor`` (the pin's precondition)."""
+        if floor is None:
+            return self.stats.select("bin", reading_at_or_above_floor=pl.lit(None, dtype=pl.get_index_type()))
+        allowed = (pl.col("w") >= floor) | pl.col("w").is_null()
+        return (self.hist.group_by("bin")
+                .agg(reading_at_or_above_floor=pl.col("n").filter(allowed).sum()
+                     .cast(pl.get_index_type())))
+
+
+def fleet_bins(fleet: pl.LazyFrame | pl.DataFrame) -> FleetBins | None:
+    """The over-time bins of a fleet table and its readings per bin (None: no rows), with
+    two streaming passes: the ts span, then counts per (bin, reading)."""
+    lf = fleet.lazy()
+    span = (lf.select(t0=pl.col("ts").min(), t1=pl.col("ts").max(), n=pl.len())
+            .collect(engine="streaming").row(0, named=True))
+    if not span["n"] or span["t0"] is None:
+        return None
+    t0 = int(span["t0"])
+    step = _nice_interval_ns(max(int(span["t1"]) - t0, 1))
+    bins = FleetBins(t0, step, int(span["n"]), pl.DataFrame(), pl.DataFrame())
+    bins.hist = (lf.group_by(bins.bin_expr(), pl.col("fleet_min_waiting").alias("w"))
+                 .agg(n=pl.len().cast(pl.Int64)).collect(engine="streaming")
+                 .sort("bin", "w", nulls_last=True))
+    # median, min and max of the known readings per bin, from the counts: the value at
+    # 0-based rank k is the smallest reading whose cumulative count exceeds k
+    known = (bins.hist.drop_nulls("w")
+             .with_columns(cum=pl.col("n").cum_sum().over("bin"), tot=pl.col("n").sum().over("bin")))
+    stats = known.group_by("bin").agg(
+        lo=pl.col("w").filter(pl.col("cum") > (pl.col("tot") - 1) // 2).min(),
+        hi=pl.col("w").filter(pl.col("cum") > pl.col("tot") // 2).min(),
+        fleet_min_min=pl.col("w").min(), fleet_min_max=pl.col("w").max())
+    bins.stats = (bins.hist.select(pl.col("bin").unique()).join(stats, on="bin", how="left")
+                  .select("bin", ((pl.col("lo") + pl.col("hi")) / 2).alias("fleet_min_p50"),
+                          "fleet_min_min", "fleet_min_max")
+                  .sort("bin"))
+    return bins
+
+
+def _label_counts() -> list[pl.Expr]:
+    return [pl.len().alias("requests"),
+            *[(pl.col("decision") == d).sum().alias(d) for d in labels.DECISIONS],
+            pl.col("decision").is_null().sum().alias(FAILED),
+            (pl.col("policy_reason") == "saturation_pin").sum().alias("pinned"),
+            (pl.col("gate_rejected") > 0).sum().alias("gate_rejected")]
+
+
+def _add_counts(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """Partial per (config_id, bin) counts added up."""
+    return (pl.concat([p.with_columns(pl.col(c).cast(pl.Int64) for c in COUNTS) for p in parts])
+            .group_by("config_id", "bin").agg(pl.col(c).sum() for c in COUNTS))
+
+
+def _file_groups(files: list[Path], ids: list[int]) -> list[tuple[list[tuple[Path, int]], list[int]]]:
+    """The configs grouped by the decisions files that hold them (with each file's rows),
+    from the files' config_id statistics: a sharded run writes one file per window and
+    block of configs, and the configs of one block are streamed together."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    info = []
+    for f in files:
+        try:
+            md = pq.ParquetFile(f).metadata
+        except Exception as err:  # polars / arrow raise many kinds
+            raise _unreadable(f, err) from None
+        lo, hi = math.inf, -math.inf
+        j = md.schema.names.index("config_id") if "config_id" in md.schema.names else None
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            st = rg.column(j).statistics if j is not None else None
+            if rg.num_rows and (st is None or not st.has_min_max):  # no statistics: any config
+                lo, hi = -math.inf, math.inf
+                break
+            if rg.num_rows:
+                lo, hi = min(lo, st.min), max(hi, st.max)
+        info.append((f, md.num_rows, lo, hi))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for c in ids:
+        key = tuple(i for i, (_f, _n, lo, hi) in enumerate(info) if lo <= c <= hi)
+        groups.setdefault(key, []).append(c)
+    return [([info[i][:2] for i in key], cs) for key, cs in groups.items()]
+
+
+def _decision_scan(files: list[Path], ids: list[int], key_dtype: pl.DataType,
+                   rows: slice | None = None) -> pl.LazyFrame:
+    """The columns the over-time figure counts, of the configs ``ids`` (``rows``: a slice
+    of the files' rows, taken before the filter so that the reader decodes only it)."""
+    dec = pl.scan_parquet(files)
+    if rows is not None:
+        dec = dec.slice(rows.start, rows.stop - rows.start)
+    dec = dec.filter(pl.col("config_id").is_in(ids))
+    rid = pl.col("request_id")
+    if dec.collect_schema()["request_id"] != key_dtype:
+        rid = rid.cast(key_dtype)
+    return dec.select("config_id", rid, "decision", "policy_reason", "gate_rejected")
+
+
+def _aligned_counts(files: list[tuple[Path, int]], ids: list[int], fleet: pl.LazyFrame,
+                    bins: FleetBins) -> pl.DataFrame | None:
+    """Per (config_id, bin) label counts, matching decisions to fleet rows by position.
+
+    A sweep writes fleet.parquet and the decisions in the same (trace) order, so the
+    k-th decision row of a config is the fleet's k-th row.  Both are read in slices
+    of ``BATCH`` rows (the Parquet reader decodes only the slice); a buffer holds the
+    fleet rows between the configs' positions (about one slice, the configs of one
+    file advance together).  Every row's request_id is checked against its fleet row:
+    None when they differ or the counts do not match (the caller then joins on it).
+    """
+    key = fleet.collect_schema()["request_id"]
+    fl = fleet.select(pl.col("request_id").alias("fleet_request_id"), bins.bin_expr())
+    buf = pl.DataFrame(schema=fl.collect_schema())
+    start = 0                       # fleet position of buf's first row
+    read = 0                        # fleet rows read so far
+    seen = dict.fromkeys(ids, 0)    # decision rows of each config so far
+    parts: list[pl.DataFrame] = []
+    for path, n_rows in files:
+        for lo in range(0, n_rows, BATCH):
+            batch = _decision_scan([path], ids, key, slice(lo, min(lo + BATCH, n_rows))).collect()
+            if batch.height == 0:
+                continue
+            at = (pl.col("config_id").replace_strict(seen, return_dtype=pl.Int64)
+                  + pl.int_range(pl.len(), dtype=pl.Int64).over("config_id") - start)
+            idx = batch.select(at).to_series()
+            more, have = [buf], buf.height
+            while have <= idx.max():    # read on until the fleet row of every position
+                if read >= bins.rows:   # more decision rows than requests
+                    return None
+                more.append(fl.slice(read, BATCH).collect())
+                read += more[-1].height
+                have += more[-1].height
+            if len(more) > 1:
+                buf = pl.concat(more, rechunk=True)
+            matched = pl.concat([batch, buf.select(pl.all().gather(idx))], how="horizontal")
+            if not matched.select(pl.col("request_id").eq_missing(pl.col("fleet_request_id")).all()).item():
+                return None
+            parts.append(matched.group_by("config_id", "bin").agg(_label_counts()))
+            if len(parts) >= 512:
+                parts = [_add_counts(parts)]
+            for c, n in batch.group_by("config_id").len().iter_rows():
+                seen[c] += n
+            low = min(seen.values())
+            buf = buf.slice(low - start)
+            start = low
+    if not parts or any(n != bins.rows for n in seen.values()):
+        return None
+    return _add_counts(parts)
+
+
+def _joined_counts(files: list[tuple[Path, int]], ids: list[int], fleet: pl.LazyFrame,
+                   bins: FleetBins) -> pl.DataFrame:
+    """Per (config_id, bin) label counts by a streaming join on request_id (decisions not in
+    the fleet's order: its hash table holds the fleet's ids)."""
+    dec = _decision_scan([f for f, _n in files], ids, fleet.collect_schema()["request_id"])
+    parts = [fleet.select("request_id", bins.bin_expr()).join(dec, on="request_id", how="inner")
+             .group_by("config_id", "bin").agg(_label_counts()).collect(engine="streaming")]
+    return _add_counts(parts)
+
+
+def decision_counts(files: list[Path], ids: list[int], fleet: pl.LazyFrame | pl.DataFrame,
+                    bins: FleetBins) -> pl.DataFrame:
+    """Per config_id and bin: requests, decision labels, failed, pinned and gate-rejected."""
+    fleet = fleet.lazy()
+    parts = []
+    for group_files, group_ids in _file_groups(list(files), ids):
+        if not group_files:
+            continue
+        counts = _aligned_counts(group_files, group_ids, fleet, bins)
+        if counts is None:
+            counts = _joined_counts(group_files, group_ids, fleet, bins)
+        parts.append(counts)
+    if not parts:
+        return pl.DataFrame(schema={"config_id": pl.Int32, "bin": pl.Int64, **dict.fromkeys(COUNTS, pl.Int64)})
+    return _add_counts(parts)
+
+
 def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFrame]:
     """Per config and interval: label shares, pin and gate counts, the fleet's readings."""
     data = a.data
     if data.decisions is None or data.fleet is None:
         raise ReplayError("over time: the run has no decisions.parquet or fleet.parquet")
-    dec = (pl.scan_parquet(data.decisions).filter(pl.col("config_id").is_in(config_ids))
-           .select("config_id", "request_id", "decision", "policy_reason", "gate_rejected").collect())
-    fl = data.fleet.select("request_id", "ts", "fleet_min_waiting")
-    if fl.height == 0:
+    bins = fleet_bins(data.fleet)
+    if bins is None:
         return {c: pl.DataFrame() for c in config_ids}
-    t0 = int(fl["ts"].min())
-    step = _nice_interval_ns(max(int(fl["ts"].max()) - t0, 1))
-    fl = fl.with_columns(bin=(pl.col("ts") - t0) // step)
-    exprs = [pl.len().alias("requests")]
-    exprs += [(pl.col("decision") == d).sum().alias(d) for d in labels.DECISIONS]
-    exprs += [pl.col("decision").is_null().sum().alias(FAILED),
-              (pl.col("policy_reason") == "saturation_pin").sum().alias("pinned"),
-              (pl.col("gate_rejected") > 0).sum().alias("gate_rejected"),
-              pl.col("fleet_min_waiting").median().alias("fleet_min_p50"),
-              pl.col("fleet_min_waiting").min().alias("fleet_min_min"),
-              pl.col("fleet_min_waiting").max().alias("fleet_min_max")]
+    counts = decision_counts(data.decisions, config_ids, data.fleet, bins)
+    idx = pl.get_index_type()
     out = {}
     for cid in config_ids:
-        floor = a.rows[cid][FLOOR]
-        # the pin's precondition (spec 3.6): no fresh fleet reading below the floor
-        floor_expr = (((pl.col("fleet_min_waiting") >= floor) | pl.col("fleet_min_waiting").is_null()).sum()
-                      if floor is not None
-                      else pl.lit(None, dtype=pl.UInt32)).alias("reading_at_or_above_floor")
-        d = dec.filter(pl.col("config_id") == cid).drop("config_id")
-        if d.height == fl.height and d["request_id"].cast(pl.String).equals(fl["request_id"].cast(pl.String)):
-            df = pl.concat([fl, d.drop("request_id")], how="horizontal")  # same (trace) order
-        else:
-            df = fl.join(d.with_columns(pl.col("request_id").cast(fl.schema["request_id"])),
-                         on="request_id", how="inner", maintain_order="left")
-        out[cid] = (df.group_by("bin").agg(*exprs, floor_expr).sort("bin")
-                    .with_columns(t_ns=pl.col("bin") * step + t0 + step // 2,
-                                  interval_ns=pl.lit(step, dtype=pl.Int64)))
+        out[cid] = (counts.filter(pl.col("config_id") == cid).drop("config_id")
+                    .with_columns(pl.col(c).cast(idx) for c in COUNTS)
+                    .join(bins.stats, on="bin", how="left")
+                    .join(bins.at_or_above(a.rows[cid][FLOOR]), on="bin", how="left")
+                    .sort("bin")
+                    .select("bin", *COUNTS, *FLEET_STATS, "reading_at_or_above_floor")
+                    .with_columns(t_ns=pl.col("bin") * bins.step + bins.t0 + bins.step // 2,
+                                  interval_ns=pl.lit(bins.step, dtype=pl.Int64)))
     return out
 
 

@@ -484,3 +484,212 @@ def test_console_check_catches_errors(tmp_path):
     msgs = _console_messages(res.stderr)
     assert any("boom" in m for m in msgs) and any("notDefined" in m for m in msgs)
     assert 'data-report-errors="1"' in res.stdout
+
+
+# ---------------------------------------------------------------------------
+# over time, streamed: fleet.parquet and the decisions are request-sized (hundreds of
+# millions of rows on a long trace) and are never read whole
+
+
+def _over_time_reference(run_dir: Path, floors: dict) -> dict[int, list[dict]]:
+    """The over-time numbers by brute force: every table read whole, one dict entry per request."""
+    import statistics
+    from collections import defaultdict
+
+    from replay.labels import DECISIONS
+    from replay.report import _nice_interval_ns
+    from replay.sweep import decision_files
+
+    fl = pl.read_parquet(run_dir / "fleet.parquet")
+    assert fl["request_id"].is_unique().all()
+    ts = fl["ts"].to_list()
+    t0 = min(ts)
+    step = _nice_interval_ns(max(max(ts) - t0, 1))
+    req = {rid: ((t - t0) // step, w)
+           for rid, t, w in zip(fl["request_id"].to_list(), ts, fl["fleet_min_waiting"].to_list())}
+    per = {c: defaultdict(list) for c in floors}
+    for f in decision_files(run_dir):
+        dec = pl.read_parquet(f, columns=["request_id", "config_id", "decision", "policy_reason", "gate_rejected"])
+        for rid, cid, d, p, g in dec.iter_rows():
+            if cid in per:
+                b, w = req[rid]
+                per[cid][b].append((d, p, g, w))
+    out = {}
+    for cid, by_bin in per.items():
+        floor, rows = floors[cid], []
+        for b in sorted(by_bin):
+            xs = by_bin[b]
+            known = [x[3] for x in xs if x[3] is not None]
+            rows.append({
+                "bin": b, "requests": len(xs), **{d: sum(x[0] == d for x in xs) for d in DECISIONS},
+                "failed": sum(x[0] is None for x in xs),
+                "pinned": sum(x[1] == "saturation_pin" for x in xs),
+                "gate_rejected": sum(x[2] > 0 for x in xs),
+                "fleet_min_p50": float(statistics.median(known)) if known else None,
+                "fleet_min_min": min(known, default=None), "fleet_min_max": max(known, default=None),
+                "reading_at_or_above_floor": (None if floor is None else
+                                              sum(x[3] is None or x[3] >= floor for x in xs)),
+                "t_ns": b * step + t0 + step // 2, "interval_ns": step})
+        out[cid] = rows
+    return out
+
+
+def _check_over_time(run_dir: Path, monkeypatch, *, batch: int | None = None, joins: int = 0) -> None:
+    """Every config's over-time frame equals the brute-force numbers; ``joins``: how many
+    config groups must take the join on request_id (0: all matched by position)."""
+    from replay import report
+    from replay.report import Analysis, over_time_frames
+
+    calls = []
+    joined = report._joined_counts
+    monkeypatch.setattr(report, "_joined_counts", lambda *a, **k: calls.append(1) or joined(*a, **k))
+    if batch is not None:
+        monkeypatch.setattr(report, "BATCH", batch)
+    a = Analysis(load_run(run_dir))
+    ids = sorted(a.rows)
+    want = _over_time_reference(run_dir, {c: a.rows[c]["saturation_queue_floor"] for c in ids})
+    frames = over_time_frames(a, ids)
+    for c in ids:
+        assert frames[c].to_dicts() == want[c], c
+    assert sum(r["requests"] for r in want[ids[0]]) == pl.scan_parquet(run_dir / "fleet.parquet").select(
+        pl.len()).collect().item()
+    assert len(calls) == joins
+
+
+@pytest.mark.parametrize("batch", [None, 97])
+def test_over_time_equals_in_memory_reference(run_dir, monkeypatch, batch):
+    """Per interval and config, every count and fleet reading of the over-time figure equals a
+    brute-force computation from the whole tables (97-row slices: requests split across slices)."""
+    _check_over_time(run_dir, monkeypatch, batch=batch)
+
+
+def test_over_time_reads_nothing_request_sized(run_dir, monkeypatch):
+    """No frame as large as the fleet table is ever materialized for the over-time figure: every
+    collect returns at most a slice or a per-interval table, and nothing is read whole."""
+    from replay import report
+    from replay.report import Analysis, over_time_frames
+
+    n = pl.read_parquet(run_dir / "fleet.parquet").height
+    heights = []
+    collect = pl.LazyFrame.collect
+
+    def spy(self, *args, **kw):
+        out = collect(self, *args, **kw)
+        heights.append(out.height)
+        return out
+
+    def no_read(*args, **kw):
+        raise AssertionError("read_parquet: a whole table read")
+
+    data = load_run(run_dir)
+    assert isinstance(data.fleet, pl.LazyFrame)
+    a = Analysis(data)
+    monkeypatch.setattr(report, "BATCH", 97)
+    monkeypatch.setattr(pl.LazyFrame, "collect", spy)
+    monkeypatch.setattr(pl, "read_parquet", no_read)
+    frames = over_time_frames(a, sorted(a.rows))
+    assert sum(frames[min(a.rows)]["requests"]) == n == 2000
+    assert heights and max(heights) < n / 4, max(heights)
+
+
+def test_over_time_out_of_order_decisions(run_dir, tmp_path, monkeypatch):
+    """Decisions not in the fleet's order are joined on request_id instead, to the same numbers."""
+    copy = tmp_path / "shuffled"
+    shutil.copytree(run_dir, copy)
+    dec = pl.read_parquet(copy / "decisions.parquet")
+    dec.sample(fraction=1.0, shuffle=True, seed=3).write_parquet(copy / "decisions.parquet")
+    _check_over_time(copy, monkeypatch, joins=1)
+
+
+def test_over_time_from_a_collected_fleet(run_dir):
+    """load_run scans fleet.parquet lazily; a RunData holding the table itself (a notebook's
+    DataFrame) draws the same over-time figure."""
+    from dataclasses import replace
+
+    data = load_run(run_dir)
+    assert isinstance(data.fleet, pl.LazyFrame)
+    eager = replace(data, fleet=data.fleet.collect())
+    assert isinstance(eager.fleet, pl.DataFrame)
+    assert figures(eager)["over_time"].to_json() == figures(data)["over_time"].to_json()
+
+
+def test_fleet_bins_median_equals_polars():
+    """The per-interval median, min and max come from counts per reading; they equal polars'
+    own on the rows (odd and even counts, nulls, intervals without a known reading)."""
+    from replay.report import fleet_bins
+
+    rng = np.random.default_rng(7)
+    n = 5000
+    w = rng.integers(0, 9, n)
+    ts = np.sort(rng.integers(0, 600 * 10**9, n))
+    df = pl.DataFrame({"request_id": [f"r{i}" for i in range(n)], "ts": ts,
+                       "fleet_min_waiting": pl.Series(np.where(rng.random(n) < 0.2, None, w).tolist(),
+                                                      dtype=pl.Int64)})
+    df = df.with_columns(pl.when((pl.col("ts") // 10**11) == 3).then(None)
+                         .otherwise(pl.col("fleet_min_waiting")).alias("fleet_min_waiting"))
+    bins = fleet_bins(df)
+    want = (df.group_by(((pl.col("ts") - int(ts.min())) // bins.step).alias("bin"))
+            .agg(pl.col("fleet_min_waiting").median().alias("fleet_min_p50"),
+                 pl.col("fleet_min_waiting").min().alias("fleet_min_min"),
+                 pl.col("fleet_min_waiting").max().alias("fleet_min_max")).sort("bin"))
+    from polars.testing import assert_frame_equal
+
+    assert_frame_equal(bins.stats, want)
+    assert bins.stats["fleet_min_p50"].null_count() >= 1 and bins.rows == n
+    assert fleet_bins(df.head(0)) is None
+
+
+def test_unreadable_fleet_is_one_line_error(run_dir, tmp_path):
+    copy = tmp_path / "badfleet"
+    shutil.copytree(run_dir, copy)
+    (copy / "fleet.parquet").write_text("not parquet")
+    one_line_error(invoke("report", copy, "--out", tmp_path / "r.html"), "fleet.parquet: unreadable Parquet")
+
+
+# a trace set (requests/ and loads/ partitions) replayed window by window, and on Ray
+
+SET_GRID = {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"}
+
+
+@pytest.fixture(scope="module")
+def set_dir(tmp_path_factory):
+    from replay.generate import generate_trace_set
+
+    d = tmp_path_factory.mktemp("rep_set") / "set"
+    generate_trace_set(d, n_requests=2000, n_workers=6, dp_size=2, rate_per_s=40.0, partition_s=20)
+    return d
+
+
+@pytest.mark.parametrize("batch", [None, 61])
+def test_over_time_windowed_run(set_dir, tmp_path, monkeypatch, batch):
+    """A trace set swept in 5 s windows: one decisions.parquet and a fleet.parquet written window
+    by window; the page has the over-time figure and its numbers equal the brute force."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "run"
+    run_sweep(set_dir, SET_GRID, out=out, executor="local", window="5s")
+    run = json.loads((out / "run.json").read_text())
+    assert run["decisions"] == "decisions.parquet"
+    assert pq.ParquetFile(out / "fleet.parquet").metadata.num_row_groups > 1  # one per window
+    assert 'id="fig-over_time"' in (out / "report.html").read_text()
+    _check_over_time(out, monkeypatch, batch=batch)
+
+
+def test_over_time_ray_decision_files(set_dir, tmp_path, monkeypatch):
+    """A Ray run: one decisions file per (window, block of configs); the configs are streamed per
+    block, each beside the fleet's rows, to the brute-force numbers."""
+    pytest.importorskip("ray")
+    from replay import report
+
+    out = tmp_path / "run"
+    run_sweep(set_dir, SET_GRID, out=out, executor="ray", window="10s", configs_per_task=3)
+    listed = json.loads((out / "run.json").read_text())["decisions"]
+    assert isinstance(listed, list) and len(listed) > 3
+    assert 'id="fig-over_time"' in (out / "report.html").read_text()
+    data = load_run(out)
+    ids = pl.read_parquet(out / "summary.parquet")["config_id"].to_list()
+    groups = report._file_groups(data.decisions, ids)
+    assert len(groups) == 3 and sorted(c for _f, cs in groups for c in cs) == sorted(ids)
+    assert all(len(files) == len(listed) // 3 for files, _cs in groups)
+    _check_over_time(out, monkeypatch)
+    _check_over_time(out, monkeypatch, batch=61)
