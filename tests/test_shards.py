@@ -36,7 +36,7 @@ KEY = ["request_id", "config_id"]
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray (2 CPUs) for the in-process tests of this module."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
