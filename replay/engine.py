@@ -180,8 +180,15 @@ def dp_sizes(trace: Trace) -> np.ndarray:
 
 
 def n_rank_slots(trace: Trace) -> int:
-    top = int(trace.load_rank.max()) + 1 if trace.load_rank.size else 1
+    """Rank slots of the per-rank table: a worker with a known dp_size needs
+    dp_size of them (samples of higher ranks are ignored before the table is
+    touched); a worker without one, its highest observed rank + 1."""
     dp = int(trace.worker_dp_size.max()) if trace.worker_dp_size.size else 0
+    top = 0
+    if trace.load_rank.size:
+        unknown = trace.worker_dp_size[trace.load_worker] <= 0
+        if unknown.any():
+            top = int(trace.load_rank[unknown].max()) + 1
     return max(top, dp, 1)
 
 

@@ -1021,3 +1021,31 @@ def test_cli_reports_windows(edge, tmp_path):
               "--no-report")
     assert res.exit_code == 0 and "windows of" not in res.stdout
     assert_frame_equal(pl.read_parquet(out / "decisions.parquet"), pl.read_parquet(mem / "decisions.parquet"))
+
+
+def test_stray_huge_rank_is_ignored_not_allocated(tmp_path):
+    """A sample of rank 2**31-1 on a worker with dp_size 2 is ignored for loads
+    (its router_inflight still counts): the per-rank table keeps 2 slots, and
+    the decisions equal those with the rank written as 2 (also ignored), whole
+    and in 1 s windows."""
+    from replay.config import Grid
+    from replay.generate import generate_trace
+
+    grid = Grid.from_texts({"--worker-queue-limit": "2,4", "--saturation-queue-floor": "none,1"}).configs
+    out = []
+    for rank in (2**31 - 1, 2):
+        d = tmp_path / f"r{rank}"
+        generate_trace(d, n_requests=400, n_workers=4, dp_size=2, seed=2)
+        loads = pl.read_parquet(d / "loads.parquet")
+        loads = loads.with_columns(pl.when(pl.int_range(pl.len()) % 50 == 7).then(rank)
+                                   .otherwise(pl.col("dp_rank")).alias("dp_rank"))
+        loads.write_parquet(d / "loads.parquet")
+        tr = load_trace(d)
+        assert engine.n_rank_slots(tr) == 2
+        whole = engine.decide_all(tr, grid)
+        wins = [engine.decide_all(w.trace, grid) for w in TraceSet.open(d).iter_windows(NS)]
+        for k in whole:
+            np.testing.assert_array_equal(np.concatenate([w[k] for w in wins]), whole[k])
+        out.append(whole)
+    for k in out[0]:
+        np.testing.assert_array_equal(out[0][k], out[1][k])
