@@ -18,7 +18,7 @@ from replay.config import Grid, RouterConfig
 from replay.generate import generate_trace
 from replay.trace import load_trace
 
-from trace_factory import Shape, random_trace
+from trace_factory import Shape, random_trace, shape_strategy
 
 
 def assert_same(ref: dict, ker: dict, context: str = "") -> None:
@@ -57,23 +57,9 @@ def mixed_configs() -> list[RouterConfig]:
 
 CONFIGS = mixed_configs()
 
-shapes = st.builds(
-    Shape,
-    n_requests=st.integers(0, 60),
-    n_workers=st.integers(0, 7),
-    n_ranks=st.integers(1, 3),
-    n_loads=st.integers(0, 300),
-    span_s=st.sampled_from([2.0, 10.0, 40.0]),
-    workers_table=st.booleans(),
-    dp_known=st.booleans(),
-    n_models=st.integers(1, 2),
-    decode_share=st.sampled_from([0.0, 0.3]),
-    tail_share=st.sampled_from([0.0, 0.7, 1.0]),
-    max_matches=st.integers(0, 6),
-    queue_max=st.sampled_from([0, 2, 8]),
-    inflight=st.booleans(),
-    selected=st.booleans(),
-)
+shapes = shape_strategy(max_requests=60, max_workers=7, max_loads=300, spans=[2.0, 10.0, 40.0],
+                        max_matches=6, queue_max=[0, 2, 8])
+
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -41,7 +41,7 @@ from replay.sweep import run_sweep
 from replay.trace import Trace, TraceError, load_trace
 from replay.traceset import LOAD_FIELDS, NS, TraceSet, auto_window, format_window, parse_window
 
-from trace_factory import Shape, random_trace
+from trace_factory import Shape, random_trace, shape_strategy
 
 T0 = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z, a whole number of days since the epoch
 MS = 1_000_000
@@ -824,24 +824,8 @@ PROPERTY_CONFIGS = [
 
 # split points as thousandths of the table's height
 CUTS = st.lists(st.integers(0, 1000), max_size=4)
-shapes = st.builds(
-    Shape,
-    n_requests=st.integers(0, 50),
-    n_workers=st.integers(0, 5),
-    n_ranks=st.integers(1, 3),
-    n_loads=st.integers(0, 200),
-    span_s=st.sampled_from([3.0, 12.0, 30.0]),
-    workers_table=st.booleans(),
-    dp_known=st.booleans(),
-    n_models=st.integers(1, 2),
-    decode_share=st.sampled_from([0.0, 0.3]),
-    tail_share=st.sampled_from([0.0, 0.7, 1.0]),
-    max_matches=st.integers(0, 4),
-    queue_max=st.sampled_from([0, 3, 8]),
-    inflight=st.booleans(),
-    selected=st.booleans(),
-# an empty workers.parquet crashes load_trace (test_empty_workers_table_with_matches below)
-).filter(lambda s: s.n_workers > 0 or not s.workers_table)
+shapes = shape_strategy(max_requests=50, max_workers=5, max_loads=200, spans=[3.0, 12.0, 30.0],
+                        max_matches=4, queue_max=[0, 3, 8])
 
 
 def frames_of(tr: Trace, base_ns: int):

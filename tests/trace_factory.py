@@ -99,3 +99,28 @@ def random_trace(seed: int, shape: Shape = Shape()) -> Trace:
         load_router_inflight=(np.where(rng.random(n_l) < 0.5, ri(0, 3), -1) if s.inflight
                               else np.full(n_l, -1, dtype=np.int64)),
     )
+
+
+def shape_strategy(*, max_requests: int, max_workers: int, max_loads: int, spans: list[float],
+                   max_matches: int, queue_max: list[int]):
+    """A hypothesis strategy of :class:`Shape` (booleans and shares over their
+    whole range; sizes bounded by the arguments)."""
+    from hypothesis import strategies as st
+
+    return st.builds(
+        Shape,
+        n_requests=st.integers(0, max_requests),
+        n_workers=st.integers(0, max_workers),
+        n_ranks=st.integers(1, 3),
+        n_loads=st.integers(0, max_loads),
+        span_s=st.sampled_from(spans),
+        workers_table=st.booleans(),
+        dp_known=st.booleans(),
+        n_models=st.integers(1, 2),
+        decode_share=st.sampled_from([0.0, 0.3]),
+        tail_share=st.sampled_from([0.0, 0.7, 1.0]),
+        max_matches=st.integers(0, max_matches),
+        queue_max=st.sampled_from(queue_max),
+        inflight=st.booleans(),
+        selected=st.booleans(),
+    )
