@@ -36,7 +36,7 @@ from .errors import ReplayError
 from .outdir import move_into_place, partial_beside, refuse_existing
 from .results import Accumulator, DecisionWriter
 from .trace import REQUESTS, Trace, load_trace
-from .traceset import NS, TraceSet, auto_window, parse_window
+from .traceset import NS, TraceSet, auto_window, format_window, parse_window
 
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"
@@ -104,6 +104,7 @@ def run_sweep(
     threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
+    status: Callable[[str], None] | None = None,
     window: int | str | None = "auto",
     executor: str = "local",
     ray_address: str | None = None,
@@ -129,7 +130,8 @@ def run_sweep(
     windows (and blocks of ``configs_per_task`` configs) as Ray tasks
     (``replay/shards.py``; ``ray_address`` joins an existing cluster, else a
     local Ray with ``ray_cpus`` CPUs starts; a failing task is retried
-    ``ray_retries`` times).
+    ``ray_retries`` times).  ``status(text)`` hears what a long windowed
+    sweep is doing before its progress starts.
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
@@ -156,6 +158,8 @@ def run_sweep(
                               "pass the trace directory to window or shard it")
         window_ns = 0
     else:
+        if status is not None:
+            status(f"indexing {trace}")
         tset = TraceSet.open(trace, hash_files=False)
         window_ns = auto_window(tset) if window is None else int(window)
         if executor == "ray" and window_ns == 0:
@@ -169,7 +173,14 @@ def run_sweep(
             if model is not None and model not in tset.model_counts:
                 raise ReplayError(f"{REQUESTS}: column 'model': no request has model {model!r} "
                                   f"(models: {', '.join(tset.models)})")
+            if status is not None:
+                status(f"{tset.n_requests:,} requests, {tset.n_load_rows:,} load rows in "
+                       f"{len(tset.requests) + len(tset.loads)} files; hashing them for run.json")
             tset.files = tset.hashed_files()
+            if status is not None:
+                n_win = len(tset.window_bounds(window_ns))
+                status(f"replaying in {n_win} windows of {format_window(window_ns)}"
+                       + (" as Ray tasks" if executor == "ray" else ""))
     source = trace if tset is None else tset
     t_load = time.perf_counter()
     if isinstance(grid, Grid):

@@ -430,11 +430,13 @@ def test_quiet_prints_nothing(gen_trace, tmp_path):
     one_line_error(res, "not empty")
 
 
-def test_progress_bar_on_a_terminal(gen_trace, tmp_path):
-    """stderr on a pseudo-terminal: the console script draws the bar there, stdout stays clean."""
+@pytest.mark.parametrize("window", ["auto", "10s"])
+def test_progress_bar_on_a_terminal(gen_trace, tmp_path, window):
+    """stderr on a pseudo-terminal: the console script draws the bar there, stdout
+    stays clean; a windowed sweep first says what it is doing (index, windows)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen([CONSOLE, "sweep", str(gen_trace), "--out", str(tmp_path / "run"),
-                             "--worker-queue-limit", "2"],
+                             "--worker-queue-limit", "2", "--window", window],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)
     tty = b""
@@ -456,6 +458,7 @@ def test_progress_bar_on_a_terminal(gen_trace, tmp_path):
     assert proc.returncode == 0, tty
     assert b"replaying" in tty and b"100%" in tty
     assert b"replaying" not in stdout and b"replayed 1,500 requests" in stdout
+    assert (b"indexing" in tty and b"windows of 10s" in tty) == (window == "10s")
 
 
 # ---------------------------------------------------------------------------

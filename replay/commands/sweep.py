@@ -107,10 +107,14 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         if bar is not None:
             bar.update(n)
 
+    def status(text):
+        if show_bar:
+            click.echo(text, err=True)
+
     try:
         result = run_sweep(trace_dir, grid_spec, out=out, seed=seed, freshness_ms=freshness_ms,
                            model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force, report=report,
-                           threads=threads, progress=progress, on_start=on_start, window=window_ns,
+                           threads=threads, progress=progress, on_start=on_start, status=status, window=window_ns,
                            executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
                            configs_per_task=configs_per_task, ray_retries=ray_retries)
     finally:
