@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -137,6 +138,8 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
             fleet_mod.fleet_table(trace, min_waiting, fresh).write_parquet(os.path.join(out_dir, part))
             out["fleet"] = part
     out["seconds"] = time.perf_counter() - t_start
+    # the worker process's peak so far (workers are reused: an upper bound for this task)
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
@@ -271,6 +274,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
     facts = fleet_mod.FleetFacts()
     files, fleet_parts = [], []
     task_s = []
+    task_rss = []
     for (w, k), res in sorted(results.items()):
         spec = specs[(w, k)]
         sl = slice(spec.cfg_lo, spec.cfg_hi)
@@ -279,6 +283,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
         totals.hist_div[0][:, sl] += res["hist_div"]
         totals.stats[0] += res["stats"]
         task_s.append(res["seconds"])
+        task_rss.append(res.get("peak_rss_bytes", 0))
         if res["decisions"]:
             files.append(res["decisions"])
         if k == 0:
@@ -297,6 +302,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
         "plan_and_start_s": round(t_ready - t0, 4),
         "tasks_wall_s": round(t_done - t_ready, 4), "task_s_sum": round(float(np.sum(task_s)), 4),
         "join_s": round(t_end - t_join, 4),
+        "task_peak_rss_bytes": int(max(task_rss, default=0)),
     }
     has_selected = tset.has_selected
     return _Done(totals, facts, has_selected, files if job.decisions else None, len(bounds),

@@ -152,6 +152,7 @@ def run_sweep(
         check_run_dir(out_path, force)
     freshness_ns = int(freshness_ms) * 1_000_000
     tset: TraceSet | None = None
+    hashed = None
     if isinstance(trace, Trace):
         if executor != "local" or window:
             raise ReplayError("a loaded Trace replays in memory with the local executor; "
@@ -175,8 +176,9 @@ def run_sweep(
                                   f"(models: {', '.join(tset.models)})")
             if status is not None:
                 status(f"{tset.n_requests:,} requests, {tset.n_load_rows:,} load rows in "
-                       f"{len(tset.requests) + len(tset.loads)} files; hashing them for run.json")
-            tset.files = tset.hashed_files()
+                       f"{len(tset.requests) + len(tset.loads)} files")
+            # the files' sha256 (run.json) are computed while the windows replay
+            hashed = _Background(tset.hashed_files)
             if status is not None:
                 n_win = len(tset.window_bounds(window_ns))
                 status(f"replaying in {n_win} windows of {format_window(window_ns)}"
@@ -209,6 +211,8 @@ def run_sweep(
 
             done = shards.run_ray(job, window_ns, address=ray_address, configs_per_task=configs_per_task,
                                   retries=ray_retries, cpus=ray_cpus)
+        if hashed is not None:
+            tset.files = hashed.result()
         summary = Accumulator(len(configs), done.totals).summary(
             _config_rows(grid), has_selected=done.has_selected)
         timings = {
@@ -239,6 +243,30 @@ def run_sweep(
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class _Background:
+    """``fn()`` on a daemon thread (a failed sweep does not wait for it at exit)."""
+
+    def __init__(self, fn):
+        import threading
+
+        self._out: dict = {}
+
+        def run():
+            try:
+                self._out["value"] = fn()
+            except BaseException as err:  # raised by result()
+                self._out["error"] = err
+
+        self._thread = threading.Thread(target=run, name="background", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
 
 
 def shard_window(tset: TraceSet, shards: int = 8) -> int:
