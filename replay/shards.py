@@ -10,11 +10,11 @@ independent and decides exactly what the in-memory sweep decides.
 Every metric is a count, a sum or a fixed-bucket histogram
 (``engine.Totals``), so the driver adds the tasks' integer arrays and gets the
 local result bit for bit.  Each task writes its own decisions file into the
-run directory (``decisions/part-WWWWW-BBB.parquet``, listed in ``run.json``)
-and the first block of each window its fleet readings, which the driver joins
-into ``fleet.parquet`` in time order.  The run directory must therefore be on
-storage every Ray node can write when decisions are kept, and the trace on
-storage every node can read.
+run directory (``decisions/part-WWWWW-BBB.parquet``, listed in ``run.json``);
+the first block of each window returns its fleet readings as Parquet bytes,
+which the driver joins into ``fleet.parquet`` in time order.  The run
+directory must therefore be on storage every Ray node can write when
+decisions are kept (not otherwise), and the trace on storage every node can read.
 
 A task that raises is retried (``retries`` times, Ray's own retry); a shard
 that still fails is reported with its time range and config block, and the
@@ -26,6 +26,7 @@ drills: ``"3"`` fails window 3's first attempt, ``"3:always"`` every attempt.
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import logging
 import os
 import resource
@@ -134,9 +135,11 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
         min_waiting, fresh = fleet_mod.fleet_readings(trace, freshness_ns)
         out["facts"] = fleet_mod.FleetFacts().add(trace.req_ts, min_waiting)
         if out_dir is not None and trace.n_requests:
-            part = f"{FLEET_PARTS}/part-{spec.window:05d}.parquet"
-            fleet_mod.fleet_table(trace, min_waiting, fresh).write_parquet(os.path.join(out_dir, part))
-            out["fleet"] = part
+            # sent back as Parquet bytes: the driver writes them, so a run
+            # without decisions needs no run directory shared with the workers
+            buf = io.BytesIO()
+            fleet_mod.fleet_table(trace, min_waiting, fresh).write_parquet(buf, compression="zstd")
+            out["fleet_bytes"] = buf.getvalue()
     out["seconds"] = time.perf_counter() - t_start
     # the worker process's peak so far (workers are reused: an upper bound for this task)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -254,6 +257,11 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
                 for other in pending:
                     ray.cancel(other, force=True)
                 raise TraceError(res["input_error"])
+            if res.get("fleet_bytes") is not None and out_dir is not None:
+                part = f"{FLEET_PARTS}/part-{spec.window:05d}.parquet"
+                with open(os.path.join(out_dir, part), "wb") as fh:
+                    fh.write(res.pop("fleet_bytes"))
+                res["fleet"] = part
             results[(spec.window, spec.block)] = res
             if job.progress is not None:
                 credit += res["requests"] * (spec.cfg_hi - spec.cfg_lo) / n_cfg
