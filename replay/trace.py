@@ -119,12 +119,17 @@ class Trace:
         With a workers table: workers of that model whose role is prefill or
         plain.  Without one: every worker (one model, all plain).
         """
-        from . import labels
+        return fleet_members(self.has_workers_table, self.worker_model, self.worker_role, model)
 
-        if not self.has_workers_table:
-            return np.arange(self.n_workers, dtype=np.int32)
-        mask = (self.worker_model == model) & (self.worker_role != labels.ROLE_DECODE)
-        return np.nonzero(mask)[0].astype(np.int32)
+
+def fleet_members(has_table: bool, worker_model: np.ndarray, worker_role: np.ndarray, model: int) -> np.ndarray:
+    """Worker ids of a model's routable prefill fleet (see :meth:`Trace.fleet`)."""
+    from . import labels
+
+    if not has_table:
+        return np.arange(worker_model.shape[0], dtype=np.int32)
+    mask = (worker_model == model) & (worker_role != labels.ROLE_DECODE)
+    return np.nonzero(mask)[0].astype(np.int32)
 
 
 # ===========================================================================

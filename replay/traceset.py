@@ -38,7 +38,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from .kernels.snapshot import carry_mask_nb
-from .trace import (DEFAULT_MODEL, LOADS, REQUESTS, WORKERS, Frames, Trace, TraceError, Universe, _File, _one_line,
+from .trace import (DEFAULT_MODEL, LOADS, REQUESTS, fleet_members, WORKERS, Frames, Trace, TraceError, Universe, _File, _one_line,
                     _read, build_trace, make_universe, parse_workers_table)
 
 NS = 1_000_000_000
@@ -439,13 +439,8 @@ class TraceSet:
         return len(self.universe.workers)
 
     def fleet(self, model: int) -> np.ndarray:
-        from . import labels
-
         u = self.universe
-        if not u.has_table:
-            return np.arange(self.n_workers, dtype=np.int32)
-        mask = (u.worker_model == model) & (u.worker_role != labels.ROLE_DECODE)
-        return np.nonzero(mask)[0].astype(np.int32)
+        return fleet_members(u.has_table, u.worker_model, u.worker_role, model)
 
     def fleet_dp_sizes(self) -> dict[int, int]:
         """As ``Trace.fleet_dp_sizes``: the table's dp_size, else the ranks observed."""
