@@ -56,7 +56,8 @@ class InjectedFault(RuntimeError):
     """A failure asked for through ROUTER_REPLAY_FAULT_SHARDS."""
 
 
-def _ray():
+def require_ray():
+    """Ray's module, or a one-line error saying how to install it."""
     try:
         import ray
     except ImportError:
@@ -179,7 +180,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
     """Replay ``job`` (see ``sweep._Job``) as Ray tasks; return a ``sweep._Done``."""
     from .sweep import _Done
 
-    ray = _ray()
+    ray = require_ray()
     tset: TraceSet = job.source
     bounds = tset.window_bounds(window_ns)
     firsts = [tset.requests_before(t0) for t0, _t1 in bounds]

@@ -140,6 +140,10 @@ def run_sweep(
         raise ReplayError(f"--freshness-ms must be >= 0, got {freshness_ms}")
     if executor not in ("local", "ray"):
         raise ReplayError(f"--executor must be local or ray, got {executor!r}")
+    if executor == "ray":
+        from .shards import require_ray
+
+        require_ray()           # before a long index pass, not after
     if configs_per_task is not None and int(configs_per_task) < 1:
         raise ReplayError(f"--configs-per-task must be >= 1, got {configs_per_task}")
     if isinstance(window, str):

@@ -500,3 +500,18 @@ def test_console_script(gen_trace, tmp_path):
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr
     assert str(tmp_path / "missing") in p.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_ray_executor_without_ray_is_one_line_exit_2(gen_trace, tmp_path):
+    """Without Ray importable, --executor ray says how to get it (no traceback, no run)."""
+    out = tmp_path / "run"
+    code = ("import sys; sys.modules['ray'] = None; from replay.cli import main; "
+            "sys.argv = ['router-replay'] + sys.argv[1:]; main()")
+    res = subprocess.run([sys.executable, "-c", code, "sweep", str(gen_trace), "--out", str(out),
+                          "--executor", "ray", "--worker-queue-limit", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == ("error: --executor ray needs Ray: "
+                                                   "pip install 'router-replay[ray]'")
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
