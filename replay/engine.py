@@ -107,6 +107,9 @@ class Chunk:
     stop: int
     out_i: np.ndarray | None  # int64[O_NCOLS, stop-start, n_configs] (one contiguous block per column)
     out_f: np.ndarray | None  # float64[stop-start, n_configs]: selected_queue_ms
+    # per request, config-independent: the fleet readings of replay/fleet.py
+    fleet_min: np.ndarray | None = None    # int64: smallest fresh waiting count, -1 = none
+    fleet_fresh: np.ndarray | None = None  # int64: fleet workers with a fresh reading
 
 
 class Totals:
@@ -272,6 +275,8 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
             out_f = np.empty((n, n_cfg), dtype=np.float64)
         else:
             out_i, out_f = dummy_i, dummy_f
+        fl_min = np.empty(n, dtype=np.int64)
+        fl_fresh = np.empty(n, dtype=np.int64)
         a, b = m_off[start], m_off[stop]
         kgrid.run_chunk_nb(
             block_lo, ptrs[:nb], tables[:nb], inflights[:nb],
@@ -280,7 +285,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
             m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w,
             *loads, dp, int(freshness_ns), enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi,
             enc.lim_vals, enc.fl_vals, enc.n_groups, enc.parent, int(seed), max_matches, keep,
-            out_i, out_f,
+            out_i, out_f, fl_min, fl_fresh,
             totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb], totals.stats[:nb])
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
@@ -288,7 +293,15 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         ptr = int(ptrs[nb - 1])
         if progress is not None:
             progress(n)
-        yield Chunk(start, stop, out_i if keep else None, out_f if keep else None)
+        yield Chunk(start, stop, out_i if keep else None, out_f if keep else None, fl_min, fl_fresh)
+
+
+def chunk_readings(mins: list, fresh: list) -> tuple[np.ndarray, np.ndarray]:
+    """A trace's per-request fleet readings ``(min_waiting, fresh_workers)``
+    (``replay/fleet.py``) from its chunks' ``fleet_min``/``fleet_fresh``."""
+    if not mins:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+    return np.concatenate(mins), np.concatenate(fresh).astype(np.int32)
 
 
 def new_totals(n_configs: int, *, threads: int | None = None, blocks: int | None = None) -> Totals:

@@ -358,11 +358,14 @@ def _replay_one(job: _Job, trace: Trace, totals: engine.Totals, writer: Decision
     """Replay one Trace (the whole trace or a window) into the shared totals,
     decisions writer, fleet table and facts."""
     mark = time.perf_counter()
+    mins, fresh = [], []
     for chunk in engine.iter_chunks(trace, job.configs, seed=job.seed, freshness_ns=job.freshness_ns,
                                     threads=job.threads, keep=writer is not None, totals=totals,
                                     progress=job.progress):
         now = time.perf_counter()
         clock["kernel"] += now - mark
+        mins.append(chunk.fleet_min)
+        fresh.append(chunk.fleet_fresh)
         if writer is not None:
             # chunk k is written on a background thread while the kernels
             # (which release the GIL) replay chunk k+1; one write in flight
@@ -372,7 +375,7 @@ def _replay_one(job: _Job, trace: Trace, totals: engine.Totals, writer: Decision
         mark = time.perf_counter()
         clock["write"] += mark - now
     now = time.perf_counter()
-    min_waiting, fresh = fleet_mod.fleet_readings(trace, job.freshness_ns)
+    min_waiting, fresh = engine.chunk_readings(mins, fresh)
     facts.add(trace.req_ts, min_waiting)
     fleet_sink.write(trace, min_waiting, fresh)
     clock["write"] += time.perf_counter() - now

@@ -693,3 +693,26 @@ def test_over_time_ray_decision_files(set_dir, tmp_path, monkeypatch):
     assert all(len(files) == len(listed) // 3 for files, _cs in groups)
     _check_over_time(out, monkeypatch)
     _check_over_time(out, monkeypatch, batch=61)
+
+
+@pytest.mark.parametrize("blocks,chunk", [(1, 1 << 20), (3, 97), (7, 1000)])
+def test_kernel_fleet_readings_equal_the_snapshot_pass(gen_trace, blocks, chunk):
+    """The grid kernel's per-request fleet readings (what sweep writes to
+    fleet.parquet) equal replay/fleet.py's own snapshot pass, for any block
+    and chunk layout, at two freshness windows."""
+    from replay import engine
+    from replay.config import RouterConfig
+    from replay.fleet import fleet_readings
+
+    tr = load_trace(gen_trace)
+    for fresh_ns in (5_000_000_000, 150_000_000):
+        mins, fresh = [], []
+        for ch in engine.iter_chunks(tr, [RouterConfig(worker_queue_limit=4)], keep=True,
+                                     freshness_ns=fresh_ns, blocks=blocks, chunk_decisions=chunk):
+            mins.append(ch.fleet_min)
+            fresh.append(ch.fleet_fresh)
+        got_min, got_fresh = engine.chunk_readings(mins, fresh)
+        want_min, want_fresh = fleet_readings(tr, fresh_ns)
+        np.testing.assert_array_equal(got_min, want_min)
+        np.testing.assert_array_equal(got_fresh, want_fresh)
+        assert (want_min < 0).any() and (want_min > 0).any()   # both cases occur

@@ -253,7 +253,7 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                  load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok, load_pbusy,
                  load_inflight, dp_size, freshness, cfg_i, cfg_f, cfg_group, cfg_li, cfg_fi,
                  lim_vals, fl_vals, n_groups, parent, seed, max_matches, keep, out_i, out_f,
-                 acc, hist_wait, hist_div, stats):
+                 fleet_min, fleet_fresh, acc, hist_wait, hist_div, stats):
     """Replay a chunk of requests under every config, one block of requests per thread.
 
     Block ``b`` covers requests ``block_lo[b]..block_lo[b+1]`` and starts from
@@ -265,7 +265,9 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
     is also written to ``out_i[i, c, O_*]`` / ``out_f[i, c]``.  Results depend
     on nothing but (trace, config, seed), never on threads or chunking.
     ``out_i`` is column-major, ``out_i[O_*, request, config]``, so each output
-    column is one contiguous array.
+    column is one contiguous array.  ``fleet_min[i]``/``fleet_fresh[i]`` get the
+    request's fleet readings as ``replay/fleet.py`` defines them (smallest fresh
+    basic waiting count of its fleet, -1 when none; fleet workers with one).
     """
     n_blocks = block_lo.shape[0] - 1
     n_workers = tables.shape[1]
@@ -322,6 +324,16 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                             group_n, group_rep, gated_any, ladder_w, ladder_r, seen)
             s_rung += n_rung
             s_ladder += n_ladder
+            best = -1
+            n_fresh = 0
+            for j in range(fleet.shape[0]):
+                w = fleet[j]
+                if snap[w, S_BASIC] == 1:
+                    n_fresh += 1
+                    if best < 0 or snap[w, S_WAITING] < best:
+                        best = snap[w, S_WAITING]
+            fleet_min[i] = best
+            fleet_fresh[i] = n_fresh
             sel = req_selected[i] if req_selected.shape[0] > 0 else -1
             accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, parent,
                                   req_qb[i], sel)
