@@ -19,7 +19,7 @@ import polars as pl
 
 from .engine import dp_sizes, fleet_tables, load_columns, n_rank_slots
 from .kernels._jit import njit
-from .kernels.snapshot import S_BASIC, S_NCOLS, S_WAITING, advance_dirty_nb, new_rank_table, refresh_nb
+from .kernels.snapshot import S_NCOLS, advance_dirty_nb, fleet_reading_nb, new_rank_table, refresh_nb
 from .trace import Trace
 
 FLEET = "fleet.parquet"
@@ -52,16 +52,7 @@ def _fleet_min_nb(req_ts, req_model, load_ts, load_worker, load_rank, load_runni
                                table, inflight, dirty)
         refresh_nb(table, inflight, dp, now, freshness, snap, est, oldest, dirty)
         m = req_model[i]
-        best = -1
-        n_fresh = 0
-        for k in range(fleet_off[m], fleet_off[m + 1]):
-            w = fleet_w[k]
-            if snap[w, S_BASIC] == 1:
-                n_fresh += 1
-                if best < 0 or snap[w, S_WAITING] < best:
-                    best = snap[w, S_WAITING]
-        out_min[i] = best
-        out_fresh[i] = n_fresh
+        out_min[i], out_fresh[i] = fleet_reading_nb(snap, fleet_w[fleet_off[m]:fleet_off[m + 1]])
 
 
 def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.ndarray, np.ndarray]:

@@ -48,6 +48,7 @@ from .snapshot import (
     S_WAITING,
     S_WU,
     advance_dirty_nb,
+    fleet_reading_nb,
     refresh_nb,
 )
 
@@ -324,16 +325,7 @@ def run_chunk_nb(block_lo, ptrs, tables, inflights, req_ts, req_index, req_L, re
                             group_n, group_rep, gated_any, ladder_w, ladder_r, seen)
             s_rung += n_rung
             s_ladder += n_ladder
-            best = -1
-            n_fresh = 0
-            for j in range(fleet.shape[0]):
-                w = fleet[j]
-                if snap[w, S_BASIC] == 1:
-                    n_fresh += 1
-                    if best < 0 or snap[w, S_WAITING] < best:
-                        best = snap[w, S_WAITING]
-            fleet_min[i] = best
-            fleet_fresh[i] = n_fresh
+            fleet_min[i], fleet_fresh[i] = fleet_reading_nb(snap, fleet)
             sel = req_selected[i] if req_selected.shape[0] > 0 else -1
             accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, parent,
                                   req_qb[i], sel)

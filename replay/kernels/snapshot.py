@@ -236,3 +236,18 @@ def carry_mask_nb(load_worker, load_rank, load_inflight, n_ranks, keep):
         if load_inflight[i] >= 0 and not seen_inf[w]:
             seen_inf[w] = True
             keep[i] = True
+
+
+@njit
+def fleet_reading_nb(snap, fleet):
+    """``(smallest fresh basic waiting count, fresh workers)`` over the worker ids
+    ``fleet`` of a captured snapshot; -1 as the count when none is fresh."""
+    best = -1
+    n_fresh = 0
+    for j in range(fleet.shape[0]):
+        w = fleet[j]
+        if snap[w, S_BASIC] == 1:
+            n_fresh += 1
+            if best < 0 or snap[w, S_WAITING] < best:
+                best = snap[w, S_WAITING]
+    return best, n_fresh
