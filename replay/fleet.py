@@ -7,9 +7,13 @@ workers had such a reading.  The saturation pin can fire only when no fresh
 fleet worker reads below the floor (section 3.6), i.e. when this minimum is
 ``>= floor``; the report plots it beside the pin share over time.
 
-It is the replay's own snapshot (``kernels/snapshot.py``, the same sweep the
-engine runs), reduced per request; ``tests/test_report.py`` holds it equal to
-the reference's snapshot.
+It is the replay's own snapshot (``kernels/snapshot.py``), reduced per
+request (``fleet_reading_nb``).  A sweep takes the readings from the grid
+kernel, which computes them as it replays (``Chunk.fleet_min``);
+:func:`fleet_readings` is the same reduction as a pass of its own, for
+traces replayed otherwise.  ``tests/test_report.py`` holds the kernel's
+readings equal to this pass and this pass equal to the reference's snapshot;
+:class:`FleetFacts` merges the facts exactly across windows and shards.
 """
 
 from __future__ import annotations
