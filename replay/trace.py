@@ -100,18 +100,11 @@ class Trace:
     def fleet_dp_sizes(self) -> dict[int, int]:
         """dp_size of every fleet worker (any model), by worker id: the workers
         table's, else the ranks observed in the load trace (0 when none)."""
-        out: dict[int, int] = {}
-        for m in range(max(len(self.models), 1)):
-            for w in self.fleet(m):
-                w = int(w)
-                if w in out:
-                    continue
-                dp = int(self.worker_dp_size[w])
-                if dp <= 0:
-                    ranks = self.load_rank[self.load_worker == w]
-                    dp = int(ranks.max()) + 1 if ranks.size else 0
-                out[w] = dp
-        return out
+        def top_rank(w: int) -> int:
+            ranks = self.load_rank[self.load_worker == w]
+            return int(ranks.max()) if ranks.size else -1
+
+        return fleet_dp_sizes(self, self.worker_dp_size, top_rank)
 
     def fleet(self, model: int) -> np.ndarray:
         """Routable prefill fleet of a model: worker ids, ascending (section 0, items 9 and 11).
@@ -120,6 +113,20 @@ class Trace:
         plain.  Without one: every worker (one model, all plain).
         """
         return fleet_members(self.has_workers_table, self.worker_model, self.worker_role, model)
+
+
+def fleet_dp_sizes(trace, worker_dp: np.ndarray, top_rank) -> dict[int, int]:
+    """dp_size of every fleet worker of a Trace or TraceSet (``trace.models``,
+    ``trace.fleet``): ``worker_dp[w]`` when known, else ``top_rank(w) + 1``
+    (the highest rank observed, -1 when none)."""
+    out: dict[int, int] = {}
+    for m in range(max(len(trace.models), 1)):
+        for w in trace.fleet(m):
+            w = int(w)
+            if w not in out:
+                dp = int(worker_dp[w])
+                out[w] = dp if dp > 0 else top_rank(w) + 1
+    return out
 
 
 def fleet_members(has_table: bool, worker_model: np.ndarray, worker_role: np.ndarray, model: int) -> np.ndarray:
@@ -512,22 +519,21 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
 
     # ---------------- worker universe ----------------
     if universe is None:
-        universe = make_universe(table if wk_df is not None else None, lw_s.unique().to_list(),
+        universe = make_universe(table, lw_s.unique().to_list(),
                                  ent_worker.unique().to_list(), req_model_s.unique().to_list())
     workers, models = universe.workers, universe.models
     worker_model, worker_role = universe.worker_model, universe.worker_role
     worker_dp, worker_listed = universe.worker_dp, universe.worker_listed
     non_fleet_load = universe.non_fleet_load
-    table = True if universe.has_table else None
+    has_table = universe.has_table
     # match addresses: with a table only listed workers are known
-    known = workers if table is None else [w for w, ok in zip(workers, worker_listed) if ok]
-    known_ids = np.array([workers.index(w) for w in known], dtype=np.int32) if table is not None else None
-    mw = _map_names(ent_worker, known)
-    if known_ids is not None and mw.size and known_ids.size == 0:   # an empty workers table
-        mw = np.full(mw.shape[0], -1, dtype=np.int32)
-    elif known_ids is not None and mw.size:
-        mw = np.where(mw >= 0, known_ids[np.maximum(mw, 0)], -1).astype(np.int32)
-    match_worker = mw
+    if has_table:
+        known_ids = np.nonzero(worker_listed)[0].astype(np.int32)
+        # index into the listed workers, then to worker ids; -1 (unknown) picks the appended -1
+        lookup = np.append(known_ids, np.int32(-1))
+        match_worker = lookup[_map_names(ent_worker, [workers[i] for i in known_ids])]
+    else:
+        match_worker = _map_names(ent_worker, workers)
     load_worker = _map_names(lw_s, workers)
     req_model = _map_names(req_model_s, models)
     if load_worker.size and (load_worker < 0).any():   # only with a fixed universe
@@ -569,7 +575,7 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
     facts["loads_sorted_on_disk"] = _stable_order(load_ts) is None
     facts["workers"] = len(workers)
     facts["models"] = {m: int(c) for m, c in zip(models, np.bincount(req_model, minlength=len(models)))}
-    facts["has_workers_table"] = table is not None
+    facts["has_workers_table"] = has_table
     facts["non_fleet_load_workers"] = non_fleet_load
     facts["load_rows_with_tail"] = int(tail_valid.sum())
     facts["load_rows_partial_tail"] = int((tail_any & ~tail_valid).sum())
@@ -632,7 +638,7 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
         worker_model=i32(worker_model),
         worker_role=np.ascontiguousarray(worker_role, dtype=np.int8),
         worker_dp_size=i32(worker_dp),
-        has_workers_table=table is not None,
+        has_workers_table=has_table,
         request_id=request_id,
         req_ts=i64(req_ts),
         req_model=i32(req_model),
