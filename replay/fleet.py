@@ -98,6 +98,12 @@ def fleet_table(trace: Trace, min_waiting: np.ndarray, fresh_workers: np.ndarray
     })
 
 
+def empty_fleet_table() -> pl.DataFrame:
+    """``fleet.parquet`` of a run without requests."""
+    return pl.DataFrame(schema={"request_id": pl.String, "ts": pl.Int64, "model": pl.String,
+                                "fleet_min_waiting": pl.Int64, "fleet_fresh_workers": pl.Int32})
+
+
 def _fleet_dp_sizes(trace) -> dict[str, int]:
     """dp_size -> number of fleet workers (workers table, else ranks observed)."""
     sizes: dict[int, int] = {}

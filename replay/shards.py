@@ -165,11 +165,7 @@ def _join_fleet(out_dir: Path, parts: list[str]) -> None:
     if writer is not None:
         writer.close()
     else:
-        import polars as pl
-
-        pl.DataFrame(schema={"request_id": pl.String, "ts": pl.Int64, "model": pl.String,
-                             "fleet_min_waiting": pl.Int64, "fleet_fresh_workers": pl.Int32}
-                     ).write_parquet(path)
+        fleet_mod.empty_fleet_table().write_parquet(path)
     shutil.rmtree(out_dir / FLEET_PARTS, ignore_errors=True)
 
 

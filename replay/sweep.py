@@ -343,9 +343,7 @@ class _FleetSink:
         if self.path is None:
             return
         if self.writer is None:
-            empty = self.empty if self.empty is not None else pl.DataFrame(
-                schema={"request_id": pl.String, "ts": pl.Int64, "model": pl.String,
-                        "fleet_min_waiting": pl.Int64, "fleet_fresh_workers": pl.Int32}).to_arrow()
+            empty = self.empty if self.empty is not None else fleet_mod.empty_fleet_table().to_arrow()
             pq.write_table(empty, str(self.path))
         else:
             self.writer.close()

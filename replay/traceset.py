@@ -38,7 +38,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from .kernels.snapshot import carry_mask_nb
-from .trace import (DEFAULT_MODEL, LOADS, REQUESTS, fleet_members, WORKERS, Frames, Trace, TraceError, Universe, _File, _one_line,
+from .trace import (DEFAULT_MODEL, LOADS, REQUESTS, fleet_dp_sizes, fleet_members, WORKERS, Frames, Trace, TraceError, Universe, _File, _one_line,
                     _read, build_trace, make_universe, parse_workers_table)
 
 NS = 1_000_000_000
@@ -444,13 +444,7 @@ class TraceSet:
 
     def fleet_dp_sizes(self) -> dict[int, int]:
         """As ``Trace.fleet_dp_sizes``: the table's dp_size, else the ranks observed."""
-        out: dict[int, int] = {}
-        for m in range(max(len(self.models), 1)):
-            for w in self.fleet(m):
-                w = int(w)
-                dp = int(self.universe.worker_dp[w])
-                out[w] = dp if dp > 0 else self.worker_ranks.get(w, -1) + 1
-        return out
+        return fleet_dp_sizes(self, self.universe.worker_dp, lambda w: self.worker_ranks.get(w, -1))
 
     def requests_before(self, t_ns: int) -> int:
         """Requests with ts < ``t_ns`` (``t_ns`` a whole second)."""
