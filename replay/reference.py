@@ -203,8 +203,9 @@ class LoadTable:
         # Section 1.2: fresh iff now - at <= window (inclusive).
         return now - entry.at <= self.freshness
 
-    def fresh_load(self, worker: Worker, now: int) -> Optional[BasicLoad]:
-        """Section 1.3 basic aggregate: every required rank observed and fresh."""
+    def _fresh_entries(self, worker: Worker, now: int) -> Optional[list]:
+        """Every required rank's entry, in rank order, when all are observed and
+        fresh (and there is at least one); else None."""
         per = self.ranks.get(worker, {})
         entries = []
         for r in self.required_ranks(worker):
@@ -212,7 +213,12 @@ class LoadTable:
             if e is None or not self._fresh(e, now):
                 return None
             entries.append(e)
-        if not entries:
+        return entries or None
+
+    def fresh_load(self, worker: Worker, now: int) -> Optional[BasicLoad]:
+        """Section 1.3 basic aggregate: every required rank observed and fresh."""
+        entries = self._fresh_entries(worker, now)
+        if entries is None:
             return None
         return BasicLoad(
             running=sum(e.sample.running for e in entries),
@@ -224,19 +230,14 @@ class LoadTable:
 
     def fresh_native_load(self, worker: Worker, now: int) -> Optional[NativeLoad]:
         """Section 1.3 native aggregate (stricter than basic), with throughput and est ms."""
-        per = self.ranks.get(worker, {})
-        entries = []
-        for r in self.required_ranks(worker):
-            e = per.get(r)
-            if e is None or not self._fresh(e, now):
-                return None
+        entries = self._fresh_entries(worker, now)
+        if entries is None:
+            return None
+        for e in entries:
             s = e.sample
             # Section 0 item 12: the native condition is checked per rank.
             if s.native is None or s.max_total_num_tokens == 0 or s.native.max_running_requests == 0:
                 return None
-            entries.append(e)
-        if not entries:
-            return None
         waiting_uncached = sum(e.sample.native.waiting_uncached for e in entries)
         # Throughput: Σ rate_r, None if any required rank lacks a valid rate.
         # REPLAY CHOICE: the float sum runs over ranks in ascending order, starting
