@@ -79,7 +79,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from ..errors import ReplayError
     from ..sweep import check_run_dir, run_sweep
-    from ..traceset import parse_window
+    from ..traceset import NS, format_window, parse_window
 
     check_run_dir(Path(out), force)
     try:
@@ -141,15 +141,6 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         report = Path(out) / "report.html"
         if report.is_file():
             click.echo(f"report: {report} (open it in a browser)")
-
-
-def format_window(ns: int) -> str:
-    from ..traceset import format_window as fmt
-
-    return fmt(ns)
-
-
-NS = 1_000_000_000
 
 
 def _print_top(s) -> None:
