@@ -9,23 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capture_fixture import spec_hashes  # the hash written from CAPTURE.md's prose
 from replay.capture.blockhash import block_hashes
 from replay.errors import ReplayError
-
-
-def spec_hashes(tokens, B, salt=None):
-    """Written from the prose: prior digest (or salt prior), then each token as <I, first 8 bytes >q."""
-    prev = hashlib.sha256(b"sglang-cache-salt-v1\x00" + salt.encode()).digest() if salt else None
-    out = []
-    for i in range(0, len(tokens), B):
-        h = hashlib.sha256()
-        if prev is not None:
-            h.update(prev)
-        for t in tokens[i:i + B]:
-            h.update(struct.pack("<I", t))
-        prev = h.digest()
-        out.append(struct.unpack(">q", prev[:8])[0])
-    return out
 
 
 def test_known_values_partial_block_and_salt():

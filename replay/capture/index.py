@@ -1,0 +1,159 @@
+"""The router's KV-indexer answer (``matches``) rebuilt from recorded KV events.
+
+CAPTURE.md section 3: for a request, walk its block hashes from the root; for
+each worker, count the leading blocks that worker holds on any rank in any
+storage tier (ranks collapsed by max per worker URL), stopping at the first it
+lacks; list the workers with at least one block, in worker-URL order.
+``BlockStored`` adds its blocks to the rank's tier (``GPU`` when the event
+names none); ``BlockRemoved`` takes them from the named tier, or from every
+tier when it names none; ``AllBlocksCleared`` empties the rank.
+
+An event is visible to a request when ``event ts + index lag <= request ts``
+(the replay's visibility rule, ROUTER_SEMANTICS s.0.1, applied to the
+indexer).  Events of one rank apply in sequence order; ranks are independent.
+
+:func:`matches_from_events` is the numba sweep; :func:`placement_matches` is
+the stated approximation used when no KV event was recorded (each worker
+holds the blocks of the requests it served, least recently used evicted at
+its KV capacity).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..kernels._jit import njit
+from . import wire
+
+EV_STORED = 0
+EV_REMOVED = 1
+EV_CLEARED = 2
+EV_CODES = {wire.BLOCK_STORED: EV_STORED, wire.BLOCK_REMOVED: EV_REMOVED, wire.ALL_BLOCKS_CLEARED: EV_CLEARED}
+# tier bits; tier 0 in an event row means "no medium named"
+TIER_BITS = {None: 0, "GPU": 1, "CPU_PINNED": 2, "DISK": 4, "EXTERNAL": 8}
+ALL_TIERS = 15
+
+
+@njit
+def matches_from_events_nb(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_off, h_ids,
+                           rank_off, n_blocks, lag):
+    """Sweep events (sorted by time, then rank sequence) and requests (sorted by time).
+
+    ``ev_block`` is a dense block id (-1: a block no request holds, only cleared
+    rows may have none), ``ev_tier`` a tier bit (0 = every tier for a removal,
+    GPU for a store).  Workers ``w`` own ranks ``rank_off[w]..rank_off[w+1]``
+    and are numbered in URL order.  Returns CSR ``(m_off, m_worker, m_blocks)``.
+    """
+    n_ranks = rank_off[-1]
+    n_workers = rank_off.shape[0] - 1
+    held = np.zeros((n_ranks, max(n_blocks, 1)), dtype=np.uint8)
+    n_req = req_t.shape[0]
+    n_ev = ev_t.shape[0]
+    m_off = np.zeros(n_req + 1, dtype=np.int64)
+    cap = 1024
+    m_w = np.empty(cap, dtype=np.int64)
+    m_b = np.empty(cap, dtype=np.int64)
+    nm = 0
+    e = 0
+    for i in range(n_req):
+        t = req_t[i]
+        while e < n_ev and ev_t[e] + lag <= t:
+            r = ev_rank[e]
+            k = ev_kind[e]
+            if k == EV_CLEARED:
+                held[r, :] = 0
+            else:
+                b = ev_block[e]
+                if b >= 0:
+                    if k == EV_STORED:
+                        bit = ev_tier[e] if ev_tier[e] != 0 else 1
+                        held[r, b] |= bit
+                    else:
+                        if ev_tier[e] == 0:
+                            held[r, b] = 0
+                        else:
+                            held[r, b] &= ~np.uint8(ev_tier[e])
+            e += 1
+        lo = h_off[i]
+        n = h_off[i + 1] - lo
+        for w in range(n_workers):
+            best = 0
+            for r in range(rank_off[w], rank_off[w + 1]):
+                d = 0
+                while d < n and held[r, h_ids[lo + d]] != 0:
+                    d += 1
+                if d > best:
+                    best = d
+            if best > 0:
+                if nm == cap:
+                    cap *= 2
+                    m_w2 = np.empty(cap, dtype=np.int64)
+                    m_b2 = np.empty(cap, dtype=np.int64)
+                    m_w2[:nm] = m_w[:nm]
+                    m_b2[:nm] = m_b[:nm]
+                    m_w = m_w2
+                    m_b = m_b2
+                m_w[nm] = w
+                m_b[nm] = best
+                nm += 1
+        m_off[i + 1] = nm
+    return m_off, m_w[:nm].copy(), m_b[:nm].copy()
+
+
+def dense_blocks(h_values: np.ndarray, *more: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """Map request block hashes to dense ids ``0..B-1``; other arrays of hashes to the
+    same ids, or -1 for a hash no request holds.  Returns ``(dense, [mapped...], B)``."""
+    uniq, dense = np.unique(h_values, return_inverse=True)
+    out = []
+    for arr in more:
+        pos = np.searchsorted(uniq, arr)
+        pos_c = np.minimum(pos, max(len(uniq) - 1, 0))
+        ok = (pos < len(uniq)) & (uniq[pos_c] == arr) if len(uniq) else np.zeros(arr.shape, bool)
+        out.append(np.where(ok, pos_c, -1).astype(np.int64))
+    return dense.astype(np.int64).reshape(-1), out, int(len(uniq))
+
+
+def placement_matches(req_t: np.ndarray, done_t: np.ndarray, h_off: np.ndarray, h_ids: np.ndarray,
+                      worker: np.ndarray, cap_blocks: np.ndarray):
+    """The placement model: worker ``w`` holds the blocks of the requests it served,
+    from each one's completion (``done_t``) on, least recently used first out
+    beyond ``cap_blocks[w]`` blocks; a served request touches its blocks again.
+    ``worker`` is -1 where unknown (that request stores nothing).  Requests are
+    in time order; ``h_ids`` dense or raw ids (any hashable int).  Returns CSR matches
+    in worker order, like :func:`matches_from_events_nb`."""
+    n_w = cap_blocks.shape[0]
+    lru = [OrderedDict() for _ in range(n_w)]
+    order = np.argsort(done_t, kind="stable")
+    j = 0
+    m_off = [0]
+    m_w: list[int] = []
+    m_b: list[int] = []
+    for i in range(len(req_t)):
+        t = req_t[i]
+        while j < len(order) and done_t[order[j]] <= t:
+            k = order[j]
+            j += 1
+            w = worker[k]
+            if w < 0:
+                continue
+            cache = lru[w]
+            for b in h_ids[h_off[k]:h_off[k + 1]].tolist():
+                cache[b] = None
+                cache.move_to_end(b)
+            while len(cache) > cap_blocks[w]:
+                cache.popitem(last=False)
+        blocks = h_ids[h_off[i]:h_off[i + 1]].tolist()
+        for w in range(n_w):
+            cache = lru[w]
+            d = 0
+            for b in blocks:
+                if b not in cache:
+                    break
+                d += 1
+            if d:
+                m_w.append(w)
+                m_b.append(d)
+        m_off.append(len(m_w))
+    return (np.array(m_off, dtype=np.int64), np.array(m_w, dtype=np.int64), np.array(m_b, dtype=np.int64))
