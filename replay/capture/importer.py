@@ -61,6 +61,7 @@ class ImportSpec:
     mooncake_start_ns: int = 1_767_225_600 * NS
     mooncake_block_size: int = 512
     skip_bad_lines: bool = False
+    router_inflight: str = "none"                           # none | derived
     force: bool = False
 
     def inputs(self) -> list[Path]:
@@ -349,8 +350,46 @@ class Importer:
                                     "dp_size": pl.Int64, "page_size": pl.Int64})
 
     # ------------------------------------------------------------ loads
-    def _loads(self, tmp: Path) -> set[str]:
+    def _inflight_fn(self, req: pl.DataFrame):
+        """``router_inflight`` derived from the served requests: per worker, requests that
+        arrived before the sample minus those completed at or before it.
+
+        REPLAY CHOICE: the router's in-flight count is not on any wire; for a fleet
+        behind one router replica it is exactly this count (dispatch at arrival,
+        release at completion = arrival + latency).  Behind several replicas each
+        one knows only its own share, so the derived count overstates it: off by
+        default (``--router-inflight derived`` turns it on).
+        """
+        if self.s.router_inflight != "derived":
+            return None
+        if "latency_ms" not in req.columns:
+            raise ImportError_("--router-inflight derived needs each served request's latency (engine exports)")
+        served = req.filter(pl.col("selected_worker").is_not_null())
+        if served["latency_ms"].null_count():
+            raise ImportError_(f"--router-inflight derived: {served['latency_ms'].null_count()} served requests "
+                               "have no latency")
+        done = served["ts"] + (served["latency_ms"] * 1e6).round().cast(pl.Int64)
+        per = {}
+        for (url,), g in served.with_columns(done.alias("_done")).group_by("selected_worker"):
+            per[url] = (np.sort(g["ts"].to_numpy()), np.sort(g["_done"].to_numpy()))
+        self.facts.data["router_inflight"] = "derived from dispatch (arrival) and completion (arrival + latency)"
+        empty = np.zeros(0, dtype=np.int64)
+
+        def fn(t: pl.DataFrame) -> pa.Array:
+            ts = t["ts"].to_numpy()
+            out = np.zeros(len(ts), dtype=np.int64)
+            wk = t["worker"].to_numpy()
+            for url in np.unique(wk):
+                m = wk == url
+                arr, dn = per.get(url, (empty, empty))
+                out[m] = np.searchsorted(arr, ts[m], "left") - np.searchsorted(dn, ts[m], "right")
+            return pa.array(out, type=pa.int64())
+
+        return fn
+
+    def _loads(self, tmp: Path, req: pl.DataFrame) -> set[str]:
         """Copy the recorded loads (file by file: bounded memory) and write polled ones."""
+        inflight = self._inflight_fn(req)
         dest = tmp / "loads"
         dest.mkdir()
         workers: set[str] = set()
@@ -374,6 +413,8 @@ class Importer:
             for p, t in _read_table_dir(rec):
                 cols = [c for c in LOAD_COLUMNS if c in t.column_names]
                 t = t.select(cols)
+                if inflight is not None:
+                    t = t.append_column("router_inflight", inflight(pl.from_arrow(t)))
                 rel = p.relative_to(rec)
                 (dest / rel.parent).mkdir(parents=True, exist_ok=True)
                 pq.write_table(t, dest / rel, compression="zstd")
@@ -392,7 +433,10 @@ class Importer:
                            "max_total_num_tokens from token_usage)")
         if polled:
             t = pl.concat(polled).sort("ts", maintain_order=True)
-            pq.write_table(t.to_arrow(), dest / "polled.parquet", compression="zstd")
+            at = t.to_arrow()
+            if inflight is not None:
+                at = at.append_column("router_inflight", inflight(t))
+            pq.write_table(at, dest / "polled.parquet", compression="zstd")
             note(t)
         if not rows:
             empty = pl.DataFrame(schema=LOAD_TYPES)
@@ -507,7 +551,7 @@ class Importer:
         req = self._join_engines(req)
         tmp = partial_beside(out)
         try:
-            load_workers = self._loads(tmp)
+            load_workers = self._loads(tmp, req)
             workers = self._workers(req, load_workers)
             matches, m_off, m_b = self._matches(req, workers)
             qb = np.diff(self.h_off)

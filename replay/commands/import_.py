@@ -44,11 +44,13 @@ def _pairs(values, flag: str) -> list[tuple[str, str]]:
 @click.option("--kv-capacity-tokens", type=click.IntRange(1),
               help="Per-worker KV capacity for the placement model (default: recorded max_total_num_tokens).")
 @click.option("--dynamo-worker", multiple=True, metavar="ID=URL", help="Map a Dynamo prefill_worker_id to a URL.")
+@click.option("--router-inflight", type=click.Choice(["none", "derived"]), default="none", show_default=True,
+              help="derived: loads carry each worker's in-flight count from the served requests (one router).")
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip malformed JSON lines instead of refusing.")
 @click.option("--force", is_flag=True, help="Replace an existing output of this tool.")
 @user_errors
 def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, v1_loads, prometheus, page_size,
-            index_lag_ms, matches, kv_capacity_tokens, dynamo_worker, skip_bad_lines, force):
+            index_lag_ms, matches, kv_capacity_tokens, dynamo_worker, router_inflight, skip_bad_lines, force):
     """Build a replayable trace from what a fleet left on disk.
 
     \b
@@ -74,7 +76,8 @@ def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, 
                       recorded=Path(recorded) if recorded else None, v1_loads=_pairs(v1_loads, "--v1-loads"),
                       prometheus=_pairs(prometheus, "--prometheus"), page_size=page_size,
                       index_lag_ms=index_lag_ms, matches=matches, kv_capacity_tokens=kv_capacity_tokens,
-                      dynamo_workers=dyn, skip_bad_lines=skip_bad_lines, force=force)
+                      dynamo_workers=dyn, skip_bad_lines=skip_bad_lines,
+                      router_inflight=router_inflight, force=force)
     bar = {}
 
     def progress(label, i, n):
