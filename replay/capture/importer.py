@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -587,6 +588,9 @@ class Importer:
                 info["page_size"] = int(self.page)
             (tmp / "trace.json").write_text(json.dumps(info, indent=2) + "\n")
             move_into_place(tmp, out)
+        except OSError as err:
+            why = os.strerror(err.errno) if err.errno else str(err).splitlines()[0]
+            raise ImportError_(f"{out}: cannot write ({why}); nothing was written") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ so far.  What can go wrong in a week of production, and what happens:
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import sys
@@ -525,7 +526,9 @@ class Recorder:
                 f"{u}: {r}" for u, r in sorted(self.unreachable.items())))
         if self._writer_error:
             err = self._writer_error[0]
-            raise RecordError(f"{self.out}: cannot write ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            why = (f"OSError: [Errno {err.errno}] {os.strerror(err.errno)}" if isinstance(err, OSError) and err.errno
+                   else f"{type(err).__name__}: {str(err).splitlines()[0]}")
+            raise RecordError(f"{self.out}: cannot write ({why}); "
                               f"the files already renamed into place are complete, record.json says "
                               f"complete: false")
         return self.facts(True)

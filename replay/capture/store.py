@@ -58,13 +58,22 @@ WORKERS_SCHEMA = pa.schema([
 ])
 
 
-def write_atomic_bytes(path: Path, data: bytes) -> None:
+def _aside(path: Path, write) -> None:
+    """``write(tmp)`` into a hidden sibling, fsync, rename over ``path``; a failed write leaves
+    ``path`` as it was and removes the temporary file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    _aside(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_atomic_json(path: Path, obj) -> None:
@@ -72,11 +81,7 @@ def write_atomic_json(path: Path, obj) -> None:
 
 
 def write_atomic_table(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    _aside(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 def period_folder(ts_ns: int, rotate_s: int) -> str:
