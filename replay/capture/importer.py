@@ -319,6 +319,7 @@ class Importer:
                 page[r["worker"]] = r.get("page_size")
                 model_of[r["worker"]] = r.get("model")
         names |= {u for u, _ in self.s.engine_exports}
+        names |= set(self.s.dynamo_workers.values())
         sel = set(req["selected_worker"].drop_nulls().unique().to_list())
         unknown = sorted(sel - names)
         f = self.facts.data

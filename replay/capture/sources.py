@@ -225,15 +225,14 @@ def read_dynamo(paths, facts: Facts, worker_ids: dict[str, str]) -> tuple[pl.Dat
     sel = [None if w is None else worker_ids.get(w, f"dynamo-worker-{w}") for w in wid.to_list()]
     if any(w is not None and w not in worker_ids for w in wid.to_list()):
         facts.data["dynamo_worker_ids_unmapped"] = sorted({w for w in wid.to_list() if w and w not in worker_ids})
-    out = pl.DataFrame({
-        "request_id": df["request_id"],
-        "ts": (df["request_received_ms"] * 1e6).round().cast(pl.Int64),
-        "input_tokens": pl.coalesce(df["input_tokens"], df["replay"].struct.field("input_length")),
-        "output_tokens": df["output_tokens"], "cached_tokens": df["cached_tokens"],
-        "ttft_ms": df["ttft_ms"], "latency_ms": df["total_time_ms"],
-        "hash_ids": df["replay"].struct.field("input_sequence_hashes"),
-        "selected_worker": pl.Series(sel, dtype=pl.String),
-    })
+    rp = pl.col("replay")
+    out = df.select(
+        pl.col("request_id"),
+        (pl.col("request_received_ms") * 1e6).round().cast(pl.Int64).alias("ts"),
+        pl.coalesce(pl.col("input_tokens"), rp.struct.field("input_length")).alias("input_tokens"),
+        "output_tokens", "cached_tokens", "ttft_ms", pl.col("total_time_ms").alias("latency_ms"),
+        rp.struct.field("input_sequence_hashes").alias("hash_ids"),
+    ).with_columns(pl.Series("selected_worker", sel, dtype=pl.String))
     for col in ("request_id", "ts", "input_tokens"):
         bad = out[col].is_null()
         if bad.any():
@@ -257,11 +256,12 @@ def read_mooncake_requests(paths, facts: Facts, start_ns: int) -> pl.DataFrame:
         bad = df[col].is_null()
         if bad.any():
             raise ImportError_(f"Mooncake log: record {int(bad.arg_max())}: no {col}")
-    return pl.DataFrame({
-        "request_id": pl.coalesce(df["request_id"], pl.format("mooncake-{}", df["_i"])),
-        "ts": (df["timestamp"] * 1e6).round().cast(pl.Int64) + start_ns,
-        "input_tokens": df["input_length"], "output_tokens": df["output_length"], "hash_ids": df["hash_ids"],
-    })
+    return df.select(
+        pl.coalesce(pl.col("request_id"), pl.format("mooncake-{}", pl.col("_i"))).alias("request_id"),
+        ((pl.col("timestamp") * 1e6).round().cast(pl.Int64) + start_ns).alias("ts"),
+        pl.col("input_length").alias("input_tokens"), pl.col("output_length").alias("output_tokens"),
+        "hash_ids",
+    )
 
 
 ENGINE_SCHEMA = {"id": pl.String, "rid": pl.String, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
