@@ -537,10 +537,10 @@ class Importer:
             f["matches_source"] = MATCHES_NONE
             f["matches_exact"] = False
             self.facts.warnings.append("no KV events and no served worker: matches are empty (no prefix signal)")
-        names = np.array(urls, dtype=object)
-        struct = pa.StructArray.from_arrays(
-            [pa.array(names[m_w].tolist() if m_w.size else [], type=pa.string()), pa.array(m_b, type=pa.int64())],
-            names=["worker", "blocks"])
+        # decoded from a dictionary in C++: millions of Python strings would dominate
+        wcol = pa.DictionaryArray.from_arrays(pa.array(m_w.astype(np.int32)),
+                                              pa.array(urls, type=pa.string())).dictionary_decode()
+        struct = pa.StructArray.from_arrays([wcol, pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
         return pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct), m_off, m_b
 
     # ------------------------------------------------------------ run

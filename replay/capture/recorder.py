@@ -429,9 +429,10 @@ class Recorder:
             "malformed_frames": sum(s.malformed for s in self.streams),
             "malformed_examples": self.examples,
             "gaps": sum(s.gaps for s in self.streams), "restarts": sum(s.restarts for s in self.streams),
-            "rows": {"loads": self.loads.rows_written + len(self.loads),
-                     "kv_events": self.kv.rows_written + len(self.kv),
-                     "gaps": self.gaps.rows_written + len(self.gaps)},
+            # rows received so far (at a clean stop: every one of them is in a part on disk)
+            "rows": {"loads": self.loads.rows_taken + len(self.loads),
+                     "kv_events": self.kv.rows_taken + len(self.kv),
+                     "gaps": self.gaps.rows_taken + len(self.gaps)},
         }
 
     def _flush(self, complete: bool = False) -> None:

@@ -106,7 +106,8 @@ class PartWriter:
         self.rotate_s = int(rotate_s)
         self.cols: dict[str, list] = {f.name: [] for f in schema}
         self.parts = 0
-        self.rows_written = 0
+        self.rows_written = 0   # rows in parts renamed into place
+        self.rows_taken = 0     # rows handed to the writer (written or about to be)
 
     def __len__(self) -> int:
         return len(self.cols["ts"])
@@ -122,6 +123,7 @@ class PartWriter:
         table = pa.table({k: pa.array(v, type=self.schema.field(k).type) for k, v in self.cols.items()},
                          schema=self.schema)
         self.cols = {f.name: [] for f in self.schema}
+        self.rows_taken += table.num_rows
         return table
 
     def write(self, table: pa.Table) -> list[Path]:
