@@ -82,6 +82,11 @@ def test_import_join_coverage_and_validate(fleet, tmp_path):
     v = run("validate", out)
     assert v.exit_code == 0, v.output
     assert "OK" in v.output.splitlines()[0]
+    assert "capture: requests from router token export; matches: kv_events" in v.output
+    assert (f"capture coverage: requests without engine record: {len(fleet.requests) - len(served)}, "
+            "engine records without router record: 1") in v.output
+    vj = json.loads(run("validate", out, "--json").output)
+    assert vj["capture"]["engine_records_without_router_record"] == 1
     s = run("sweep", out, "--out", tmp_path / "run", "--worker-queue-limit", "none,2", "--no-report")
     assert s.exit_code == 0, s.output
     summary = pl.read_parquet(tmp_path / "run" / "summary.parquet")
