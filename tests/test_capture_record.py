@@ -284,3 +284,61 @@ def test_record_refuses_foreign_out(tmp_path):
         r = run_record("--worker", "http://127.0.0.1:9", "--out", out, "--duration", "1s", *force)
         assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_record_sigint_and_status_line_on_a_terminal(tmp_path, engines):
+    """On a terminal (a pty) the status line shows streams and rows/s; SIGINT stops cleanly."""
+    import pty
+
+    e = engines(dp_size=1)
+    out = tmp_path / "rec"
+    master, slave = pty.openpty()
+    args = [sys.executable, "-m", "replay", "record", "--out", str(out), "--flush-interval", "0.3s",
+            "--worker", e.url]
+    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    try:
+        e.wait_subscribed()
+        for i in range(40):
+            e.send_load(0, i, 0, 0, 100)
+            time.sleep(0.05)
+        time.sleep(1.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert proc.returncode == 0
+    text = seen.decode(errors="replace")
+    assert "\rrecording 1/1 workers, 2/2 streams live" in text or "\rrecording 1/1 workers, 1/2 streams live" in text
+    assert "rows/s, 0 gaps, 0 restarts, 0 malformed" in text
+    assert json.loads((out / "record.json").read_text())["complete"] is True
+    assert read_table(out, "loads").height == 40
+
+
+def test_record_piped_is_quiet(tmp_path, engines):
+    e = engines(dp_size=1)
+    out = tmp_path / "rec"
+    proc = start_record(out, [e.url])
+    try:
+        e.wait_subscribed()
+        for i in range(20):
+            e.send_load(0, i, 0, 0, 100)
+            time.sleep(0.06)
+        time.sleep(0.5)
+        rc, so, se = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0 and se == ""
+    assert so.count("\n") == 1 and so.startswith("recorded 20 load rows and 0 KV events from 1 workers (2 streams)")
