@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_fixture import spec_hashes  # the hash written from CAPTURE.md's prose
-from replay.capture.blockhash import block_hashes
+from replay.capture.blockhash import block_hashes, block_hashes_csr
 from replay.errors import ReplayError
 
 
@@ -48,3 +48,17 @@ def test_prefix_property_and_edges():
        st.one_of(st.none(), st.text(min_size=1, max_size=5)))
 def test_matches_spec_prose(tokens, B, salt):
     assert block_hashes(tokens, B, cache_salt=salt) == spec_hashes(tokens, B, salt)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2**32 - 1), max_size=30),
+                          st.one_of(st.none(), st.sampled_from(["a", "tenant-b"]))), max_size=8),
+       st.integers(1, 9))
+def test_many_at_once_equal_one_by_one(reqs, B):
+    import numpy as np
+
+    flat = np.array([t for toks, _ in reqs for t in toks], dtype=np.int64)
+    tok_off = np.cumsum([0] + [len(toks) for toks, _ in reqs])
+    off, hv = block_hashes_csr(flat, tok_off, B, [s for _, s in reqs])
+    for i, (toks, salt) in enumerate(reqs):
+        assert hv[off[i]:off[i + 1]].tolist() == spec_hashes(toks, B, salt)

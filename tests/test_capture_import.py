@@ -164,3 +164,26 @@ def test_import_refuses_out_inside_input_and_two_sources(fleet, tmp_path):
     assert res.exit_code == 2 and "inside the input" in res.output
     res = run("import", "--out", tmp_path / "t", "--token-export", fleet.token_dir, "--mooncake", fleet.token_dir)
     assert res.exit_code == 2 and "exactly one request source" in res.output
+
+
+def test_import_repeated_request_id_keeps_the_first(fleet, tmp_path):
+    import shutil
+
+    src = tmp_path / "export"
+    shutil.copytree(fleet.token_dir, src)
+    files = sorted(src.rglob("*.ndjson.gz"))
+    first = json.loads(gzip.decompress(files[0].read_bytes()).splitlines()[0])
+    dup = dict(first, input_ids=[9, 9, 9], ts=first["ts"])
+    last = files[-1]
+    last.write_bytes(gzip.compress(gzip.decompress(last.read_bytes()) + (json.dumps(dup) + "\n").encode()))
+    out = tmp_path / "trace"
+    res = run("import", "--out", out, "--token-export", src, "--recorded", fleet.recorded)
+    assert res.exit_code == 0, res.output
+    assert "1 request records repeat an earlier request_id" in res.output
+    req = pl.read_parquet(out / "requests.parquet")
+    assert req.height == len(fleet.requests)
+    row = req.filter(pl.col("request_id") == first["request_id"]).row(0, named=True)
+    assert row["input_tokens"] == len(first["input_ids"])
+    assert row["hash_ids"] == spec_hashes(first["input_ids"], PAGE, first.get("cache_salt"))
+    f = json.loads((out / "trace.json").read_text())["extra"]["capture"]
+    assert f["duplicate_request_records_dropped"] == 1 and f["duplicate_request_id_examples"] == [first["request_id"]]

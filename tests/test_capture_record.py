@@ -33,7 +33,7 @@ def start_record(out, urls, *extra):
             "--retry", "0.5s"]
     for u in urls:
         args += ["--worker", u]
-    return subprocess.Popen(args + list(extra), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    return subprocess.Popen(args + [str(x) for x in extra], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -342,3 +342,33 @@ def test_record_piped_is_quiet(tmp_path, engines):
             proc.kill()
     assert rc == 0 and se == ""
     assert so.count("\n") == 1 and so.startswith("recorded 20 load rows and 0 KV events from 1 workers (2 streams)")
+
+
+def test_record_late_engine_and_silent_replay_socket(tmp_path, engines):
+    """An engine whose /server_info answers only later is picked up by the retry; a replay socket
+    that never answers turns the missing range into a gap after --replay-timeout."""
+    e = engines(dp_size=1, answer_http=False)
+    out = tmp_path / "rec"
+    dead_replay = free_ports(1)[0]
+    proc = start_record(out, [e.url], "--replay-port-base", dead_replay, "--replay-timeout", "0.5s")
+    try:
+        time.sleep(1.5)
+        e._start_http()                      # the engine comes up
+        e.wait_subscribed()
+        e.send_kv(0, [stored([1], None, 4, 4, as_map=True)])
+        e.send_kv(0, [stored([2], 1, 4, 4, as_map=True)], publish=False)
+        e.send_kv(0, [stored([3], 2, 4, 4, as_map=True)])
+        time.sleep(1.5)
+        rc, _, se = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, se
+    assert f"{e.url}: no /server_info answer" in se          # named while it was down
+    facts = json.loads((out / "record.json").read_text())
+    assert facts["unreachable"] == {} and list(facts["workers"]) == [e.url]
+    gaps = read_table(out, "gaps")
+    row = gaps.filter(pl.col("kind") == "gap").row(0, named=True)
+    assert (row["stream"], row["from_seq"], row["to_seq"]) == ("kv", 1, 1)
+    assert row["reason"] == "the replay socket did not answer in time"
+    assert read_table(out, "kv_events")["seq"].to_list() == [0, 2]

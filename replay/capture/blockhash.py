@@ -27,21 +27,46 @@ def salt_prior(cache_salt: str | bytes | None) -> bytes:
     return hashlib.sha256(SALT_PREFIX + salt).digest()
 
 
+def _chain(raw: bytes, start: int, stop: int, step: int, prior: bytes, out: list) -> None:
+    """Append the hashes of ``raw[start:stop]`` (uint32 LE tokens) in chunks of ``step`` bytes."""
+    sha = hashlib.sha256
+    frombytes = int.from_bytes
+    for a in range(start, stop, step):
+        prior = sha(prior + raw[a:min(a + step, stop)]).digest()
+        out.append(frombytes(prior[:8], "big", signed=True))
+
+
+def _token_bytes(toks: np.ndarray) -> bytes:
+    if toks.size and (toks.min() < 0 or toks.max() > 0xFFFFFFFF):
+        raise ReplayError("token ids must fit an unsigned 32-bit integer")
+    return toks.astype("<u4").tobytes()
+
+
 def block_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int,
                  cache_salt: str | bytes | None = None) -> list[int]:
     """The request's block hashes, one per (possibly partial) chunk of ``page_size`` tokens."""
     if page_size < 1:
         raise ReplayError(f"page_size must be >= 1, got {page_size}")
-    toks = np.asarray(token_ids, dtype=np.int64)
-    if toks.size and (toks.min() < 0 or toks.max() > 0xFFFFFFFF):
-        raise ReplayError("token ids must fit an unsigned 32-bit integer")
-    raw = toks.astype("<u4").tobytes()
-    step = 4 * page_size
-    prior = salt_prior(cache_salt)
+    raw = _token_bytes(np.asarray(token_ids, dtype=np.int64))
     out: list[int] = []
-    sha = hashlib.sha256
-    frombytes = int.from_bytes
-    for start in range(0, len(raw), step):
-        prior = sha(prior + raw[start:start + step]).digest()
-        out.append(frombytes(prior[:8], "big", signed=True))
+    _chain(raw, 0, len(raw), 4 * page_size, salt_prior(cache_salt), out)
     return out
+
+
+def block_hashes_csr(tokens: np.ndarray, tok_off: np.ndarray, page_size: int,
+                     salts: Sequence[str | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Block hashes of many requests at once: request ``i``'s tokens are
+    ``tokens[tok_off[i]:tok_off[i+1]]``; returns CSR ``(offsets, hashes)``."""
+    if page_size < 1:
+        raise ReplayError(f"page_size must be >= 1, got {page_size}")
+    raw = _token_bytes(np.asarray(tokens, dtype=np.int64))
+    lens = np.diff(tok_off)
+    off = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(-(-lens // page_size), out=off[1:])
+    out: list[int] = []
+    step = 4 * page_size
+    b = (np.asarray(tok_off, dtype=np.int64) * 4).tolist()
+    for i in range(len(lens)):
+        prior = salt_prior(salts[i]) if salts is not None and salts[i] else b""
+        _chain(raw, b[i], b[i + 1], step, prior, out)
+    return off, np.array(out, dtype=np.int64)

@@ -30,12 +30,12 @@ import pyarrow.parquet as pq
 
 from .. import __version__
 from ..outdir import move_into_place, partial_beside
-from .blockhash import block_hashes
+from .blockhash import block_hashes_csr
 from .index import (ALL_TIERS, EV_CODES, TIER_BITS, dense_blocks, matches_from_events_nb,
                     placement_matches)
 from .outguard import check_out
 from .sources import (LOAD_COLUMNS, LOAD_TYPES, Facts, ImportError_, read_dynamo, read_engine_export,
-                      read_mooncake_requests, read_prometheus, read_token_export, read_v1_loads)
+                      iter_token_export, read_mooncake_requests, read_prometheus, read_v1_loads)
 
 NS = 1_000_000_000
 MS = 1_000_000
@@ -80,29 +80,38 @@ class ImportResult:
     warnings: list
 
 
-def _hash_requests(df: pl.DataFrame, page_size: int, progress=None) -> tuple[np.ndarray, np.ndarray]:
+def _hash_requests(f: Path, df: pl.DataFrame, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR block hashes of every request's ``input_ids`` (cache salt honoured)."""
     ids = df["input_ids"]
     lens = ids.list.len().to_numpy().astype(np.int64)
     flat = ids.explode().to_numpy().astype(np.int64) if lens.sum() else np.zeros(0, np.int64)
-    if flat.size and (flat.min() < 0 or flat.max() > 0xFFFFFFFF):
-        bad = int(np.nonzero((flat < 0) | (flat > 0xFFFFFFFF))[0][0])
-        row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
-        raise ImportError_(f"{df['file'][row]}: request {df['request_id'][row]!r}: input_ids holds "
-                           f"{int(flat[bad])}, not an unsigned 32-bit token id")
-    nblk = -(-lens // page_size)
-    off = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(nblk, out=off[1:])
-    out = np.empty(int(off[-1]), dtype=np.int64)
     tok_off = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=tok_off[1:])
-    salts = df["cache_salt"].to_list()
-    step = max(1, len(lens) // 100)
-    for i in range(len(lens)):
-        out[off[i]:off[i + 1]] = block_hashes(flat[tok_off[i]:tok_off[i + 1]], page_size, salts[i])
-        if progress is not None and i % step == 0:
-            progress(i, len(lens))
-    return off, out
+    if flat.size and (flat.min() < 0 or flat.max() > 0xFFFFFFFF):
+        bad = int(np.nonzero((flat < 0) | (flat > 0xFFFFFFFF))[0][0])
+        row = int(np.searchsorted(tok_off, bad, side="right") - 1)
+        raise ImportError_(f"{f}: request {df['request_id'][row]!r}: input_ids holds {int(flat[bad])}, "
+                           "not an unsigned 32-bit token id")
+    salts = df["cache_salt"].to_list() if df["cache_salt"].drop_nulls().len() else None
+    return block_hashes_csr(flat, tok_off, page_size, salts)
+
+
+def csr_take(off: np.ndarray, vals: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``idx`` (in that order) of the CSR ``(off, vals)``."""
+    sizes = np.diff(off)[idx]
+    starts = off[:-1][idx]
+    noff = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=noff[1:])
+    return noff, vals[np.repeat(starts - noff[:-1], sizes) + np.arange(noff[-1])]
+
+
+def csr_concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    offs, vals, base = [np.zeros(1, dtype=np.int64)], [], 0
+    for off, v in parts:
+        offs.append(off[1:] + base)
+        vals.append(v)
+        base += int(off[-1])
+    return np.concatenate(offs), (np.concatenate(vals) if vals else np.zeros(0, np.int64))
 
 
 def _csr(lists: pl.Series) -> tuple[np.ndarray, np.ndarray]:
@@ -195,65 +204,67 @@ class Importer:
         self.source = given[0]
         f = self.facts.data
         if s.token_export:
-            df = read_token_export(s.token_export, self.facts)
             self.page = self._page_size()
             if self.page is None:
                 raise ImportError_("the token export needs the engines' page_size: record's workers.parquet "
                                    "has none; give --page-size")
-            df = self._dedupe(df)
-            off, hv = _hash_requests(df, self.page, self._tick("hashing"))
+            frames, hashes = [], []
+            n_files = None
+            for k, (path, df) in enumerate(iter_token_export(s.token_export, self.facts)):
+                # one file at a time: its token ids are dropped once hashed
+                n_files = n_files or self.facts.data["token_export_files"]
+                hashes.append(_hash_requests(path, df, self.page))
+                frames.append(df.select("ts", "request_id", pl.col("model").fill_null("default"),
+                                        pl.col("input_ids").list.len().cast(pl.Int64).alias("input_tokens"),
+                                        "output_tokens"))
+                if self.progress is not None:
+                    self.progress("hashing token export files", k + 1, n_files)
+            req = pl.concat(frames)
+            off, hv = csr_concat(hashes)
+            req, off, hv = self._dedupe(req, off, hv)
             self.hash_kind = "sglang"
-            models = df["model"].fill_null("default")
-            req = pl.DataFrame({"ts": df["ts"], "request_id": df["request_id"], "model": models,
-                                "input_tokens": df["input_ids"].list.len().cast(pl.Int64),
-                                "output_tokens": df["output_tokens"]})
             f["requests_source"] = "router token export"
         elif s.dynamo:
             df, block = read_dynamo(s.dynamo, self.facts, s.dynamo_workers)
-            df = self._dedupe(df)
             self.page = int(s.page_size or block or 0) or None
             off, hv = _csr(df["hash_ids"])
+            df, off, hv = self._dedupe(df, off, hv)
             self.hash_kind = "dynamo"
+            over = (df["cached_tokens"] > df["input_tokens"]).fill_null(False)
+            if over.any():
+                f["cached_tokens_clipped_to_input_tokens"] = int(over.sum())
             req = df.select("ts", "request_id", pl.lit("default").alias("model"), "input_tokens", "output_tokens",
-                            "cached_tokens", "ttft_ms", "latency_ms", "selected_worker")
+                            pl.min_horizontal("cached_tokens", "input_tokens").alias("cached_tokens"),
+                            "ttft_ms", "latency_ms", "selected_worker")
             f["requests_source"] = "Dynamo request trace (hash_ids are Dynamo's sequence hashes, not SGLang's)"
         else:
             df = read_mooncake_requests(s.mooncake, self.facts, s.mooncake_start_ns)
-            df = self._dedupe(df)
             self.page = int(s.page_size or s.mooncake_block_size)
             off, hv = _csr(df["hash_ids"])
+            df, off, hv = self._dedupe(df, off, hv)
             self.hash_kind = "mooncake"
             req = df.select("ts", "request_id", pl.lit("default").alias("model"), "input_tokens", "output_tokens")
             f["requests_source"] = "Mooncake log (hash_ids are the log's remapped block ids; no worker, no loads)"
         # time order (stable), hashes permuted along
         order = np.argsort(req["ts"].to_numpy(), kind="stable")
         if np.any(order != np.arange(len(order))):
-            sizes = np.diff(off)[order]
-            starts = off[:-1][order]
-            noff = np.zeros(len(order) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=noff[1:])
-            idx = np.repeat(starts - noff[:-1], sizes) + np.arange(noff[-1])
-            hv = hv[idx]
-            off = noff
+            off, hv = csr_take(off, hv, order)
             req = req[order]
         self.h_off, self.h_val = off, hv
         f["requests"] = req.height
         return req
 
-    def _dedupe(self, df: pl.DataFrame) -> pl.DataFrame:
+    def _dedupe(self, df: pl.DataFrame, off: np.ndarray, hv: np.ndarray):
         dup = df["request_id"].is_duplicated() & ~df["request_id"].is_first_distinct()
         if dup.any():
             self.facts.add("duplicate_request_records_dropped", int(dup.sum()))
             self.facts.data["duplicate_request_id_examples"] = df["request_id"].filter(dup).head(5).to_list()
             self.facts.warnings.append(f"{int(dup.sum())} request records repeat an earlier request_id "
                                        "(n > 1 choices or retries): the first is kept")
-            df = df.filter(~dup)
-        return df
-
-    def _tick(self, label):
-        if self.progress is None:
-            return None
-        return lambda i, n: self.progress(label, i, n)
+            keep = np.nonzero(~dup.to_numpy())[0]
+            df = df[keep]
+            off, hv = csr_take(off, hv, keep)
+        return df, off, hv
 
     # ------------------------------------------------------------ engine join
     def _join_engines(self, req: pl.DataFrame) -> pl.DataFrame:

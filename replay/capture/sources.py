@@ -168,13 +168,13 @@ TOKEN_SCHEMA = {"kind": pl.String, "request_id": pl.String, "model": pl.String, 
                 "choice_index": pl.Int64}
 
 
-def read_token_export(paths, facts: Facts) -> pl.DataFrame:
-    """Router token export (``*.ndjson.gz``): the ``ingest`` records as
-    ``ts, request_id, model, input_ids, output_tokens, cache_salt, file, line``."""
-    frames = []
+def iter_token_export(paths, facts: Facts):
+    """Router token export (``*.ndjson.gz``), one frame per file: the ``ingest`` records as
+    ``ts, request_id, model, input_ids, output_tokens, cache_salt, file``."""
     files = files_under(paths, ("*.ndjson.gz", "*.ndjson"))
     if not files:
         raise ImportError_(f"{', '.join(map(str, paths))}: no token export file (*.ndjson.gz)")
+    facts.data["token_export_files"] = len(files)
     for f in files:
         df = ndjson(f, read_text(f, facts), TOKEN_SCHEMA, facts, "token export")
         facts.add("token_export_records", df.height)
@@ -191,11 +191,8 @@ def read_token_export(paths, facts: Facts) -> pl.DataFrame:
             raise ImportError_(f"{f}: ingest records name a LoRA adapter (lora_id): LoRA changes the block "
                                "hash and is out of scope")
         ts = rfc3339_ns(df["ts"], f"{f}: column 'ts'")
-        frames.append(df.select("request_id", "model", "input_ids", "output_tokens", "cache_salt")
-                      .with_columns(pl.Series("ts", ts, dtype=pl.Int64), pl.lit(str(f)).alias("file")))
-    out = pl.concat(frames) if frames else pl.DataFrame()
-    facts.data["token_export_files"] = len(files)
-    return out
+        yield f, df.select("request_id", "model", "input_ids", "output_tokens", "cache_salt").with_columns(
+            pl.Series("ts", ts, dtype=pl.Int64))
 
 
 DYNAMO_SCHEMA = {"event": pl.String, "type": pl.String, "request_id": pl.String, "input_tokens": pl.Int64,

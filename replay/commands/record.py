@@ -56,10 +56,12 @@ def _urls(workers, workers_file) -> list[str]:
 @click.option("--kv-topic", default=None, help="KV-event topic to subscribe (default: advertised, else all).")
 @click.option("--retry", "retry", default="10s", show_default=True,
               help="Ask an engine that did not answer /server_info again after this long.")
+@click.option("--replay-timeout", default="5s", show_default=True,
+              help="How long to wait for a replay socket's answer before the range is a gap.")
 @click.option("--force", is_flag=True, help="Replace an existing output of this tool.")
 @user_errors
 def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size, page_size, load_port_base,
-           kv_port_base, replay_port_base, kv_topic, retry, force):
+           kv_port_base, replay_port_base, kv_topic, retry, replay_timeout, force):
     """Record every rank's LoadStat and KV-event streams of a live fleet into a trace set.
 
     \b
@@ -83,13 +85,14 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     dur = parse_seconds(duration, "--duration") if duration is not None else None
     flush = parse_seconds(flush_interval, "--flush-interval")
     retry_s = parse_seconds(retry, "--retry")
+    replay_timeout_s = parse_seconds(replay_timeout, "--replay-timeout")
     check_out(Path(out), force)
     clear(Path(out))
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,
                    kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic)
     status = StatusLine() if sys.stderr.isatty() else None
     rec = Recorder(urls, Path(out), overrides=ov, flush_s=flush, rotate_s=3600 if rotate == "hour" else 86400,
-                   retry_s=retry_s, status=status)
+                   retry_s=retry_s, replay_timeout_s=replay_timeout_s, status=status)
     install_signal_handlers(rec)
     facts = rec.run(dur)
     click.echo(f"recorded {facts['rows']['loads']:,} load rows and {facts['rows']['kv_events']:,} KV events "
