@@ -262,3 +262,30 @@ class FakeEngine:
             self._http.shutdown()
             self._http.server_close()
         self.ctx.destroy(linger=500)
+
+
+def _serve(argv: list[str]) -> None:
+    """``python3 tests/capture_fleet.py HTTP LOAD KV REPLAY COUNT FIRST``: an engine process on
+    those ports (dp 1) that waits for a subscriber, prints ``ready``, publishes COUNT LoadStat
+    samples (``num_running_reqs`` = FIRST, FIRST+1, ...) 5 ms apart, prints ``done`` and idles
+    until killed."""
+    http, load, kv, replay, count, first = (int(x) for x in argv)
+    it = iter([load, kv, replay])
+    global free_ports, free_block
+    free_ports = lambda n: [http]        # noqa: E731 - pin the ports of a restarted engine
+    free_block = lambda n: next(it)      # noqa: E731
+    e = FakeEngine(dp_size=1)
+    e.wait_subscribed()
+    print("ready", flush=True)
+    for i in range(count):
+        e.send_load(0, first + i, 0, 0, 100)
+        time.sleep(0.005)
+    print("done", flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _serve(sys.argv[1:])

@@ -92,6 +92,11 @@ def test_import_join_coverage_and_validate(fleet, tmp_path):
     summary = pl.read_parquet(tmp_path / "run" / "summary.parquet")
     assert summary.height == 2 and summary["requests"].to_list() == [len(fleet.requests)] * 2
     assert summary["matched_rate"][0] > 0
+    # the loads/ folder streams too: a windowed sweep decides exactly as the in-memory one
+    s = run("sweep", out, "--out", tmp_path / "run-w", "--worker-queue-limit", "none,2", "--no-report",
+            "--window", "5s")
+    assert s.exit_code == 0, s.output
+    assert pl.read_parquet(tmp_path / "run-w" / "summary.parquet").equals(summary)
 
 
 def test_import_truncated_gzip_keeps_complete_lines(fleet, tmp_path):

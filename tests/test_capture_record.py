@@ -372,3 +372,52 @@ def test_record_late_engine_and_silent_replay_socket(tmp_path, engines):
     assert (row["stream"], row["from_seq"], row["to_seq"]) == ("kv", 1, 1)
     assert row["reason"] == "the replay socket did not answer in time"
     assert read_table(out, "kv_events")["seq"].to_list() == [0, 2]
+
+
+def test_record_publisher_process_killed_and_restarted(tmp_path):
+    """An engine process killed with -9 mid-stream and started again on the same ports: the first
+    life's samples are a gap-free prefix, the second life's all there, one restart counted."""
+    http, = free_ports(1)
+    from capture_fleet import free_block
+
+    ports = [http, free_block(1), free_block(1), free_block(1)]
+    url = f"http://127.0.0.1:{http}"
+    out = tmp_path / "rec"
+    helper = str(Path(__file__).with_name("capture_fleet.py"))
+
+    def engine(count, first):
+        p = subprocess.Popen([sys.executable, helper, *map(str, ports), str(count), str(first)], cwd=ROOT,
+                             env=_env(), stdout=subprocess.PIPE, text=True)
+        return p
+
+    first = engine(100_000, 0)                 # would publish for minutes: it is killed mid-stream
+    time.sleep(0.5)
+    proc = start_record(out, [url])
+    second = None
+    try:
+        assert first.stdout.readline().strip() == "ready"
+        wait_rows(out, "loads", 200)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        time.sleep(0.3)
+        second = engine(50, 1_000_000)
+        assert second.stdout.readline().strip() == "ready"
+        assert second.stdout.readline().strip() == "done"
+        time.sleep(0.8)
+        rc, _, se = stop(proc)
+    finally:
+        for p in (proc, first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert rc == 0, se
+    loads = read_table(out, "loads").sort("ts", maintain_order=True)
+    life1 = loads.filter(pl.col("num_running_reqs") < 1_000_000)
+    life2 = loads.filter(pl.col("num_running_reqs") >= 1_000_000)
+    assert life1.height >= 200
+    assert life1["seq"].to_list() == list(range(life1.height))          # a prefix, no hole
+    assert life1["num_running_reqs"].to_list() == list(range(life1.height))
+    assert life2["seq"].to_list() == list(range(50))
+    assert life2["num_running_reqs"].to_list() == list(range(1_000_000, 1_000_050))
+    facts = json.loads((out / "record.json").read_text())
+    assert facts["restarts"] == 1 and facts["gaps"] == 0 and facts["complete"] is True
