@@ -76,6 +76,7 @@ def test_import_join_coverage_and_validate(fleet, tmp_path):
             assert row["latency_ms"] == pytest.approx(1000 * (0.25 + r["out"] / 100))
         else:
             assert row["selected_worker"] is None
+            assert row["cached_tokens"] is None and row["latency_ms"] is None
     wk = pl.read_parquet(out / "workers.parquet")
     assert wk["worker"].to_list() == urls and wk["model"].to_list() == ["m1"] * 3
     assert wk["dp_size"].to_list() == [2, 2, 1]   # sorted URL order: .1, .10, .2

@@ -234,7 +234,7 @@ class Importer:
             if over.any():
                 f["cached_tokens_clipped_to_input_tokens"] = int(over.sum())
             req = df.select("ts", "request_id", pl.lit("default").alias("model"), "input_tokens", "output_tokens",
-                            pl.min_horizontal("cached_tokens", "input_tokens").alias("cached_tokens"),
+                            _clip_cached(),
                             "ttft_ms", "latency_ms", "selected_worker")
             f["requests_source"] = "Dynamo request trace (hash_ids are Dynamo's sequence hashes, not SGLang's)"
         else:
@@ -294,25 +294,19 @@ class Importer:
             eng, left_on="_rid", right_on="id", how="left", maintain_order="left")
         missing = int(joined["engine_worker"].is_null().sum())
         f["requests_without_engine_record"] = missing
-        out_tok = joined["completion_tokens"]
-        if "output_tokens" in joined.columns:
-            out_tok = pl.coalesce(joined["completion_tokens"], joined["output_tokens"])
-        cached = joined["cached_tokens"] if "cached_tokens" in joined.columns else None
-        clipped = 0
-        if cached is not None:
-            over = cached > joined["input_tokens"]
-            clipped = int(over.fill_null(False).sum())
-            cached = pl.when(over).then(joined["input_tokens"]).otherwise(cached)
-            cached = joined.select(cached.alias("c"))["c"]
-        if clipped:
-            f["cached_tokens_clipped_to_input_tokens"] = clipped
+        over = (joined["cached_tokens"] > joined["input_tokens"]).fill_null(False)
+        if over.any():
+            f["cached_tokens_clipped_to_input_tokens"] = int(over.sum())
         mism = (joined["prompt_tokens"] != joined["input_tokens"]).fill_null(False)
         if mism.any():
             f["engine_prompt_tokens_differ_from_input_ids"] = int(mism.sum())
-        lat = joined["e2e_latency"] * 1000.0
-        req = joined.select("ts", "request_id", "model", "input_tokens").with_columns(
-            out_tok.alias("output_tokens"), cached.alias("cached_tokens"), lat.alias("latency_ms"),
-            joined["engine_worker"].alias("selected_worker"))
+        # the engine's completion count wins over the router's own output_tokens field
+        req = joined.select(
+            "ts", "request_id", "model", "input_tokens",
+            pl.coalesce("completion_tokens", "output_tokens").alias("output_tokens"),
+            _clip_cached(),
+            (pl.col("e2e_latency") * 1000.0).alias("latency_ms"),
+            pl.col("engine_worker").alias("selected_worker"))
         if missing or orphan.height:
             self.facts.warnings.append(
                 f"engine join: {missing:,} of {req.height:,} requests have no engine record (selected_worker "
@@ -607,6 +601,12 @@ class Importer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return ImportResult(out, self.facts.data, self.facts.warnings)
+
+
+def _clip_cached() -> pl.Expr:
+    """``cached_tokens`` capped at ``input_tokens`` (null stays null: min_horizontal skips nulls)."""
+    c = pl.col("cached_tokens")
+    return pl.when(c.is_null()).then(None).otherwise(pl.min_horizontal(c, "input_tokens")).alias("cached_tokens")
 
 
 def _jsonable(v):
