@@ -20,7 +20,13 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replay.capture.store import KV_SCHEMA, LOADS_SCHEMA, WORKERS_SCHEMA, PartWriter, write_atomic_table
+from replay.capture.store import (
+    KV_SCHEMA,
+    LOADS_SCHEMA,
+    WORKERS_SCHEMA,
+    PartWriter,
+    write_atomic_table,
+)
 
 NS = 1_000_000_000
 T0 = 1_764_604_800 * NS      # 2025-12-01T16:00:00Z
@@ -44,7 +50,7 @@ def spec_hashes(tokens, B, salt=None):
 
 
 def rfc3339(ns: int) -> str:
-    t = dt.datetime.fromtimestamp(ns // NS, tz=dt.timezone.utc)
+    t = dt.datetime.fromtimestamp(ns // NS, tz=dt.UTC)
     return t.strftime("%Y-%m-%dT%H:%M:%S") + f".{ns % NS:09d}Z"
 
 
@@ -111,7 +117,7 @@ def _write(fx: Fixture, rng: random.Random) -> None:
     fx.token_dir = root / "export"
     by_file = {}
     for k, r in enumerate(fx.requests):
-        day = dt.datetime.fromtimestamp(r["ts"] // NS, tz=dt.timezone.utc).strftime("%Y-%m-%d")
+        day = dt.datetime.fromtimestamp(r["ts"] // NS, tz=dt.UTC).strftime("%Y-%m-%d")
         name = f"pod-{k % 2}-{T0 + (k % 2)}-{k // 100:04d}.ndjson.gz"
         rec = {"kind": "ingest", "request_id": r["rid"], "slug": "chat", "model": "m1", "input_ids": r["tokens"],
                "prompt_len": len(r["tokens"]), "ts": rfc3339(r["ts"]), "choice_index": 0, "choice_count": 1}

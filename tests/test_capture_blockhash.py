@@ -6,10 +6,10 @@ import hashlib
 import struct
 
 import pytest
+from capture_fixture import spec_hashes  # the hash written from CAPTURE.md's prose
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture_fixture import spec_hashes  # the hash written from CAPTURE.md's prose
 from replay.capture.blockhash import block_hashes, block_hashes_csr
 from replay.errors import ReplayError
 

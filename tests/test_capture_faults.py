@@ -11,12 +11,17 @@ import time
 
 import polars as pl
 import pytest
-from click.testing import CliRunner
-
 from capture_fixture import rfc3339, spec_hashes
 from capture_fleet import FakeEngine, stored
+from click.testing import CliRunner
+from test_capture_record import (
+    every_file_readable,
+    read_table,
+    start_record,
+    wait_rows,
+)
+
 from replay.cli import main
-from test_capture_record import every_file_readable, read_table, start_record, stop, wait_rows
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 
 import polars as pl
 import pytest
+from capture_fixture import PAGE, build, slow_matches, spec_hashes
 from click.testing import CliRunner
 
-from capture_fixture import NS, PAGE, build, slow_matches, spec_hashes
 from replay.cli import main
 
 

@@ -6,7 +6,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.capture.index import EV_CLEARED, EV_REMOVED, EV_STORED, matches_from_events_nb, placement_matches
+from replay.capture.index import (
+    EV_CLEARED,
+    EV_REMOVED,
+    EV_STORED,
+    matches_from_events_nb,
+    placement_matches,
+)
 
 TIERS = [0, 1, 2, 4, 8]
 
@@ -72,7 +78,7 @@ def slow(dps, ev, reqs, lag):
 @given(streams())
 def test_kernel_equals_plain_replay(case):
     dps, n_blocks, ev, reqs, lag = case
-    a = lambda i: np.array([e[i] for e in ev], dtype=np.int64)  # noqa: E731
+    a = lambda i: np.array([e[i] for e in ev], dtype=np.int64)
     rank_off = np.concatenate([[0], np.cumsum(dps)]).astype(np.int64)
     h_off = np.concatenate([[0], np.cumsum([len(b) for _, b in reqs])]).astype(np.int64)
     h_ids = np.array([x for _, b in reqs for x in b], dtype=np.int64)

@@ -6,9 +6,9 @@ import gzip
 import json
 
 import polars as pl
+from capture_fixture import NS, T0, build
 from click.testing import CliRunner
 
-from capture_fixture import NS, T0, build
 from replay.cli import main
 
 

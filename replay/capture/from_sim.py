@@ -39,7 +39,13 @@ import pyarrow as pa
 from ..errors import ReplayError
 from ..outdir import move_into_place, partial_beside
 from .outguard import check_out
-from .store import KV_SCHEMA, LOADS_SCHEMA, WORKERS_SCHEMA, PartWriter, write_atomic_table
+from .store import (
+    KV_SCHEMA,
+    LOADS_SCHEMA,
+    WORKERS_SCHEMA,
+    PartWriter,
+    write_atomic_table,
+)
 
 NS = 1_000_000_000
 
@@ -104,7 +110,7 @@ def _check_exportable(log) -> None:
 
 
 def _rfc3339(ns: int) -> str:
-    t = dt.datetime.fromtimestamp(ns // NS, tz=dt.timezone.utc)
+    t = dt.datetime.fromtimestamp(ns // NS, tz=dt.UTC)
     return f"{t:%Y-%m-%dT%H:%M:%S}.{ns % NS:09d}Z"
 
 
@@ -189,7 +195,7 @@ def _write(res, log, fleet, root: Path, index_lag_ms: int) -> None:
         toks = [synthetic_tokens(int(b), int(log.block_tokens[b])) for b in ids[off[i]:off[i + 1]].tolist()]
         input_ids = np.concatenate(toks).tolist() if toks else []
         assert len(input_ids) == int(L[i])
-        day = dt.datetime.fromtimestamp(ts_all[i] // NS, tz=dt.timezone.utc).strftime("%Y-%m-%d")
+        day = dt.datetime.fromtimestamp(ts_all[i] // NS, tz=dt.UTC).strftime("%Y-%m-%d")
         by_day.setdefault(day, []).append(json.dumps(
             {"kind": "ingest", "request_id": str(i), "slug": "sim", "model": fleet.spec.model,
              "input_ids": input_ids, "ts": _rfc3339(ts_all[i]), "choice_index": 0, "choice_count": 1}))

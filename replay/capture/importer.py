@@ -31,11 +31,26 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..outdir import move_into_place, partial_beside
 from .blockhash import block_hashes_csr
-from .index import (ALL_TIERS, EV_CODES, TIER_BITS, dense_blocks, matches_from_events_nb,
-                    placement_matches)
+from .index import (
+    EV_CODES,
+    TIER_BITS,
+    dense_blocks,
+    matches_from_events_nb,
+    placement_matches,
+)
 from .outguard import check_out
-from .sources import (LOAD_COLUMNS, LOAD_TYPES, Facts, ImportError_, read_dynamo, read_engine_export,
-                      iter_token_export, read_mooncake_requests, read_prometheus, read_v1_loads)
+from .sources import (
+    LOAD_COLUMNS,
+    LOAD_TYPES,
+    Facts,
+    ImportError_,
+    iter_token_export,
+    read_dynamo,
+    read_engine_export,
+    read_mooncake_requests,
+    read_prometheus,
+    read_v1_loads,
+)
 
 NS = 1_000_000_000
 MS = 1_000_000

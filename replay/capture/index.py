@@ -33,7 +33,6 @@ EV_CLEARED = 2
 EV_CODES = {wire.BLOCK_STORED: EV_STORED, wire.BLOCK_REMOVED: EV_REMOVED, wire.ALL_BLOCKS_CLEARED: EV_CLEARED}
 # tier bits; tier 0 in an event row means "no medium named"
 TIER_BITS = {None: 0, "GPU": 1, "CPU_PINNED": 2, "DISK": 4, "EXTERNAL": 8}
-ALL_TIERS = 15
 
 
 @njit
@@ -84,8 +83,7 @@ def matches_from_events_nb(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_o
                 d = 0
                 while d < n and held[r, h_ids[lo + d]] != 0:
                     d += 1
-                if d > best:
-                    best = d
+                best = max(best, d)
             if best > 0:
                 if nm == cap:
                     cap *= 2
@@ -112,7 +110,7 @@ def dense_blocks(h_values: np.ndarray, *more: np.ndarray) -> tuple[np.ndarray, l
         pos_c = np.minimum(pos, max(len(uniq) - 1, 0))
         ok = (pos < len(uniq)) & (uniq[pos_c] == arr) if len(uniq) else np.zeros(arr.shape, bool)
         out.append(np.where(ok, pos_c, -1).astype(np.int64))
-    return dense.astype(np.int64).reshape(-1), out, int(len(uniq))
+    return dense.astype(np.int64).reshape(-1), out, len(uniq)
 
 
 def placement_matches(req_t: np.ndarray, done_t: np.ndarray, h_off: np.ndarray, h_ids: np.ndarray,

@@ -24,7 +24,7 @@ from ..errors import ReplayError
 NS = 1_000_000_000
 
 
-class ImportError_(ReplayError):  # noqa: N801 - "ImportError" is a builtin
+class ImportError_(ReplayError):
     """Bad import input; one line naming the file (and line or column)."""
 
 
@@ -155,7 +155,7 @@ def rfc3339_ns(s: pl.Series, where: str) -> np.ndarray:
         try:
             t = dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
             if t.tzinfo is None:
-                t = t.replace(tzinfo=dt.timezone.utc)
+                t = t.replace(tzinfo=dt.UTC)
             out[i] = int(t.timestamp()) * NS + t.microsecond * 1000
         except (AttributeError, ValueError):
             raise ImportError_(f"{where} row {i}: ts {v!r} is not an RFC 3339 time") from None
@@ -310,7 +310,7 @@ def _time_ns(v, where: str) -> int:
         except ValueError:
             raise ImportError_(f"{where}: timestamp {v!r} is not a number or an RFC 3339 time") from None
         if t.tzinfo is None:
-            t = t.replace(tzinfo=dt.timezone.utc)
+            t = t.replace(tzinfo=dt.UTC)
         return int(t.timestamp()) * NS + t.microsecond * 1000
     raise ImportError_(f"{where}: no timestamp")
 
