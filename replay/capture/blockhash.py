@@ -31,8 +31,12 @@ def _chain(raw: bytes, start: int, stop: int, step: int, prior: bytes, out: list
     """Append the hashes of ``raw[start:stop]`` (uint32 LE tokens) in chunks of ``step`` bytes."""
     sha = hashlib.sha256
     frombytes = int.from_bytes
-    for a in range(start, stop, step):
-        prior = sha(prior + raw[a:min(a + step, stop)]).digest()
+    full_end = start + (stop - start) // step * step
+    for a in range(start, full_end, step):
+        prior = sha(prior + raw[a:a + step]).digest()
+        out.append(frombytes(prior[:8], "big", signed=True))
+    if full_end < stop:  # the partial last block
+        prior = sha(prior + raw[full_end:stop]).digest()
         out.append(frombytes(prior[:8], "big", signed=True))
 
 

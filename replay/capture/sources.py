@@ -175,24 +175,39 @@ def iter_token_export(paths, facts: Facts):
     if not files:
         raise ImportError_(f"{', '.join(map(str, paths))}: no token export file (*.ndjson.gz)")
     facts.data["token_export_files"] = len(files)
-    for f in files:
-        df = ndjson(f, read_text(f, facts), TOKEN_SCHEMA, facts, "token export")
-        facts.add("token_export_records", df.height)
-        kinds = df["kind"].fill_null("")
-        other = df.filter(kinds != "ingest")
-        if other.height:
-            facts.add("token_export_non_ingest_records", other.height)
-        df = df.filter(kinds == "ingest")
-        for col in ("request_id", "input_ids", "ts"):
-            bad = df[col].is_null()
-            if bad.any():
-                raise ImportError_(f"{f}: ingest record {int(bad.arg_max())}: no {col}")
-        if df["lora_id"].drop_nulls().len():
-            raise ImportError_(f"{f}: ingest records name a LoRA adapter (lora_id): LoRA changes the block "
-                               "hash and is out of scope")
-        ts = rfc3339_ns(df["ts"], f"{f}: column 'ts'")
-        yield f, df.select("request_id", "model", "input_ids", "output_tokens", "cache_salt").with_columns(
-            pl.Series("ts", ts, dtype=pl.Int64))
+    # the next file is read and parsed (polars, without the GIL) while the caller hashes this one
+    from concurrent.futures import ThreadPoolExecutor
+
+    def parse(f):
+        return ndjson(f, read_text(f, facts), TOKEN_SCHEMA, facts, "token export")
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ahead = pool.submit(parse, files[0])
+        for k, f in enumerate(files):
+            df = ahead.result()
+            if k + 1 < len(files):
+                ahead = pool.submit(parse, files[k + 1])
+            yield f, _ingest(f, df, facts)
+
+
+def _ingest(f: Path, df: pl.DataFrame, facts: Facts) -> pl.DataFrame:
+    """The checked ``ingest`` records of one token export file."""
+    facts.add("token_export_records", df.height)
+    kinds = df["kind"].fill_null("")
+    other = df.filter(kinds != "ingest")
+    if other.height:
+        facts.add("token_export_non_ingest_records", other.height)
+    df = df.filter(kinds == "ingest")
+    for col in ("request_id", "input_ids", "ts"):
+        bad = df[col].is_null()
+        if bad.any():
+            raise ImportError_(f"{f}: ingest record {int(bad.arg_max())}: no {col}")
+    if df["lora_id"].drop_nulls().len():
+        raise ImportError_(f"{f}: ingest records name a LoRA adapter (lora_id): LoRA changes the block "
+                           "hash and is out of scope")
+    ts = rfc3339_ns(df["ts"], f"{f}: column 'ts'")
+    return df.select("request_id", "model", "input_ids", "output_tokens", "cache_salt").with_columns(
+        pl.Series("ts", ts, dtype=pl.Int64))
 
 
 DYNAMO_SCHEMA = {"event": pl.String, "type": pl.String, "request_id": pl.String, "input_tokens": pl.Int64,
