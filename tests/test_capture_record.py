@@ -421,3 +421,28 @@ def test_record_publisher_process_killed_and_restarted(tmp_path):
     assert life2["num_running_reqs"].to_list() == list(range(1_000_000, 1_000_050))
     facts = json.loads((out / "record.json").read_text())
     assert facts["restarts"] == 1 and facts["gaps"] == 0 and facts["complete"] is True
+
+
+def test_record_workers_file_and_duration(tmp_path, engines):
+    e = engines(dp_size=1)
+    wf = tmp_path / "fleet.txt"
+    wf.write_text(f"# the fleet\n\n{e.url}   # engine a\n")
+    out = tmp_path / "rec"
+    proc = subprocess.Popen([sys.executable, "-m", "replay", "record", "--workers-file", str(wf), "--out", str(out),
+                             "--duration", "4s", "--flush-interval", "0.5s"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        e.wait_subscribed()
+        for i in range(10):
+            e.send_load(0, i, 0, 0, 100)
+        _, se = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, se
+    assert json.loads((out / "record.json").read_text())["complete"] is True
+    assert read_table(out, "loads").height == 10
+    wf.write_text(f"{e.url}\nnot-a-url\n")
+    r = run_record("--workers-file", wf, "--out", tmp_path / "rec2", "--duration", "1s")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {wf}: line 2: not a worker URL: 'not-a-url'"
