@@ -82,6 +82,9 @@ def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flu
     kv = pl.scan_parquet(str(out / "kv_events" / "**" / "*.parquet"), hive_partitioning=False).select(pl.len()) \
         .collect().item()
     assert kv == facts["rows"]["kv_events"]
+    # receive stamp minus the publisher's batch time (same clock): how late the recorder reads
+    delay = pl.scan_parquet(str(out / "kv_events" / "**" / "*.parquet"), hive_partitioning=False) \
+        .select(((pl.col("ts") - pl.col("engine_ts")) / 1e6).alias("ms")).collect()["ms"]
     first_half = max((r for t, r in rss if t <= seconds / 2), default=0)
     peak = max(r for _, r in rss)
     return {"workers": workers, "dp": dp, "interval_ms": interval_ms, "seconds": seconds, "flush": flush,
@@ -90,7 +93,9 @@ def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flu
             "publisher_wall_s": round(sent["wall_s"], 2), "publisher_late_ticks": sent["late_ticks"],
             "offered_samples_per_s": round(sent["loads"] / sent["wall_s"]),
             "rss_peak_first_half_mib": round(first_half / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
-            "lost": sent["loads"] - got, "lost_kv": sent["kv"] - kv}
+            "lost": sent["loads"] - got, "lost_kv": sent["kv"] - kv,
+            "stamp_delay_ms_p50_p99_max": [round(delay.quantile(0.5), 2), round(delay.quantile(0.99), 2),
+                                           round(delay.max(), 2)]}
 
 
 def build_import_fixture(d: Path, n: int, workers=64, dp=2, page=16, seed=0) -> dict:

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 NS = 1_000_000_000
+SEAL_ROWS = 2048
 
 LOADS_SCHEMA = pa.schema([
     ("ts", pa.int64()), ("worker", pa.string()), ("dp_rank", pa.int64()), ("seq", pa.int64()),
@@ -105,24 +106,38 @@ class PartWriter:
         self.schema = schema
         self.rotate_s = int(rotate_s)
         self.cols: dict[str, list] = {f.name: [] for f in schema}
+        self.sealed: list[pa.RecordBatch] = []
+        self.n_sealed = 0
         self.parts = 0
         self.rows_written = 0   # rows in parts renamed into place
         self.rows_taken = 0     # rows handed to the writer (written or about to be)
 
     def __len__(self) -> int:
-        return len(self.cols["ts"])
+        return self.n_sealed + len(self.cols["ts"])
 
     def append(self, row: dict) -> None:
         for k, v in self.cols.items():
             v.append(row.get(k))
+        if len(self.cols["ts"]) >= SEAL_ROWS:
+            self._seal()
+
+    def _seal(self) -> None:
+        # Python lists become Arrow a few thousand rows at a time: the conversion holds the
+        # GIL, so one big conversion at flush time would stall the receive loop (and its stamps)
+        n = len(self.cols["ts"])
+        if n:
+            self.sealed.append(pa.record_batch([pa.array(self.cols[f.name], type=f.type) for f in self.schema],
+                                               schema=self.schema))
+            self.n_sealed += n
+            self.cols = {f.name: [] for f in self.schema}
 
     def take(self) -> pa.Table | None:
         """The buffered rows as a table (buffers emptied), or None."""
-        if not len(self):
+        self._seal()
+        if not self.sealed:
             return None
-        table = pa.table({k: pa.array(v, type=self.schema.field(k).type) for k, v in self.cols.items()},
-                         schema=self.schema)
-        self.cols = {f.name: [] for f in self.schema}
+        table = pa.Table.from_batches(self.sealed, schema=self.schema).combine_chunks()
+        self.sealed, self.n_sealed = [], 0
         self.rows_taken += table.num_rows
         return table
 
