@@ -31,8 +31,8 @@ EV_STORED = 0
 EV_REMOVED = 1
 EV_CLEARED = 2
 EV_CODES = {wire.BLOCK_STORED: EV_STORED, wire.BLOCK_REMOVED: EV_REMOVED, wire.ALL_BLOCKS_CLEARED: EV_CLEARED}
-# tier bits; tier 0 in an event row means "no medium named"
-TIER_BITS = {None: 0, "GPU": 1, "CPU_PINNED": 2, "DISK": 4, "EXTERNAL": 8}
+# one bit per storage tier (wire.MEDIA order); 0 in an event row means "no medium named"
+TIER_BITS = {None: 0, **{m: 1 << i for i, m in enumerate(wire.MEDIA)}}
 
 
 @njit

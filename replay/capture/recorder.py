@@ -302,6 +302,11 @@ class Recorder:
         last = s.last_seq
         if last is not None:
             if seq <= last:
+                # ranges still asked of the old publisher's replay buffer are lost with it (the new
+                # one would answer with its own, unrelated sequence numbers)
+                while s.pending:
+                    self._finish_replay(s, now, "the publisher restarted before its replay socket answered",
+                                        ask_next=False)
                 s.restarts += 1
                 self._gap(s, "restart", seq, last, s.last_ts, now,
                           f"sequence went back from {last} to {seq} (publisher restart)", now)
@@ -322,7 +327,7 @@ class Recorder:
         p[5] = time.monotonic() + self.replay_timeout_s
         s.replay.send_multipart([b"", wire.pack_seq(p[0])])
 
-    def _finish_replay(self, s: Stream, now: int, why: str) -> None:
+    def _finish_replay(self, s: Stream, now: int, why: str, ask_next: bool = True) -> None:
         a, b, t0, t1, got, _ = s.pending.pop(0)
         run = None
         for q in range(a, b + 2):
@@ -331,7 +336,7 @@ class Recorder:
             elif run is not None:
                 self._gap(s, "gap", run, q - 1, t0, t1, why, now)
                 run = None
-        if s.pending:
+        if s.pending and ask_next:
             self._ask_replay(s)
 
     def _on_replay(self, s: Stream, frames: list[bytes], now: int) -> None:
@@ -514,7 +519,8 @@ class Recorder:
             now = self.now_ns()
             for s in self.streams:
                 while s.pending:
-                    self._finish_replay(s, now, "recording stopped before the replay socket answered")
+                    self._finish_replay(s, now, "recording stopped before the replay socket answered",
+                                        ask_next=False)
             self._flush(complete=not self._writer_error)
             self._writes.put(None)
             writer.join()
