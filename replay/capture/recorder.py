@@ -168,6 +168,7 @@ class Stream:
     lost: int = 0
     replayed: int = 0
     replay: object = None          # the DEALER socket of the rank's replay endpoint
+    replay_endpoint: str = ""
     pending: list = field(default_factory=list)   # [start, end, from_ts, to_ts, got(set), deadline]
 
     @property
@@ -267,14 +268,26 @@ class Recorder:
                     self._sockets[sock] = s
                     poller.register(sock, zmq.POLLIN)
                     if kind == KV and e.replay_port_base is not None:
-                        rep = ctx.socket(zmq.DEALER)
-                        rep.setsockopt(zmq.LINGER, 0)
-                        rep.connect(f"tcp://{e.host}:{e.replay_port_base + rank}")
-                        s.replay = rep
-                        self._sockets[rep] = s
-                        poller.register(rep, zmq.POLLIN)
+                        s.replay_endpoint = f"tcp://{e.host}:{e.replay_port_base + rank}"
+                        self._open_replay(s)
                     self.streams.append(s)
             self._write_workers()
+
+    def _open_replay(self, s: Stream) -> None:
+        """(Re)open the rank's replay DEALER; a new socket has a new identity, so the answer to
+        a request that timed out can never be taken for the answer to the next one."""
+        import zmq
+
+        if s.replay is not None:
+            self._poller.unregister(s.replay)
+            del self._sockets[s.replay]
+            s.replay.close(linger=0)
+        rep = self._ctx.socket(zmq.DEALER)
+        rep.setsockopt(zmq.LINGER, 0)
+        rep.connect(s.replay_endpoint)
+        s.replay = rep
+        self._sockets[rep] = s
+        self._poller.register(rep, zmq.POLLIN)
 
     def _warn(self, text: str) -> None:
         if self.status is not None:
@@ -472,6 +485,7 @@ class Recorder:
         self.out.mkdir(parents=True, exist_ok=True)
         ctx = zmq.Context()
         poller = zmq.Poller()
+        self._ctx, self._poller = ctx, poller
         self._sockets: dict = {}
         writer = threading.Thread(target=self._writer, name="record-writer", daemon=True)
         writer.start()
@@ -504,6 +518,7 @@ class Recorder:
                 now_m = time.monotonic()
                 for s in self.streams:
                     if s.pending and s.pending[0][5] is not None and now_m > s.pending[0][5]:
+                        self._open_replay(s)
                         self._finish_replay(s, self.now_ns(), "the replay socket did not answer in time")
                 self._take_discovered(ctx, poller)
                 if now_m >= next_flush:
