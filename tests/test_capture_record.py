@@ -274,6 +274,13 @@ def test_record_nothing_answers(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: no worker answered /server_info: {dead}")
     assert "Traceback" not in r.stderr
+    facts = json.loads((tmp_path / "rec" / "record.json").read_text())
+    assert facts["complete"] is False and list(facts["unreachable"]) == [dead]
+    # the failed run's folder is this tool's output: --force may replace it, nothing else may
+    r = run_record("--worker", dead, "--out", tmp_path / "rec", "--duration", "0.5s", "--retry", "0.3s")
+    assert r.returncode == 2 and "exists and is not empty (use --force" in r.stderr
+    r = run_record("--worker", dead, "--out", tmp_path / "rec", "--duration", "0.5s", "--retry", "0.3s", "--force")
+    assert r.returncode == 2 and "no worker answered" in r.stderr
 
 
 def test_record_refuses_foreign_out(tmp_path):

@@ -536,7 +536,7 @@ class Recorder:
                 while s.pending:
                     self._finish_replay(s, now, "recording stopped before the replay socket answered",
                                         ask_next=False)
-            self._flush(complete=not self._writer_error)
+            self._flush(complete=not self._writer_error and bool(self.engines))
             self._writes.put(None)
             writer.join()
             self.stop.set()
