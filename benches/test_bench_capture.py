@@ -44,6 +44,14 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def _cpu_s(pid: int) -> float:
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError):
+        return 0.0
+
+
 def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flush="5s") -> dict:
     """Run record against the publisher; every stream's rows must equal what was sent."""
     import socket
@@ -66,11 +74,13 @@ def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flu
     rss = []
     ready = json.loads(pub.stdout.readline())
     assert ready.get("ready"), ready
+    cpu0 = _cpu_s(rec.pid)   # start-up (imports, discovery) excluded
     t0 = time.monotonic()
     while pub.poll() is None:
         rss.append((time.monotonic() - t0, _rss(rec.pid)))
         time.sleep(0.5)
     sent = json.loads(pub.stdout.readline())
+    cpu = _cpu_s(rec.pid) - cpu0
     time.sleep(2.0)
     rec.send_signal(signal.SIGTERM)
     so, se = rec.communicate(timeout=120)
@@ -94,6 +104,7 @@ def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flu
             "offered_samples_per_s": round(sent["loads"] / sent["wall_s"]),
             "rss_peak_first_half_mib": round(first_half / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
             "lost": sent["loads"] - got, "lost_kv": sent["kv"] - kv,
+            "recorder_cpu_s": round(cpu, 1), "recorder_cpu_us_per_message": round(1e6 * cpu / (sent["loads"] + sent["kv"]), 1),
             "stamp_delay_ms_p50_p99_max": [round(delay.quantile(0.5), 2), round(delay.quantile(0.99), 2),
                                            round(delay.max(), 2)]}
 
