@@ -148,8 +148,6 @@ def build_import_fixture(d: Path, n: int, workers=64, dp=2, page=16, seed=0) -> 
             ev_h.append([hs[full - 1]])
             ev_type.append("BlockRemoved")
     m = len(ev_ts)
-    kvdir = d / "recorded" / "kv_events" / "date=2025-12-01"
-    kvdir.mkdir(parents=True, exist_ok=True)
     order = np.argsort(np.array(ev_ts), kind="stable")
     tbl = pa.table({"ts": pa.array(np.array(ev_ts)[order]), "worker": pa.array([ev_w[k] for k in order]),
                     "dp_rank": pa.array(np.array(ev_r)[order]), "seq": pa.array(np.arange(m)),
@@ -157,7 +155,16 @@ def build_import_fixture(d: Path, n: int, workers=64, dp=2, page=16, seed=0) -> 
                     "block_hashes": pa.array([ev_h[k] for k in order], type=pa.list_(pa.int64())),
                     "medium": pa.nulls(m, pa.string()), "lora_id": pa.nulls(m, pa.int64()),
                     "block_size": pa.array(np.full(m, page))})
-    pq.write_table(tbl, kvdir / "part-000000.parquet")
+    # one part per 10 s flush, in hourly folders, as record writes them
+    from replay.capture.store import period_folder
+
+    flush = (tbl["ts"].to_numpy() - t0) // (10 * NS)
+    bounds = np.concatenate([[0], np.nonzero(np.diff(flush))[0] + 1, [m]])
+    for k in range(len(bounds) - 1):
+        part = tbl.slice(int(bounds[k]), int(bounds[k + 1] - bounds[k]))
+        folder = d / "recorded" / "kv_events" / period_folder(int(part["ts"][0].as_py()), 3600)
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(part, folder / f"part-{k:06d}.parquet")
     # loads: every rank every second
     lt = np.arange(t0, ts[-1] + NS, NS)
     k = len(lt)
@@ -189,7 +196,7 @@ def build_import_fixture(d: Path, n: int, workers=64, dp=2, page=16, seed=0) -> 
 def measure_import(work: Path, n: int) -> dict:
     from _support import bench_root
 
-    fx = bench_root() / f"capture-import-v2-{n}"
+    fx = bench_root() / f"capture-import-v3-{n}"
     t = time.perf_counter()
     info = build_import_fixture(fx, n)
     gen_s = time.perf_counter() - t

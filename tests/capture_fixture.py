@@ -65,7 +65,9 @@ class Fixture:
     recorded: Path | None = None
 
 
-def build(root: Path, n_requests=240, seed=3) -> Fixture:
+def build(root: Path, n_requests=240, seed=3, kv_parts=2) -> Fixture:
+    """The fixture fleet; ``kv_parts > 2`` writes the KV events as that many parts of rows in
+    random order (overlapping time ranges, as replayed batches make them)."""
     rng = random.Random(seed)
     fx = Fixture(root)
     fx.workers = [("http://10.0.0.1:30000", 2), ("http://10.0.0.2:30000", 1), ("http://10.0.0.10:30000", 2)]
@@ -107,11 +109,11 @@ def build(root: Path, n_requests=240, seed=3) -> Fixture:
         for j, e in enumerate(evs):
             fx.events.append({"ts": ts, "worker": url, "rank": rank, "seq": seq, "idx": j, **e})
         seqs[key] = seq + 1
-    _write(fx, rng)
+    _write(fx, rng, kv_parts)
     return fx
 
 
-def _write(fx: Fixture, rng: random.Random) -> None:
+def _write(fx: Fixture, rng: random.Random, kv_parts: int) -> None:
     root = fx.root
     # --- token export: two pods, files by date, a few extend records
     fx.token_dir = root / "export"
@@ -160,11 +162,18 @@ def _write(fx: Fixture, rng: random.Random) -> None:
                    "engine_ts": e["ts"], "replayed": False, "type": e["type"], "block_hashes": e["hashes"],
                    "parent_block_hash": None, "n_tokens": None if e["hashes"] is None else PAGE * len(e["hashes"]),
                    "block_size": PAGE if e["type"] == "BlockStored" else None, "lora_id": None, "medium": e["medium"]})
-    # two flushes, as the recorder would
     t = kv.take()
-    half = t.num_rows // 2
-    kv.write(t.slice(0, half))
-    kv.write(t.slice(half))
+    if kv_parts <= 2:  # two flushes, as the recorder would
+        half = t.num_rows // 2
+        kv.write(t.slice(0, half))
+        kv.write(t.slice(half))
+    else:
+        perm = list(range(t.num_rows))
+        rng.shuffle(perm)
+        t = t.take(perm)
+        step = -(-t.num_rows // kv_parts)
+        for a in range(0, t.num_rows, step):
+            kv.write(t.slice(a, step))
     loads = PartWriter(rec, "loads", LOADS_SCHEMA, 3600)
     end = fx.requests[-1]["ts"] + NS
     for url, dp in fx.workers:

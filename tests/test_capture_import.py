@@ -29,8 +29,15 @@ def import_args(fx, out, *extra):
     return [*args, *extra]
 
 
-@pytest.mark.parametrize("lag_ms", [0, 3])
-def test_import_matches_equal_slow_truth(fleet, tmp_path, lag_ms):
+@pytest.fixture(scope="module")
+def shuffled_fleet(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("fleet9"), kv_parts=9)
+
+
+@pytest.mark.parametrize("lag_ms,layout", [(0, "two parts"), (3, "two parts"), (3, "nine shuffled parts")])
+def test_import_matches_equal_slow_truth(fleet, shuffled_fleet, tmp_path, lag_ms, layout):
+    if layout != "two parts":
+        fleet = shuffled_fleet
     out = tmp_path / "trace"
     res = run(*import_args(fleet, out, "--index-lag-ms", lag_ms))
     assert res.exit_code == 0, res.output

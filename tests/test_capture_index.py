@@ -10,7 +10,8 @@ from replay.capture.index import (
     EV_CLEARED,
     EV_REMOVED,
     EV_STORED,
-    matches_from_events_nb,
+    IndexSweep,
+    matches_from_events,
     placement_matches,
 )
 
@@ -82,12 +83,29 @@ def test_kernel_equals_plain_replay(case):
     rank_off = np.concatenate([[0], np.cumsum(dps)]).astype(np.int64)
     h_off = np.concatenate([[0], np.cumsum([len(b) for _, b in reqs])]).astype(np.int64)
     h_ids = np.array([x for _, b in reqs for x in b], dtype=np.int64)
-    m_off, m_w, m_b = matches_from_events_nb(a(0), a(1), a(2), a(3), a(4),
-                                             np.array([t for t, _ in reqs], dtype=np.int64), h_off, h_ids,
-                                             rank_off, n_blocks, lag)
+    req_t = np.array([t for t, _ in reqs], dtype=np.int64)
+    m_off, m_w, m_b = matches_from_events(a(0), a(1), a(2), a(3), a(4), req_t, h_off, h_ids, rank_off, n_blocks, lag)
     got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist()))
            for i in range(len(reqs))]
-    assert got == slow(dps, ev, reqs, lag)
+    truth = slow(dps, ev, reqs, lag)
+    assert got == truth
+    # in chunks, as import feeds it file by file: events cut at random horizons, requests
+    # answered once every event they can see has arrived, leftovers passed again
+    cuts = sorted({e[0] for e in ev[::3]}) + [10**9]
+    sweep = IndexSweep(int(rank_off[-1]), n_blocks, rank_off, req_t, h_off, h_ids, lag)
+    buf = np.zeros((5, 0), dtype=np.int64)
+    k = 0
+    for horizon in cuts:
+        while k < len(ev) and ev[k][0] < horizon:
+            buf = np.concatenate([buf, np.array(ev[k], dtype=np.int64).reshape(5, 1)], axis=1)
+            k += 1
+        upto = int(np.searchsorted(req_t - lag, horizon, "left"))
+        used = sweep.run(tuple(np.ascontiguousarray(x) for x in buf), upto)
+        buf = buf[:, used:]
+    m_off, m_w, m_b = sweep.result()
+    got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist()))
+           for i in range(len(reqs))]
+    assert got == truth
 
 
 def test_placement_model_lru():

@@ -31,13 +31,7 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..outdir import move_into_place, partial_beside
 from .blockhash import block_hashes_csr
-from .index import (
-    EV_CODES,
-    TIER_BITS,
-    dense_blocks,
-    matches_from_events_nb,
-    placement_matches,
-)
+from .index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
 from .outguard import check_out
 from .sources import (
     LOAD_COLUMNS,
@@ -470,42 +464,90 @@ class Importer:
         return workers
 
     # ------------------------------------------------------------ matches
-    def _events(self, urls: list[str], dp: np.ndarray):
+    def _kv_parts(self) -> list[Path]:
         rec = Path(self.s.recorded) / "kv_events" if self.s.recorded is not None else None
-        parts = _read_table_dir(rec, ["ts", "worker", "dp_rank", "seq", "event_index", "type", "block_hashes",
-                                      "medium", "lora_id", "block_size"]) if rec is not None else []
-        if not parts:
-            return None
-        ev = pl.concat([pl.from_arrow(t) for _, t in parts], how="vertical_relaxed")
-        if ev.height == 0:
-            return None
+        if rec is None or not rec.is_dir():
+            return []
+        return [p for p in sorted(rec.rglob("*.parquet"))
+                if not any(part.startswith((".", "_")) for part in p.relative_to(rec).parts)]
+
+    def _read_part(self, p: Path, columns: list[str]) -> pl.DataFrame:
+        try:
+            return pl.from_arrow(pq.read_table(p, columns=columns, partitioning=None))
+        except Exception as err:  # noqa: BLE001 - one line for the user
+            raise ImportError_(f"{p}: unreadable Parquet ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+
+    def _event_plan(self, parts: list[Path], urls: list[str], dp: np.ndarray):
+        """First pass over the KV-event parts, two columns at a time: each part's earliest
+        ``ts`` (the order and horizons of the second pass) and the ranks each worker publishes."""
+        wid = {u: i for i, u in enumerate(urls)}
+        need = dp.copy()
+        starts, rows = [], 0
+        for p in parts:
+            t = self._read_part(p, ["ts", "worker", "dp_rank"])
+            rows += t.height
+            starts.append(int(t["ts"].min()) if t.height else None)
+            for u, r in t.group_by("worker").agg(pl.col("dp_rank").max()).iter_rows():
+                if u not in wid:
+                    raise ImportError_(f"{p}: column 'worker': events of a worker not in the fleet table: {u}")
+                need[wid[u]] = max(need[wid[u]], int(r) + 1)
+        rank_off = np.zeros(len(urls) + 1, dtype=np.int64)
+        np.cumsum(need, out=rank_off[1:])
+        keep = [(s, k) for k, s in enumerate(starts) if s is not None]
+        keep.sort()
+        return [parts[k] for _, k in keep], [s for s, _ in keep], rank_off, rows, wid
+
+    def _part_events(self, p: Path, wid: dict, rank_off: np.ndarray, uniq: np.ndarray) -> np.ndarray:
+        """One part's events as a (8, n) int64 array: ts, worker, rank, seq, index (the sort
+        keys), then global rank, kind, tier, dense block (-1: no request holds it)."""
+        ev = self._read_part(p, ["ts", "worker", "dp_rank", "seq", "event_index", "type", "block_hashes", "medium",
+                                 "lora_id", "block_size"])
         if ev["lora_id"].drop_nulls().len():
-            raise ImportError_(f"{rec}: BlockStored events name a LoRA adapter (lora_id): LoRA changes the "
+            raise ImportError_(f"{p}: column 'lora_id': BlockStored events name a LoRA adapter: LoRA changes the "
                                "block hash and is out of scope")
         sizes = ev.filter(pl.col("type") == "BlockStored")["block_size"].drop_nulls().unique().to_list()
         bad = [b for b in sizes if b != self.page]
         if bad:
-            raise ImportError_(f"{rec}: column 'block_size': events of block size {bad[0]}, but requests are "
+            raise ImportError_(f"{p}: column 'block_size': events of block size {bad[0]}, but requests are "
                                f"hashed with page_size {self.page}")
-        wid = {u: i for i, u in enumerate(urls)}
-        unknown = sorted(set(ev["worker"].unique().to_list()) - set(wid))
-        if unknown:
-            raise ImportError_(f"{rec}: events of workers not in the fleet table: {', '.join(unknown[:3])}")
-        ev = ev.sort(["ts", "worker", "dp_rank", "seq", "event_index"], maintain_order=True)
         ex = ev.with_columns(pl.col("worker").replace_strict(wid, return_dtype=pl.Int64).alias("w")) \
                .explode("block_hashes")
         w = ex["w"].to_numpy()
         rank = ex["dp_rank"].to_numpy().astype(np.int64)
-        need = dp.copy()
-        for wi, r in ex.group_by("w").agg(pl.col("dp_rank").max()).iter_rows():
-            need[wi] = max(need[wi], int(r) + 1)
-        rank_off = np.zeros(len(urls) + 1, dtype=np.int64)
-        np.cumsum(need, out=rank_off[1:])
-        kind = ex["type"].replace_strict(EV_CODES, return_dtype=pl.Int64).to_numpy()
-        tier = ex["medium"].replace_strict(TIER_BITS, default=0, return_dtype=pl.Int64).fill_null(0).to_numpy()
-        hashes = ex["block_hashes"].fill_null(0).to_numpy().astype(np.int64)
-        self.facts.data["kv_events"] = ev.height
-        return (ex["ts"].to_numpy().astype(np.int64), rank_off[w] + rank, kind, tier, hashes, rank_off)
+        h = ex["block_hashes"].fill_null(0).to_numpy().astype(np.int64)
+        pos = np.searchsorted(uniq, h)
+        pos_c = np.minimum(pos, max(len(uniq) - 1, 0))
+        dense = np.where((pos < len(uniq)) & (uniq[pos_c] == h), pos_c, -1) if len(uniq) else np.full(len(h), -1)
+        return np.stack([ex["ts"].to_numpy().astype(np.int64), w, rank, ex["seq"].to_numpy().astype(np.int64),
+                         ex["event_index"].cast(pl.Int64).to_numpy(), rank_off[w] + rank,
+                         ex["type"].replace_strict(EV_CODES, return_dtype=pl.Int64).to_numpy(),
+                         ex["medium"].replace_strict(TIER_BITS, default=0, return_dtype=pl.Int64).fill_null(0)
+                         .to_numpy(), dense.astype(np.int64)])
+
+    def _matches_from_events(self, parts, urls, dp, ts):
+        """The indexer replayed part by part (bounded by a part plus the events not yet due):
+        parts in order of their earliest event; after reading one, every event earlier than
+        the next part's earliest is known, so the requests that can only see those are answered."""
+        order, starts, rank_off, rows, wid = self._event_plan(parts, urls, dp)
+        if rows == 0:
+            return None
+        uniq, dense = np.unique(self.h_val, return_inverse=True)
+        dense = dense.astype(np.int64).reshape(-1)
+        lag = int(round(self.s.index_lag_ms * MS))
+        sweep = IndexSweep(int(rank_off[-1]), len(uniq), rank_off, ts, self.h_off, dense, lag)
+        buf = np.zeros((9, 0), dtype=np.int64)
+        for k, p in enumerate(order):
+            buf = np.concatenate([buf, self._part_events(p, wid, rank_off, uniq)], axis=1)
+            buf = buf[:, np.lexsort(buf[4::-1])]          # by ts, worker, rank, seq, event index
+            horizon = starts[k + 1] if k + 1 < len(order) else None
+            upto = len(ts) if horizon is None else int(np.searchsorted(ts - lag, horizon, "left"))
+            due = buf.shape[1] if horizon is None else int(np.searchsorted(buf[0], horizon, "left"))
+            used = sweep.run(tuple(np.ascontiguousarray(buf[r, :due]) for r in (0, 5, 6, 7, 8)), upto)
+            buf = buf[:, used:]
+            if self.progress is not None:
+                self.progress("replaying KV events", k + 1, len(order))
+        self.facts.data["kv_events"] = rows
+        return sweep.result()
 
     def _matches(self, req: pl.DataFrame, workers: pl.DataFrame):
         urls = workers["worker"].to_list()
@@ -513,19 +555,15 @@ class Importer:
         dp = np.array([max(int(d or 0), self.max_rank.get(u, -1) + 1, 1)
                        for u, d in zip(urls, workers["dp_size"].to_list())], dtype=np.int64)
         mode = self.s.matches
-        ev = None
+        ts = req["ts"].to_numpy().astype(np.int64)
+        res = None
         if mode in ("auto", "events") and self.hash_kind == "sglang":
-            ev = self._events(urls, dp)
-        if mode == "events" and ev is None:
+            res = self._matches_from_events(self._kv_parts(), urls, dp, ts)
+        if mode == "events" and res is None:
             raise ImportError_("--matches events: no recorded KV event (give --recorded with kv_events/, "
                                "and a token export)")
-        ts = req["ts"].to_numpy().astype(np.int64)
-        if ev is not None:
-            ev_t, ev_r, ev_k, ev_tier, ev_h, rank_off = ev
-            dense, (ev_b,), nb = dense_blocks(self.h_val, ev_h)
-            lag = int(round(self.s.index_lag_ms * MS))
-            m_off, m_w, m_b = matches_from_events_nb(ev_t, ev_r, ev_k, ev_tier, ev_b, ts, self.h_off, dense,
-                                                     rank_off, nb, lag)
+        if res is not None:
+            m_off, m_w, m_b = res
             f["matches_source"] = MATCHES_EVENTS
             f["index_lag_ms"] = self.s.index_lag_ms
             f["matches_exact"] = True

@@ -36,27 +36,26 @@ TIER_BITS = {None: 0, **{m: 1 << i for i, m in enumerate(wire.MEDIA)}}
 
 
 @njit
-def matches_from_events_nb(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_off, h_ids,
-                           rank_off, n_blocks, lag):
-    """Sweep events (sorted by time, then rank sequence) and requests (sorted by time).
+def matches_from_events_nb(held, ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_off, h_ids, i0, i1,
+                           rank_off, lag):
+    """Answer requests ``i0..i1`` (sorted by time), applying events (sorted by time, then rank
+    sequence) to ``held`` (uint8[ranks, blocks] of tier bits, updated in place) as they become
+    visible.  ``ev_block`` is a dense block id (-1: a block no request holds; only a clear needs
+    none), ``ev_tier`` a tier bit (0 = every tier for a removal, GPU for a store).  Workers ``w``
+    own ranks ``rank_off[w]..rank_off[w+1]``, numbered in URL order.
 
-    ``ev_block`` is a dense block id (-1: a block no request holds, only cleared
-    rows may have none), ``ev_tier`` a tier bit (0 = every tier for a removal,
-    GPU for a store).  Workers ``w`` own ranks ``rank_off[w]..rank_off[w+1]``
-    and are numbered in URL order.  Returns CSR ``(m_off, m_worker, m_blocks)``.
+    Returns ``(events applied, counts[i1 - i0], m_worker, m_blocks)``: the events not applied
+    are those after the last request's visibility time, for the caller to pass again.
     """
-    n_ranks = rank_off[-1]
     n_workers = rank_off.shape[0] - 1
-    held = np.zeros((n_ranks, max(n_blocks, 1)), dtype=np.uint8)
-    n_req = req_t.shape[0]
     n_ev = ev_t.shape[0]
-    m_off = np.zeros(n_req + 1, dtype=np.int64)
+    counts = np.zeros(i1 - i0, dtype=np.int64)
     cap = 1024
     m_w = np.empty(cap, dtype=np.int64)
     m_b = np.empty(cap, dtype=np.int64)
     nm = 0
     e = 0
-    for i in range(n_req):
+    for i in range(i0, i1):
         t = req_t[i]
         while e < n_ev and ev_t[e] + lag <= t:
             r = ev_rank[e]
@@ -83,7 +82,8 @@ def matches_from_events_nb(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_o
                 d = 0
                 while d < n and held[r, h_ids[lo + d]] != 0:
                     d += 1
-                best = max(best, d)
+                if d > best:
+                    best = d
             if best > 0:
                 if nm == cap:
                     cap *= 2
@@ -96,21 +96,48 @@ def matches_from_events_nb(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_o
                 m_w[nm] = w
                 m_b[nm] = best
                 nm += 1
-        m_off[i + 1] = nm
-    return m_off, m_w[:nm].copy(), m_b[:nm].copy()
+                counts[i - i0] += 1
+    return e, counts, m_w[:nm].copy(), m_b[:nm].copy()
 
 
-def dense_blocks(h_values: np.ndarray, *more: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], int]:
-    """Map request block hashes to dense ids ``0..B-1``; other arrays of hashes to the
-    same ids, or -1 for a hash no request holds.  Returns ``(dense, [mapped...], B)``."""
-    uniq, dense = np.unique(h_values, return_inverse=True)
-    out = []
-    for arr in more:
-        pos = np.searchsorted(uniq, arr)
-        pos_c = np.minimum(pos, max(len(uniq) - 1, 0))
-        ok = (pos < len(uniq)) & (uniq[pos_c] == arr) if len(uniq) else np.zeros(arr.shape, bool)
-        out.append(np.where(ok, pos_c, -1).astype(np.int64))
-    return dense.astype(np.int64).reshape(-1), out, len(uniq)
+class IndexSweep:
+    """The indexer's state across chunks of events: feed time-ordered events and the
+    requests they can now answer, collect the CSR matches of every request in order."""
+
+    def __init__(self, n_ranks: int, n_blocks: int, rank_off, req_t, h_off, h_ids, lag_ns: int):
+        self.held = np.zeros((n_ranks, max(n_blocks, 1)), dtype=np.uint8)
+        self.rank_off = np.asarray(rank_off, dtype=np.int64)
+        self.req_t, self.h_off, self.h_ids, self.lag = req_t, h_off, h_ids, int(lag_ns)
+        self.next_req = 0
+        self.counts: list[np.ndarray] = []
+        self.m_w: list[np.ndarray] = []
+        self.m_b: list[np.ndarray] = []
+
+    def run(self, ev: tuple, upto: int) -> int:
+        """Answer requests up to (not including) ``upto`` with events ``ev`` (five arrays:
+        t, rank, kind, tier, block); returns how many events were applied."""
+        e, c, w, b = matches_from_events_nb(self.held, *ev, self.req_t, self.h_off, self.h_ids, self.next_req,
+                                            upto, self.rank_off, self.lag)
+        self.next_req = upto
+        self.counts.append(c)
+        self.m_w.append(w)
+        self.m_b.append(b)
+        return int(e)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        counts = np.concatenate(self.counts) if self.counts else np.zeros(0, np.int64)
+        off = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=off[1:])
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        return off, cat(self.m_w), cat(self.m_b)
+
+
+def matches_from_events(ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_off, h_ids, rank_off, n_blocks,
+                        lag_ns):
+    """Every request's matches from one time-ordered event stream (one chunk)."""
+    sweep = IndexSweep(int(rank_off[-1]), n_blocks, rank_off, req_t, h_off, h_ids, lag_ns)
+    sweep.run((ev_t, ev_rank, ev_kind, ev_tier, ev_block), len(req_t))
+    return sweep.result()
 
 
 def placement_matches(req_t: np.ndarray, done_t: np.ndarray, h_off: np.ndarray, h_ids: np.ndarray,
