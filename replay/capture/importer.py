@@ -536,11 +536,12 @@ class Importer:
         lag = int(round(self.s.index_lag_ms * MS))
         sweep = IndexSweep(int(rank_off[-1]), len(uniq), rank_off, ts, self.h_off, dense, lag)
         buf = np.zeros((9, 0), dtype=np.int64)
+        seen_by = ts - lag           # a request sees the events stamped at or before this
         for k, p in enumerate(order):
             buf = np.concatenate([buf, self._part_events(p, wid, rank_off, uniq)], axis=1)
             buf = buf[:, np.lexsort(buf[4::-1])]          # by ts, worker, rank, seq, event index
             horizon = starts[k + 1] if k + 1 < len(order) else None
-            upto = len(ts) if horizon is None else int(np.searchsorted(ts - lag, horizon, "left"))
+            upto = len(ts) if horizon is None else int(np.searchsorted(seen_by, horizon, "left"))
             due = buf.shape[1] if horizon is None else int(np.searchsorted(buf[0], horizon, "left"))
             used = sweep.run(tuple(np.ascontiguousarray(buf[r, :due]) for r in (0, 5, 6, 7, 8)), upto)
             buf = buf[:, used:]

@@ -39,8 +39,9 @@ TIER_BITS = {None: 0, **{m: 1 << i for i, m in enumerate(wire.MEDIA)}}
 def matches_from_events_nb(held, ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_t, h_off, h_ids, i0, i1,
                            rank_off, lag):
     """Answer requests ``i0..i1`` (sorted by time), applying events (sorted by time, then rank
-    sequence) to ``held`` (uint8[ranks, blocks] of tier bits, updated in place) as they become
-    visible.  ``ev_block`` is a dense block id (-1: a block no request holds; only a clear needs
+    sequence) to ``held`` (uint8[blocks, ranks] of tier bits, updated in place) as they become
+    visible.  ``held`` is laid out ``[block, rank]``: a request's walk reads every rank's
+    entry of one block from one or two cache lines.  ``ev_block`` is a dense block id (-1: a block no request holds; only a clear needs
     none), ``ev_tier`` a tier bit (0 = every tier for a removal, GPU for a store).  Workers ``w``
     own ranks ``rank_off[w]..rank_off[w+1]``, numbered in URL order.
 
@@ -61,18 +62,18 @@ def matches_from_events_nb(held, ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_
             r = ev_rank[e]
             k = ev_kind[e]
             if k == EV_CLEARED:
-                held[r, :] = 0
+                held[:, r] = 0
             else:
                 b = ev_block[e]
                 if b >= 0:
                     if k == EV_STORED:
                         bit = ev_tier[e] if ev_tier[e] != 0 else 1
-                        held[r, b] |= bit
+                        held[b, r] |= bit
                     else:
                         if ev_tier[e] == 0:
-                            held[r, b] = 0
+                            held[b, r] = 0
                         else:
-                            held[r, b] &= ~np.uint8(ev_tier[e])
+                            held[b, r] &= ~np.uint8(ev_tier[e])
             e += 1
         lo = h_off[i]
         n = h_off[i + 1] - lo
@@ -80,7 +81,7 @@ def matches_from_events_nb(held, ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_
             best = 0
             for r in range(rank_off[w], rank_off[w + 1]):
                 d = 0
-                while d < n and held[r, h_ids[lo + d]] != 0:
+                while d < n and held[h_ids[lo + d], r] != 0:
                     d += 1
                 if d > best:
                     best = d
@@ -105,7 +106,7 @@ class IndexSweep:
     requests they can now answer, collect the CSR matches of every request in order."""
 
     def __init__(self, n_ranks: int, n_blocks: int, rank_off, req_t, h_off, h_ids, lag_ns: int):
-        self.held = np.zeros((n_ranks, max(n_blocks, 1)), dtype=np.uint8)
+        self.held = np.zeros((max(n_blocks, 1), n_ranks), dtype=np.uint8)
         self.rank_off = np.asarray(rank_off, dtype=np.int64)
         self.req_t, self.h_off, self.h_ids, self.lag = req_t, h_off, h_ids, int(lag_ns)
         self.next_req = 0
