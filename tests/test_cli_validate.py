@@ -73,13 +73,13 @@ def test_fresh_fleet_sample_fact(tmp_path):
     d = write_trace(tmp_path / "t", requests=req_df(ts=[1 * s, 10 * s, 20 * s, 25 * s]),
                     loads=loads_df(ts=[0, 20 * s, 0, 0], worker=["w0", "w0", "w0", "w0"]))
     facts = validate_trace(d)
-    assert facts["requests_without_fresh_fleet_sample"] == 1
-    assert facts["share_without_fresh_fleet_sample"] == 0.25
+    assert facts.requests_without_fresh_fleet_sample == 1
+    assert facts.share_without_fresh_fleet_sample == 0.25
     # a decode peer's samples do not count for the fleet
     d2 = write_trace(tmp_path / "t2", requests=req_df(ts=[1 * s, 10 * s, 20 * s, 25 * s]),
                      loads=loads_df(ts=[0, 20 * s, 9 * s, 9 * s], worker=["w0", "w0", "dec", "dec"]),
                      workers=pl.DataFrame({"worker": ["w0", "dec"], "role": ["plain", "decode"]}))
-    assert validate_trace(d2)["requests_without_fresh_fleet_sample"] == 1
+    assert validate_trace(d2).requests_without_fresh_fleet_sample == 1
 
 
 def _bad_cases(tmp_path):

@@ -41,7 +41,7 @@ def test_round_trip_and_shape(tmp_path):
     assert (b == 0).sum() > 0                        # zero-block entries
     # loads: tails mostly present, some absent, a few partial; ignored ranks; inflight
     assert 0.6 < t.load_has_tail.mean() < 0.99
-    assert t.facts["load_rows_partial_tail"] > 0
+    assert t.facts.load_rows_partial_tail > 0
     assert (t.load_router_inflight >= 0).mean() > 0.9
     assert t.req_selected_worker is not None and (t.req_selected_worker >= 0).mean() > 0.4
     # bursty queues: the whole fleet sometimes saturates (every rank waiting), mostly not
