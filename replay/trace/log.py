@@ -52,13 +52,14 @@ def trace_request_log(trace: Trace) -> pl.DataFrame:
     page = trace.req_page_size
     return pl.DataFrame([
         pl.Series("ts", trace.req_ts, dtype=pl.Int64),
-        pl.Series("request_id", trace.request_id),
-        pl.Series("model", models[trace.req_model] if n else [], dtype=pl.String),
+        pl.Series("request_id", trace.request_id.tolist() if trace.request_id.dtype == object
+                  else trace.request_id),
+        pl.Series("model", models[trace.req_model].tolist(), dtype=pl.String),
         pl.Series("input_tokens", trace.req_input_tokens, dtype=pl.Int64),
         _ints(trace.req_output_tokens, n).alias("output_tokens"),
         hash_ids,
         _ints(page, n).alias("page_size"),
-        (pl.Series("selected_worker", workers[sel] if n else [], dtype=pl.String) if sel is not None
+        (pl.Series("selected_worker", workers[sel].tolist(), dtype=pl.String) if sel is not None
          else pl.Series("selected_worker", [None] * n, dtype=pl.String)),
         _ints(trace.req_cached_tokens, n).alias("cached_tokens"),
         _floats(trace.req_ttft_ms, n).alias("ttft_ms"),
