@@ -166,15 +166,21 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
     os.makedirs(d)
     writer(d)
     before = digest(d)
-    res = CliRunner().invoke(main, ["validate", str(d)])
+    line = one_error_line(name, "validate", str(d))
+    for text in expected:
+        assert text in line, (name, line)
+    assert digest(d) == before
+
+
+def one_error_line(name, *args) -> str:
+    """Run the CLI; it must exit 2 printing exactly one ``error: ...`` line, no traceback."""
+    res = CliRunner().invoke(main, list(args))
     assert res.exit_code == 2, (name, res.output)
     assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1, (name, res.output)
     assert lines[0].startswith("error: ")
-    for text in expected:
-        assert text in lines[0], (name, lines[0])
-    assert digest(d) == before
+    return lines[0]
 
 
 def test_not_a_directory(tmp_path):
