@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
 from ..errors import ReplayError
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 REQUESTS = "requests.parquet"
 LOADS = "loads.parquet"
@@ -38,6 +45,35 @@ LOAD_FIELDS = ("load_ts", "load_worker", "load_rank", "load_running", "load_wait
 
 class TraceError(ReplayError):
     """Bad input; the message is one line naming file, column and first bad row."""
+
+
+# frames smaller than this are encoded in one thread (a thread costs more than it saves)
+PARALLEL_ROWS = 200_000
+
+
+def run_both(first: Callable[[], A], second: Callable[[], B], *, parallel: bool = True) -> tuple[A, B]:
+    """``(first(), second())``, ``second`` in a thread of its own when ``parallel``.
+    Both always finish; an error of ``first`` wins over one of ``second``, so the
+    error a user sees is the one the sequential order would give."""
+    if not parallel:
+        return first(), second()
+    box: dict = {}
+
+    def work() -> None:
+        try:
+            box["value"] = second()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            box["error"] = err
+
+    t = threading.Thread(target=work, name="trace-encode", daemon=True)
+    t.start()
+    try:
+        a = first()
+    finally:
+        t.join()
+    if "error" in box:
+        raise box["error"]
+    return a, box["value"]
 
 
 def one_line(text: object) -> str:

@@ -24,8 +24,9 @@ from .base import (
     MAX_INT32,
     MAX_VALUE,
     TAIL_COLUMNS,
+    run_both,
 )
-from .columns import Columns, first_out_of_range, map_names
+from .columns import Columns, IntSpec, first_out_of_range, map_names
 from .workers import Universe
 
 MATCH_SHAPE = "list<struct{worker: string, blocks: integer}>"
@@ -337,32 +338,38 @@ def read_loads(L: Columns) -> LoadColumns:
     n = L.df.height
     ts = L.timestamps("ts")
     worker = L.strings("worker", nullable=False)
-    rank = (L.ints("dp_rank", nullable=True, fill=0, hi=MAX_INT32) if L.has("dp_rank")
-            else np.zeros(n, dtype=np.int64))
-    required = [L.ints(c, nullable=False) for c in LOAD_REQUIRED]
+    specs = [IntSpec("dp_rank", True, 0, 0, MAX_INT32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
+             *(IntSpec(c, True) for c in TAIL_COLUMNS), IntSpec("router_inflight", True)]
+    cols = L.int_columns(specs)
+    rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(n, dtype=np.int64)
+    required = [cols[c] for c in LOAD_REQUIRED]
     tails = []
     tail_valid = np.ones(n, dtype=bool)
     tail_any = np.zeros(n, dtype=bool)
     for c in TAIL_COLUMNS:
-        if L.has(c):
-            v = L.ints(c, nullable=True, fill=-1)
-            tail_valid &= v >= 0
-            tail_any |= v >= 0
+        if c in cols:
+            v = cols[c]
+            ok = v >= 0
+            tail_valid &= ok
+            tail_any |= ok
         else:
             v = np.full(n, -1, dtype=np.int64)
             tail_valid[:] = False
         tails.append(v)
-    tails = [np.where(tail_valid, v, 0) for v in tails]
-    has_inflight = L.has("router_inflight")
-    inflight = (L.ints("router_inflight", nullable=True, fill=-1) if has_inflight
-                else np.full(n, -1, dtype=np.int64))
+    if not tail_valid.all():
+        no_tail = ~tail_valid
+        tails = [v if v.flags.writeable else v.copy() for v in tails]
+        for v in tails:
+            v[no_tail] = 0
+    has_inflight = "router_inflight" in cols
+    inflight = cols["router_inflight"] if has_inflight else np.full(n, -1, dtype=np.int64)
     return LoadColumns(ts, worker, rank, required, tail_valid, tail_any, tails, inflight, has_inflight)
 
 
 def check_rank_bound(L: Columns, worker: np.ndarray, rank: np.ndarray, worker_dp: np.ndarray) -> None:
     """A worker without a dp_size takes its dp_size from the ranks it publishes
     from, so those ranks are bounded as a dp_size is (``MAX_DP_SIZE``)."""
-    if rank.size == 0:
+    if rank.size == 0 or int(rank.max()) < MAX_DP_SIZE:
         return
     bad = (rank >= MAX_DP_SIZE) & (worker_dp[worker] <= 0) if worker_dp.size else rank >= MAX_DP_SIZE
     if bad.any():
@@ -386,12 +393,12 @@ def match_ids(universe: Universe, ent_worker: pl.Series) -> np.ndarray:
 
 
 def to_ids(universe: Universe, R: Columns, L: Columns, model: pl.Series, load_worker: pl.Series,
-           ent_worker: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           ent_worker: pl.Series, *, parallel: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(request model ids, load worker ids, match worker ids); with a fixed
     universe (a window) a name outside it is an error."""
-    match_worker = match_ids(universe, ent_worker)
-    lw = map_names(load_worker, universe.workers)
-    req_model = map_names(model, universe.models)
+    (match_worker, req_model), lw = run_both(
+        lambda: (match_ids(universe, ent_worker), map_names(model, universe.models)),
+        lambda: map_names(load_worker, universe.workers), parallel=parallel)
     if lw.size and (lw < 0).any():   # only with a fixed universe
         row = int(np.argmax(lw < 0))
         L.fail("worker", f"worker {load_worker[row]!r} is not in the trace's worker index", row)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import polars as pl
 
-from .base import LOAD_FIELDS, REQUESTS, TraceError
+from .base import LOAD_FIELDS, MAX_DP_SIZE, PARALLEL_ROWS, REQUESTS, TraceError, run_both
 from .columns import Columns, map_names
 from .core import Trace
 from .encode import (
@@ -72,14 +72,25 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
     L = Columns(fr.load_name, fr.loads, fr.load_locate)
     table = parse_workers_table(fr.workers) if fr.workers is not None and universe is None else None
 
-    rq = read_requests(R)
-    mt = read_matches(R)
-    cl = read_closed_loop(R, rq.input_tokens)
-    ld = read_loads(L)
+    # requests and loads are independent until the universe: one thread each
+    parallel = fr.requests.height + fr.loads.height >= PARALLEL_ROWS
+
+    def requests_side():
+        rq = read_requests(R)
+        mt = read_matches(R)
+        cl = read_closed_loop(R, rq.input_tokens)
+        names = None if universe is not None else (mt.worker.unique().to_list(), rq.model.unique().to_list())
+        return rq, mt, cl, names
+
+    def loads_side():
+        ld = read_loads(L)
+        return ld, None if universe is not None else ld.worker.unique().to_list()
+
+    (rq, mt, cl, names), (ld, load_names) = run_both(requests_side, loads_side, parallel=parallel)
     if universe is None:
-        universe = make_universe(table, ld.worker.unique().to_list(), mt.worker.unique().to_list(),
-                                 rq.model.unique().to_list(), info.page_size)
-    req_model, load_worker, match_worker = to_ids(universe, R, L, rq.model, ld.worker, mt.worker)
+        universe = make_universe(table, load_names, names[0], names[1], info.page_size)
+    req_model, load_worker, match_worker = to_ids(universe, R, L, rq.model, ld.worker, mt.worker,
+                                                  parallel=parallel)
     check_rank_bound(L, load_worker, ld.rank, universe.worker_dp)
     check_hash_lengths(R, cl, rq.input_tokens, universe.model_page[req_model] if req_model.size
                        else np.zeros(0, dtype=np.int64))
@@ -177,12 +188,22 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
     dp_of_row = universe.worker_dp[load_worker] if load_worker.size else np.zeros(0, dtype=np.int32)
     tf.ignored_rank_rows = int(((dp_of_row > 0) & (ld.rank >= dp_of_row)).sum())
     if load_worker.size and want:
-        rk = (pl.DataFrame({"w": load_worker, "r": ld.rank}).unique()
-              .group_by("w").agg(pl.col("r").sort()).sort("w"))
-        tf.ranks_per_worker = {workers[w]: [int(x) for x in r]
-                               for w, r in zip(rk["w"].to_list(), rk["r"].to_list())}
+        tf.ranks_per_worker = observed_ranks(workers, load_worker, ld.rank)
     tf.workers_without_samples = sorted(set(workers) - set(tf.ranks_per_worker))
     return tf
+
+
+def observed_ranks(workers: list[str], load_worker: np.ndarray, rank: np.ndarray) -> dict[str, list[int]]:
+    """``{worker: sorted distinct ranks}`` of the workers with samples, in worker id order."""
+    small = rank < MAX_DP_SIZE
+    key = load_worker.astype(np.int64) * MAX_DP_SIZE + rank
+    seen = np.bincount(key[small] if not small.all() else key,
+                       minlength=len(workers) * MAX_DP_SIZE).reshape(len(workers), MAX_DP_SIZE) > 0
+    out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
+    if not small.all():     # stray ranks beyond any dp_size (ignored by the replay, listed here)
+        for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
+            out.setdefault(int(w), set()).add(int(r))
+    return {workers[w]: sorted(out[w]) for w in sorted(out)}
 
 
 def make_trace(fr: Frames, universe: Universe, req: Requests, loads: Loads, req_index, tf: TraceFacts,
