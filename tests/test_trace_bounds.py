@@ -158,3 +158,49 @@ def test_row_counts_read_only_the_footers(base, tmp_path):
     t = load_trace(base)
     assert row_counts(d) == {"requests": t.n_requests, "loads": int(t.load_ts.shape[0])}
     assert row_counts(base) == row_counts(d)
+
+
+def test_the_first_error_in_file_order_wins_on_large_frames(tmp_path):
+    """Frames this large are encoded in two threads (requests | loads); the error a
+    user sees is still the sequential one: requests before loads, and within the
+    loads the column order of the checks."""
+    from replay.trace.base import PARALLEL_ROWS
+
+    n = PARALLEL_ROWS
+    loads = pl.DataFrame({
+        "ts": np.arange(n, dtype=np.int64), "worker": ["w0", "w1"] * (n // 2),
+        "dp_rank": np.zeros(n, dtype=np.int64), "num_running_reqs": np.ones(n, dtype=np.int64),
+        "num_waiting_reqs": np.ones(n, dtype=np.int64), "num_tokens": np.ones(n, dtype=np.int64),
+        "max_total_num_tokens": np.full(n, 9, dtype=np.int64)})
+    bad_loads = loads.with_columns(
+        pl.when(pl.int_range(pl.len()) == n - 3).then(-1).otherwise(pl.col("num_tokens")).alias("num_tokens"),
+        pl.when(pl.int_range(pl.len()) == 5).then(-2).otherwise(pl.col("num_waiting_reqs"))
+        .alias("num_waiting_reqs"))
+    req = req_df_big(n)
+    d = tmp_path / "t"
+    write_trace_files(d, req, bad_loads)
+    # num_waiting_reqs is checked before num_tokens, whatever the rows
+    assert one_error_line("loads", "validate", str(d)) == \
+        "error: loads.parquet: column 'num_waiting_reqs' row 5: must be >= 0, got -2"
+    bad_req = req.with_columns(pl.when(pl.int_range(pl.len()) == n - 1).then(-7)
+                               .otherwise(pl.col("input_tokens")).alias("input_tokens"))
+    write_trace_files(d, bad_req, bad_loads)
+    assert one_error_line("both", "validate", str(d)) == \
+        f"error: requests.parquet: column 'input_tokens' row {n - 1}: must be >= 0, got -7"
+    write_trace_files(d, req, loads)
+    assert load_trace(d).n_requests == n
+
+
+def req_df_big(n):
+    from test_trace import MATCH_T
+
+    return pl.DataFrame({
+        "ts": np.arange(n, dtype=np.int64), "request_id": np.arange(n, dtype=np.int64),
+        "input_tokens": np.full(n, 100, dtype=np.int64), "query_blocks": np.ones(n, dtype=np.int64),
+        "matches": pl.Series([[{"worker": "w0", "blocks": 1}]] * n, dtype=MATCH_T)})
+
+
+def write_trace_files(d, req, loads):
+    os.makedirs(d, exist_ok=True)
+    req.write_parquet(d / "requests.parquet")
+    loads.write_parquet(d / "loads.parquet")

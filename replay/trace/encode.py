@@ -104,8 +104,8 @@ def read_requests(R: Columns) -> RequestColumns:
     else:
         rid_s = R.strings("request_id", nullable=False, s=rid_s)
         request_id = None
-    dup = ~rid_s.is_first_distinct()
-    if dup.any():
+    dup = None if rid_s.n_unique() == n else ~rid_s.is_first_distinct()   # n_unique: the cheap test
+    if dup is not None and dup.any():
         row = int(dup.arg_max())
         first_name, first = R.where(int((rid_s == rid_s[row]).arg_max()))
         at = f"row {first}" if first_name == R.where(row)[0] else f"{first_name} row {first}"
@@ -338,10 +338,10 @@ def read_loads(L: Columns) -> LoadColumns:
     n = L.df.height
     ts = L.timestamps("ts")
     worker = L.strings("worker", nullable=False)
-    specs = [IntSpec("dp_rank", True, 0, 0, MAX_INT32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
+    specs = [IntSpec("dp_rank", True, 0, 0, MAX_INT32, pl.Int32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
              *(IntSpec(c, True) for c in TAIL_COLUMNS), IntSpec("router_inflight", True)]
     cols = L.int_columns(specs)
-    rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(n, dtype=np.int64)
+    rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(n, dtype=np.int32)
     required = [cols[c] for c in LOAD_REQUIRED]
     tails = []
     tail_valid = np.ones(n, dtype=bool)
@@ -356,9 +356,9 @@ def read_loads(L: Columns) -> LoadColumns:
             v = np.full(n, -1, dtype=np.int64)
             tail_valid[:] = False
         tails.append(v)
+    tails = [v if v.flags.writeable else v.copy() for v in tails]   # own arrays, as always
     if not tail_valid.all():
         no_tail = ~tail_valid
-        tails = [v if v.flags.writeable else v.copy() for v in tails]
         for v in tails:
             v[no_tail] = 0
     has_inflight = "router_inflight" in cols
