@@ -204,3 +204,17 @@ def write_trace_files(d, req, loads):
     os.makedirs(d, exist_ok=True)
     req.write_parquet(d / "requests.parquet")
     loads.write_parquet(d / "loads.parquet")
+
+
+def test_auto_windows_follow_the_data_not_the_span(base, tmp_path, monkeypatch):
+    """With an outlier ts the span is 56 years; ``--window auto`` on a trace too
+    large for memory still picks windows of about AUTO_WINDOW_REQUESTS requests."""
+    from replay.trace import auto_window
+    from replay.trace import windows as trace_windows
+
+    monkeypatch.setattr(trace_windows, "AUTO_IN_MEMORY_REQUESTS", 50)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_REQUESTS", 100)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_LOAD_ROWS", 10**9)
+    plain = auto_window(TraceSet.open(base))
+    assert 0 < plain < 60 * NS
+    assert auto_window(TraceSet.open(with_outlier(base, tmp_path / "t", 0))) == plain

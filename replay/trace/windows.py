@@ -39,6 +39,10 @@ def auto_window(tset) -> int:
     if tset.n_requests <= AUTO_IN_MEMORY_REQUESTS and tset.n_load_rows <= AUTO_IN_MEMORY_LOAD_ROWS:
         return 0
     span_s = max(1.0, (tset.ts_max - tset.ts_min) / NS)
+    seconds_with_rows = getattr(tset, "row_seconds", None)
+    if seconds_with_rows is not None and seconds_with_rows.size:
+        # rows per second of data, not of span: an outlier ts must not make windows huge
+        span_s = max(1.0, min(span_s, float(seconds_with_rows.size)))
     per_s = max(tset.n_requests / AUTO_WINDOW_REQUESTS, tset.n_load_rows / AUTO_WINDOW_LOAD_ROWS) / span_s
     seconds = max(1, int(math.floor(1.0 / per_s))) if per_s > 0 else int(span_s) + 1
     nice = [s for s in NICE_WINDOWS_S if s <= seconds]
