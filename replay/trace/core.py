@@ -67,7 +67,7 @@ class Trace:
     load_router_inflight: np.ndarray   # int64, -1 = null or no column
     # --- provenance ----------------------------------------------------------
     files: dict[str, dict] = field(default_factory=dict)  # name -> {path, bytes, sha256}
-    facts: TraceFacts | None = None                        # validate-style data facts
+    facts: TraceFacts = field(default_factory=TraceFacts)  # validate-style data facts
     # --- additions (load_trace) ---------------------------------------------
     # Position of each request in the time-sorted *whole* trace (the
     # ``request_index`` of docs/replay-model.md); differs from arange only when
