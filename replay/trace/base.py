@@ -24,6 +24,9 @@ MAX_INT32 = 2**31 - 1
 # A worker's dp_size, given in workers.parquet or set by the ranks it publishes
 # from, is at most this: the replay keeps a state row per (worker, rank), so the
 # limit keeps that table small (a data-parallel engine has one rank per GPU).
+# REPLAY CHOICE: the spec bounds neither (the router keys samples by any u32
+# rank); 1024 is far above any engine's attention-DP size and keeps the
+# per-rank table of 64 workers under 10 MB.
 MAX_DP_SIZE = 1024
 FRESHNESS_NS = 5_000_000_000
 

@@ -280,7 +280,13 @@ def read_closed_loop(R: Columns, input_tokens: np.ndarray) -> ClosedLoopColumns:
 def check_hash_lengths(R: Columns, cl: ClosedLoopColumns, input_tokens: np.ndarray,
                        page: np.ndarray) -> None:
     """``len(hash_ids) == ceil(input_tokens / page)`` wherever both are known
-    (``page`` per request, -1 = unknown)."""
+    (``page`` per request, -1 = unknown).
+
+    REPLAY CHOICE: CAPTURE.md section 3 gives ``query_blocks = ceil(len / B)``
+    for the router's own query; ``query_blocks`` is not tied to
+    ``len(hash_ids)`` here, because a trace may record ``query_blocks = 0``
+    (no prefix signal) for a request whose hashes are known.
+    """
     if cl.hash_offsets is None:
         return
     lens = np.diff(cl.hash_offsets)

@@ -76,6 +76,9 @@ def parse_workers_table(wk_df: pl.DataFrame) -> WorkersTable:
     t_page = (W.ints("page_size", nullable=True, fill=0, lo=1, hi=MAX_INT32) if W.has("page_size")
               else np.zeros(wk_df.height, dtype=np.int64))
     models = t_model.to_list()
+    # REPLAY CHOICE: the router hashes a request with one block size, but the spec
+    # does not say which when a model's engines advertise different page sizes
+    # (/server_info is per engine); such a table is refused rather than guessed.
     seen: dict[str, int] = {}
     for row in np.nonzero((t_page > 0) & (t_role != labels.ROLE_DECODE))[0]:
         first = seen.setdefault(models[row], int(row))
