@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from replay.cli import main
-from replay.generate import START_NS, generate_trace
+from replay.generate import generate_trace
 from replay.trace import MAX_DP_SIZE, NS, TraceSet, load_trace, row_counts
 
 from test_cli_validate import one_error_line
