@@ -292,3 +292,11 @@ def test_per_dp_rank_and_extra_are_kept(tmp_path):
     info = load_trace(d).info
     assert info.router == {"worker_queue_limit": 2} and info.per_dp_rank and info.extra == {"anything": [1, 2]}
     assert info.page_size is None and info.path == os.path.abspath(d / "trace.json")
+
+
+def test_fixed_size_hash_arrays_are_lists(tmp_path):
+    req = closed_req(input_tokens=[32, 32, 17, 30],
+                     hash_ids=pl.Series([[1, 2], [3, 4], [5, 6], [7, 8]], dtype=pl.Array(pl.Int32, 2)))
+    t = load_trace(write_closed(tmp_path / "t", requests=req))
+    assert t.hash_offsets.tolist() == [0, 2, 4, 6, 8]
+    assert t.hash_values.tolist() == [3, 4, 7, 8, 5, 6, 1, 2]      # b, d, c, a
