@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .. import labels as L_
+from .. import labels
 from ._jit import njit
 from .rng import draw_nb
 from .snapshot import (
@@ -32,22 +32,22 @@ from .snapshot import (
 )
 
 # label codes as module constants numba can freeze
-PRIMARY = L_.PRIMARY
-CACHE_CANDIDATE = L_.CACHE_CANDIDATE
-BACKUP_PRIMARY_ADMISSION = L_.BACKUP_PRIMARY_ADMISSION
-RANGE_FALLBACK = L_.RANGE_FALLBACK
-CAPACITY_FALLBACK = L_.CAPACITY_FALLBACK_POWER_OF_TWO
-SATURATION_PIN = L_.SATURATION_PIN
-CACHE_HIT = L_.CACHE_HIT
-CACHE_MISS = L_.CACHE_MISS
-CACHE_WORKER_QUEUED = L_.CACHE_WORKER_QUEUED
-ALL_QUEUED = L_.ALL_QUEUED
-FAIL_PREFILL = L_.FAIL_PREFILL_ADMISSION_EXHAUSTED
-FAIL_CACHE = L_.FAIL_CACHE_CANDIDATES_EXHAUSTED
-FAIL_EMPTY = L_.FAIL_PROPOSAL_EMPTY
-SRC_MS = L_.SRC_ESTIMATED_MS
-SRC_TOKENS = L_.SRC_NATIVE_TOKENS
-SRC_LOCAL = L_.SRC_ROUTER_LOCAL
+PRIMARY = labels.PRIMARY
+CACHE_CANDIDATE = labels.CACHE_CANDIDATE
+BACKUP_PRIMARY_ADMISSION = labels.BACKUP_PRIMARY_ADMISSION
+RANGE_FALLBACK = labels.RANGE_FALLBACK
+CAPACITY_FALLBACK = labels.CAPACITY_FALLBACK_POWER_OF_TWO
+SATURATION_PIN = labels.SATURATION_PIN
+CACHE_HIT = labels.CACHE_HIT
+CACHE_MISS = labels.CACHE_MISS
+CACHE_WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
+ALL_QUEUED = labels.ALL_QUEUED
+FAIL_PREFILL = labels.FAIL_PREFILL_ADMISSION_EXHAUSTED
+FAIL_CACHE = labels.FAIL_CACHE_CANDIDATES_EXHAUSTED
+FAIL_EMPTY = labels.FAIL_PROPOSAL_EMPTY
+SRC_MS = labels.SRC_ESTIMATED_MS
+SRC_TOKENS = labels.SRC_NATIVE_TOKENS
+SRC_LOCAL = labels.SRC_ROUTER_LOCAL
 
 # Candidate table columns (int64), one row per prepared candidate.
 C_WORKER = 0
@@ -605,11 +605,10 @@ def fallback_decision_nb(rejected, evaluated, all_queued):
 # ---------------------------------------------------------------------------
 # Section 8: the whole selection of one request under one config
 @njit
-def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est,
-                      limit, floor, k, margin, guard, abs_tokens, abs_ms, rel,
-                      min_tokens, min_ratio, cmin, cratio, cmax, seed, req_index,
-                      audit, scratch_i, cand, seen):
-    """Run the ladder; return (worker, reason, decision, failure).
+def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est, knobs, c,
+                      seed, req_index, audit, scratch_i, cand, seen):
+    """Run the ladder for config ``c`` of ``knobs`` (``layout.KnobArrays``);
+    return (worker, reason, decision, failure).
 
     ``audit`` receives the cache resolution's audit (A_* columns; A_REASON = -2
     when no resolution ran).  ``scratch_i`` is an int64 matrix with at least 6
@@ -618,10 +617,16 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
     n = 0
     if query_blocks > 0 and m_worker.shape[0] > 0:
         n = prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet.shape[0],
-                                  snap, est, min_tokens, min_ratio, cmin, cratio, cmax, seen, cand,
-                                  scratch_i[0])
-    return select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard,
-                              abs_tokens, abs_ms, rel, seed, req_index, audit, scratch_i)
+                                  snap, est, knobs.cache_affinity_min_matched_tokens[c],
+                                  knobs.cache_affinity_min_match_ratio[c],
+                                  knobs.cache_candidate_min_workers[c], knobs.cache_candidate_ratio[c],
+                                  knobs.cache_candidate_max_workers[c], seen, cand, scratch_i[0])
+    return select_prepared_nb(n, cand, L, fleet, snap, est, knobs.worker_queue_limit[c],
+                              knobs.saturation_queue_floor[c], knobs.min_load_choices[c],
+                              knobs.cache_switch_margin_tokens[c], knobs.pressure_guard[c] == 1,
+                              knobs.pressure_abs_threshold_tokens[c],
+                              knobs.pressure_abs_threshold_ms[c], knobs.pressure_rel_threshold[c],
+                              seed, req_index, audit, scratch_i)
 
 
 @njit

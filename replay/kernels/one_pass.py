@@ -1,0 +1,397 @@
+"""One pass over a chunk of requests for every config of a grid.
+
+Why it is cheap (README, "How it works"): for one request the snapshot, the
+fleet's queue readings and the prepared candidates do not depend on the queue
+limit or the floor.  A limit ``L`` only matters through *which* fleet workers
+read ``waiting >= L``, so limits that leave the same workers gated form one
+"limit class"; a floor only matters through whether it is set and whether some
+fleet worker reads below it, and only when the limit gates some candidate
+(otherwise neither the fell-back tier nor the pin can fire).  Configs of the
+same other knobs ("group") and the same classes make the same decision (the
+sampler's draws do not depend on the config, see docs/replay-model.md), so
+each request computes every distinct outcome once and the other configs refer
+to it.  The domain rungs depend on the limit class alone and are shared the
+same way.  ``stats`` counts both, so a run can report how much was shared.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numba
+import numpy as np
+
+from ._jit import njit, njit_parallel
+from .accumulate import accumulate_request_nb, book_block_constants_nb
+from .decide import (
+    A_ADM_REJECTED,
+    A_ALL_QUEUED,
+    A_BEST_REJECTED,
+    A_COMPARED,
+    A_EVALUATED,
+    A_FELL_BACK,
+    A_GATE_REJECTED,
+    A_NCOLS,
+    A_OVERRIDES,
+    A_REASON,
+    A_SOURCE,
+    C_NCOLS,
+    C_WORKER,
+    cache_rung_with_nb,
+    domain_rungs_nb,
+    failure_of_nb,
+    locality_nb,
+    prepare_candidates_nb,
+)
+from .layout import Accumulators as layout_acc
+from .layout import (
+    F_NCOLS,
+    F_SELECTED_QUEUE_MS,
+    O_ADMISSION_EVALUATED,
+    O_ADMISSION_REJECTED,
+    O_BEST_REJECTED_BLOCKS,
+    O_DECISION,
+    O_FAILURE,
+    O_FELL_BACK,
+    O_FLEET_ALL_QUEUED,
+    O_GATE_REJECTED,
+    O_GUARD_COMPARED,
+    O_GUARD_OVERRIDES,
+    O_MATCHED_BLOCKS,
+    O_NCOLS,
+    O_POLICY_REASON,
+    O_PRESSURE_SOURCE,
+    O_REASON,
+    O_SELECTED_BLOCKS,
+    O_SELECTED_WAITING,
+    O_SELECTED_WAITING_UNCACHED,
+    O_UNCACHED_TOKENS,
+    O_WORKER,
+)
+from .snapshot import (
+    S_BASIC,
+    S_NATIVE,
+    S_NCOLS,
+    S_WAITING,
+    S_WU,
+    advance_dirty_nb,
+    fleet_reading_nb,
+    refresh_nb,
+)
+
+# policy reason of a DecisionReason code (labels.reason_to_policy_reason as a table)
+_POLICY_OF_REASON = np.array([2, 0, 3, 4, 5, 6, 1], dtype=np.int64)
+
+
+# Per-block working memory of ``_decide_request`` (made once per block, reused per request).
+Scratch = namedtuple("Scratch", (
+    "memo",        # int64[n_groups * (max_fleet + 2) * 3]: outcome key -> config column, -1 = none yet
+    "lclass",      # int64[lim_vals]: limit class of each distinct limit
+    "fclass",      # int64[fl_vals]: floor class of each distinct floor
+    "fleet_wait",  # int64[max_fleet]: fresh waiting count per fleet worker (huge when absent)
+    "audit",       # int64[A_NCOLS]: the last cache resolution's audit
+    "ints",        # int64[8, width]: scratch rows of decide.py, rows 6/7 the keys to reset
+    "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
+    "group_n",     # int64[n_groups]: candidates kept per group
+    "group_rep",   # int64[n_groups]: a config of each group
+    "gated_any",   # bool[n_groups, lim_vals]: the limit gates a candidate of the group
+    "ladder_w",    # int64[n_groups * (max_fleet + 2)]: domain-rung worker per (group, limit class), -2 = not yet
+    "ladder_r",    # int64[same]: its reason
+    "seen",        # bool[n_workers]: prepare_candidates_nb's scratch
+    "res_i",       # int64[O_NCOLS, n_cfg]: the distinct decisions (layout.O_*)
+    "res_f",       # float64[F_NCOLS, n_cfg]
+    "src_of",      # int64[n_cfg]: column of res_i holding config c's decision
+), module=__name__)
+
+
+@njit
+def split_states_nb(ptr, block_ts, loads, dp_size, table, inflight, tables, inflights, ptrs):
+    """Per-block starting states for a chunk (a sequential pre-pass over the loads only).
+
+    Block ``b`` starts from every sample with ``ts <= block_ts[b]`` (its first
+    request's time); ``table``/``inflight``/``ptr`` enter at the chunk's start
+    and are left at the last block's start.
+    """
+    dirty = np.zeros(inflight.shape[0], dtype=np.bool_)
+    for b in range(block_ts.shape[0]):
+        ptr = advance_dirty_nb(ptr, block_ts[b], loads, dp_size, table, inflight, dirty)
+        tables[b] = table
+        inflights[b] = inflight
+        ptrs[b] = ptr
+    return ptr
+
+
+@njit
+def _count_below(values, n, bound):
+    """How many of ``values[:n]`` are below ``bound`` (absent readings are stored huge)."""
+    cnt = 0
+    for x in range(n):
+        cnt += values[x] < bound
+    return cnt
+
+
+@njit
+def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
+                    est, knobs, plan, seed, sc):
+    """Decide one request under every config.
+
+    Each distinct outcome is computed once, into the column ``sc.res_i[:, c]`` /
+    ``sc.res_f[:, c]`` of the first config ``c`` that reaches it;
+    ``sc.src_of[c]`` names the column holding config ``c``'s decision.
+    Candidates are prepared once per knob group (``sc.cands[g]``,
+    ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
+    Returns (distinct outcomes computed, domain-rung evaluations).
+    """
+    n_fleet = fleet.shape[0]
+    n_cfg = sc.src_of.shape[0]
+    lim_vals = plan.lim_vals
+    fl_vals = plan.fl_vals
+    fleet_wait = sc.fleet_wait
+    lclass = sc.lclass
+    fclass = sc.fclass
+    memo = sc.memo
+    res_i = sc.res_i
+    res_f = sc.res_f
+    audit = sc.audit
+    scratch_i = sc.ints
+    # limit classes: number of fresh fleet workers reading below the limit;
+    # floor classes: unset, nobody fresh below it, somebody fresh below it
+    big = np.int64(1) << 62
+    n_absent = 0
+    for j in range(n_fleet):
+        w = fleet[j]
+        if snap[w, S_BASIC] == 1:
+            fleet_wait[j] = snap[w, S_WAITING]
+        else:
+            fleet_wait[j] = big
+            n_absent += 1
+    for j in range(lim_vals.shape[0]):
+        lim = lim_vals[j]
+        lclass[j] = 0 if lim < 0 else _count_below(fleet_wait, n_fleet, lim) + 1
+    for j in range(fl_vals.shape[0]):
+        fl = fl_vals[j]
+        if fl < 0:
+            fclass[j] = 0
+        else:
+            fclass[j] = 2 if _count_below(fleet_wait, n_fleet, fl) > 0 else 1
+    has_signal = qb > 0
+    matched = 0
+    if has_signal and m_worker.shape[0] > 0:
+        matched = min(best_prefix, qb)
+    # candidates once per knob group; whether a limit gates any of them (when
+    # none is gated, neither the fell-back tier nor the pin can fire, so the
+    # floor cannot change the outcome)
+    for g in range(sc.group_n.shape[0]):
+        c0 = sc.group_rep[g]
+        n = 0
+        if has_signal and m_worker.shape[0] > 0:
+            n = prepare_candidates_nb(L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
+                                      knobs.cache_affinity_min_matched_tokens[c0],
+                                      knobs.cache_affinity_min_match_ratio[c0],
+                                      knobs.cache_candidate_min_workers[c0],
+                                      knobs.cache_candidate_ratio[c0],
+                                      knobs.cache_candidate_max_workers[c0],
+                                      sc.seen, sc.cands[g], scratch_i[0])
+        sc.group_n[g] = n
+        for j in range(lim_vals.shape[0]):
+            lim = lim_vals[j]
+            gated = False
+            if lim >= 0:
+                for t in range(n):
+                    w = sc.cands[g, t, C_WORKER]
+                    if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] >= lim:
+                        gated = True
+                        break
+            sc.gated_any[g, j] = gated
+    width = n_fleet + 2
+    used = 0
+    n_ladder = 0
+    for c in range(n_cfg):
+        g = plan.group[c]
+        li = plan.li[c]
+        fc = fclass[plan.fi[c]] if sc.gated_any[g, li] else 0
+        key = (g * width + lclass[li]) * 3 + fc
+        src = memo[key]
+        if src >= 0:
+            sc.src_of[c] = src
+            continue
+        memo[key] = c
+        sc.src_of[c] = c
+        scratch_i[6, used] = key
+        used += 1
+        cand = sc.cands[g]
+        lim = knobs.worker_queue_limit[c]
+        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lclass[li] == 1
+        w, reason, decision = cache_rung_with_nb(
+            sc.group_n[g], cand, L, snap, est, lim, knobs.saturation_queue_floor[c],
+            knobs.cache_switch_margin_tokens[c], knobs.pressure_guard[c] == 1,
+            knobs.pressure_abs_threshold_tokens[c], knobs.pressure_abs_threshold_ms[c],
+            knobs.pressure_rel_threshold[c], audit, scratch_i, all_queued,
+            fclass[plan.fi[c]] == 2)
+        failure = -1
+        if w < 0:
+            # the domain rungs depend on (group, limit class) only: computed once
+            lk = g * width + lclass[li]
+            if sc.ladder_w[lk] == -2:
+                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, knobs.min_load_choices[c], seed,
+                                         req_index, scratch_i)
+                sc.ladder_w[lk] = lw
+                sc.ladder_r[lk] = lr
+                scratch_i[7, n_ladder] = lk
+                n_ladder += 1
+            w = sc.ladder_w[lk]
+            reason = sc.ladder_r[lk]
+            if w < 0:
+                decision = -1
+                failure = failure_of_nb(sc.group_n[g] > 0, n_fleet)
+        row = res_i[:, c]
+        row[O_WORKER] = w
+        row[O_REASON] = reason
+        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
+        row[O_DECISION] = decision
+        row[O_FAILURE] = failure
+        row[O_MATCHED_BLOCKS] = matched
+        resolved = audit[A_REASON] != -2
+        row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
+        row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
+        row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
+        row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
+        row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
+        row[O_FELL_BACK] = audit[A_FELL_BACK]
+        row[O_GUARD_COMPARED] = audit[A_COMPARED]
+        row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
+        row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
+        if w >= 0:
+            _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+            row[O_SELECTED_BLOCKS] = sel_blocks
+            row[O_UNCACHED_TOKENS] = uncached
+            row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
+            row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
+            res_f[F_SELECTED_QUEUE_MS, c] = est[w]
+        else:
+            row[O_SELECTED_BLOCKS] = 0
+            row[O_UNCACHED_TOKENS] = -1
+            row[O_SELECTED_WAITING] = -1
+            row[O_SELECTED_WAITING_UNCACHED] = -1
+            res_f[F_SELECTED_QUEUE_MS, c] = np.nan
+    for u in range(used):
+        memo[scratch_i[6, u]] = -1
+    for u in range(n_ladder):
+        sc.ladder_w[scratch_i[7, u]] = -2
+    return used, n_ladder
+
+
+@njit_parallel
+def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs, plan, seed,
+                 max_matches, keep, out, totals):
+    """Replay a chunk of requests under every config, one block of requests per thread.
+
+    Arguments are the named tuples of ``kernels/layout.py``: ``blocks``
+    (BlockStates), ``req`` (Requests), ``matches`` (Matches, offsets from the
+    chunk's first request), ``fleets`` (Fleets), ``loads`` (LoadColumns),
+    ``knobs`` (KnobArrays), ``plan`` (GridPlan), ``out`` (Outputs) and
+    ``totals`` (Accumulators).
+
+    Block ``b`` covers requests ``blocks.lo[b]..blocks.lo[b+1]`` and starts
+    from its own copy of the load state (``split_states_nb``); it sweeps its
+    own loads, keeps its own snapshot current (``refresh_nb``), decides every
+    config and books the results into its own accumulators
+    ``totals.acc[b]``... (merged exactly afterwards); ``totals.stats[b]`` counts
+    the distinct outcomes and domain-rung evaluations it computed.  With
+    ``keep``, every decision is also written to ``out.ints[O_*, i, c]`` /
+    ``out.floats[F_*, i, c]`` (one contiguous array per column).  Results
+    depend on nothing but (trace, config, seed), never on threads or chunking.
+    ``out.fleet_min[i]``/``out.fleet_fresh[i]`` get the request's fleet
+    readings as ``replay/readings.py`` defines them (smallest fresh basic
+    waiting count of its fleet, -1 when none; fleet workers with one).
+    """
+    # numba's parfors do not see writes made through a tuple's array fields
+    # inside the parallel loop: every array the loop writes is unpacked here
+    block_lo = blocks.lo
+    ptrs = blocks.ptrs
+    tables = blocks.tables
+    inflights = blocks.inflights
+    out_i = out.ints
+    out_f = out.floats
+    fleet_min = out.fleet_min
+    fleet_fresh = out.fleet_fresh
+    acc = totals.acc
+    hist_wait = totals.hist_wait
+    hist_div = totals.hist_div
+    stats = totals.stats
+    n_blocks = block_lo.shape[0] - 1
+    n_workers = tables.shape[1]
+    fleet_off = fleets.offsets
+    max_fleet = 0
+    for m in range(fleet_off.shape[0] - 1):
+        max_fleet = max(max_fleet, fleet_off[m + 1] - fleet_off[m])
+    n_groups = plan.n_groups
+    memo_size = n_groups * (max_fleet + 2) * 3
+    n_cfg = plan.group.shape[0]
+    width = max(n_workers, max_matches, n_cfg, 1) + 1
+    has_selected = req.selected_worker.shape[0] > 0
+    for b in numba.prange(n_blocks):
+        table = tables[b]
+        inflight = inflights[b]
+        ptr = ptrs[b]
+        snap = np.zeros((n_workers, S_NCOLS), dtype=np.int64)
+        est = np.full(n_workers, np.nan)
+        oldest = np.zeros(n_workers, dtype=np.int64)
+        dirty = np.ones(n_workers, dtype=np.bool_)
+        group_rep = np.full(n_groups, -1, dtype=np.int64)
+        for c in range(n_cfg):
+            if group_rep[plan.group[c]] < 0:
+                group_rep[plan.group[c]] = c
+        sc = Scratch(
+            np.full(memo_size, -1, dtype=np.int64),
+            np.zeros(plan.lim_vals.shape[0], dtype=np.int64),
+            np.zeros(plan.fl_vals.shape[0], dtype=np.int64),
+            np.zeros(max(max_fleet, 1), dtype=np.int64),
+            np.zeros(A_NCOLS, dtype=np.int64),
+            np.zeros((8, width), dtype=np.int64),
+            np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
+            np.zeros(n_groups, dtype=np.int64),
+            group_rep,
+            np.zeros((n_groups, plan.lim_vals.shape[0]), dtype=np.bool_),
+            np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
+            np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
+            np.zeros(n_workers, dtype=np.bool_),
+            np.zeros((O_NCOLS, n_cfg), dtype=np.int64),
+            np.zeros((F_NCOLS, n_cfg), dtype=np.float64),
+            np.zeros(n_cfg, dtype=np.int64),
+        )
+        s_rung = 0
+        s_ladder = 0
+        for i in range(block_lo[b], block_lo[b + 1]):
+            now = req.ts[i]
+            ptr = advance_dirty_nb(ptr, now, loads, dp_size, table, inflight, dirty)
+            refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
+            mdl = req.model[i]
+            fleet = fleets.workers[fleet_off[mdl]:fleet_off[mdl + 1]]
+            lo = matches.offsets[i]
+            hi = matches.offsets[i + 1]
+            n_rung, n_ladder = _decide_request(
+                req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
+                matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
+                knobs, plan, seed, sc)
+            s_rung += n_rung
+            s_ladder += n_ladder
+            fleet_min[i], fleet_fresh[i] = fleet_reading_nb(snap, fleet)
+            sel = req.selected_worker[i] if has_selected else -1
+            accumulate_request_nb(layout_acc(acc, hist_wait, hist_div, stats), b, sc.res_i, sc.res_f, sc.src_of, plan.parent,
+                                  req.query_blocks[i], sel)
+            if keep:
+                for c in range(n_cfg):
+                    src = sc.src_of[c]
+                    for col in range(O_NCOLS):
+                        out_i[col, i, c] = sc.res_i[col, src]
+                    for col in range(F_NCOLS):
+                        out_f[col, i, c] = sc.res_f[col, src]
+        n_sel = 0
+        if has_selected:
+            for i in range(block_lo[b], block_lo[b + 1]):
+                n_sel += req.selected_worker[i] >= 0
+        book_block_constants_nb(acc, b, plan.parent, block_lo[b + 1] - block_lo[b], n_sel)
+        stats[b, 0] += s_rung  # once per block: neighbouring blocks share a cache line
+        stats[b, 1] += s_ladder
+        ptrs[b] = ptr
