@@ -154,6 +154,27 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     res_f = sc.res_f
     audit = sc.audit
     scratch_i = sc.ints
+    cands = sc.cands
+    group_n = sc.group_n
+    group_rep = sc.group_rep
+    gated_any = sc.gated_any
+    ladder_w = sc.ladder_w
+    ladder_r = sc.ladder_r
+    src_of = sc.src_of
+    seen = sc.seen
+    group = plan.group
+    cfg_li = plan.li
+    cfg_fi = plan.fi
+    # (array fields read in the loops below are unpacked once: cheaper than a
+    # tuple field access per config)
+    k_limit = knobs.worker_queue_limit
+    k_floor = knobs.saturation_queue_floor
+    k_choices = knobs.min_load_choices
+    k_margin = knobs.cache_switch_margin_tokens
+    k_guard = knobs.pressure_guard
+    k_abs_tokens = knobs.pressure_abs_threshold_tokens
+    k_abs_ms = knobs.pressure_abs_threshold_ms
+    k_rel = knobs.pressure_rel_threshold
     # limit classes: number of fresh fleet workers reading below the limit;
     # floor classes: unset, nobody fresh below it, somebody fresh below it
     big = np.int64(1) << 62
@@ -181,8 +202,8 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     # candidates once per knob group; whether a limit gates any of them (when
     # none is gated, neither the fell-back tier nor the pin can fire, so the
     # floor cannot change the outcome)
-    for g in range(sc.group_n.shape[0]):
-        c0 = sc.group_rep[g]
+    for g in range(group_n.shape[0]):
+        c0 = group_rep[g]
         n = 0
         if has_signal and m_worker.shape[0] > 0:
             n = prepare_candidates_nb(L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
@@ -191,59 +212,59 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                                       knobs.cache_candidate_min_workers[c0],
                                       knobs.cache_candidate_ratio[c0],
                                       knobs.cache_candidate_max_workers[c0],
-                                      sc.seen, sc.cands[g], scratch_i[0])
-        sc.group_n[g] = n
+                                      seen, cands[g], scratch_i[0])
+        group_n[g] = n
         for j in range(lim_vals.shape[0]):
             lim = lim_vals[j]
             gated = False
             if lim >= 0:
                 for t in range(n):
-                    w = sc.cands[g, t, C_WORKER]
+                    w = cands[g, t, C_WORKER]
                     if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] >= lim:
                         gated = True
                         break
-            sc.gated_any[g, j] = gated
+            gated_any[g, j] = gated
     width = n_fleet + 2
     used = 0
     n_ladder = 0
     for c in range(n_cfg):
-        g = plan.group[c]
-        li = plan.li[c]
-        fc = fclass[plan.fi[c]] if sc.gated_any[g, li] else 0
+        g = group[c]
+        li = cfg_li[c]
+        fc = fclass[cfg_fi[c]] if gated_any[g, li] else 0
         key = (g * width + lclass[li]) * 3 + fc
         src = memo[key]
         if src >= 0:
-            sc.src_of[c] = src
+            src_of[c] = src
             continue
         memo[key] = c
-        sc.src_of[c] = c
+        src_of[c] = c
         scratch_i[6, used] = key
         used += 1
-        cand = sc.cands[g]
-        lim = knobs.worker_queue_limit[c]
+        cand = cands[g]
+        lim = k_limit[c]
         all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lclass[li] == 1
         w, reason, decision = cache_rung_with_nb(
-            sc.group_n[g], cand, L, snap, est, lim, knobs.saturation_queue_floor[c],
-            knobs.cache_switch_margin_tokens[c], knobs.pressure_guard[c] == 1,
-            knobs.pressure_abs_threshold_tokens[c], knobs.pressure_abs_threshold_ms[c],
-            knobs.pressure_rel_threshold[c], audit, scratch_i, all_queued,
-            fclass[plan.fi[c]] == 2)
+            group_n[g], cand, L, snap, est, lim, k_floor[c],
+            k_margin[c], k_guard[c] == 1,
+            k_abs_tokens[c], k_abs_ms[c],
+            k_rel[c], audit, scratch_i, all_queued,
+            fclass[cfg_fi[c]] == 2)
         failure = -1
         if w < 0:
             # the domain rungs depend on (group, limit class) only: computed once
             lk = g * width + lclass[li]
-            if sc.ladder_w[lk] == -2:
-                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, knobs.min_load_choices[c], seed,
+            if ladder_w[lk] == -2:
+                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, k_choices[c], seed,
                                          req_index, scratch_i)
-                sc.ladder_w[lk] = lw
-                sc.ladder_r[lk] = lr
+                ladder_w[lk] = lw
+                ladder_r[lk] = lr
                 scratch_i[7, n_ladder] = lk
                 n_ladder += 1
-            w = sc.ladder_w[lk]
-            reason = sc.ladder_r[lk]
+            w = ladder_w[lk]
+            reason = ladder_r[lk]
             if w < 0:
                 decision = -1
-                failure = failure_of_nb(sc.group_n[g] > 0, n_fleet)
+                failure = failure_of_nb(group_n[g] > 0, n_fleet)
         row = res_i[:, c]
         row[O_WORKER] = w
         row[O_REASON] = reason
@@ -277,7 +298,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     for u in range(used):
         memo[scratch_i[6, u]] = -1
     for u in range(n_ladder):
-        sc.ladder_w[scratch_i[7, u]] = -2
+        ladder_w[scratch_i[7, u]] = -2
     return used, n_ladder
 
 
@@ -330,6 +351,13 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     n_cfg = plan.group.shape[0]
     width = max(n_workers, max_matches, n_cfg, 1) + 1
     has_selected = req.selected_worker.shape[0] > 0
+    req_ts = req.ts
+    req_model = req.model
+    req_selected = req.selected_worker
+    req_qb = req.query_blocks
+    m_off = matches.offsets
+    fleet_w = fleets.workers
+    parent = plan.parent
     for b in numba.prange(n_blocks):
         table = tables[b]
         inflight = inflights[b]
@@ -360,16 +388,17 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros((F_NCOLS, n_cfg), dtype=np.float64),
             np.zeros(n_cfg, dtype=np.int64),
         )
+        block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
         s_ladder = 0
         for i in range(block_lo[b], block_lo[b + 1]):
-            now = req.ts[i]
+            now = req_ts[i]
             ptr = advance_dirty_nb(ptr, now, loads, dp_size, table, inflight, dirty)
             refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
-            mdl = req.model[i]
-            fleet = fleets.workers[fleet_off[mdl]:fleet_off[mdl + 1]]
-            lo = matches.offsets[i]
-            hi = matches.offsets[i + 1]
+            mdl = req_model[i]
+            fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
+            lo = m_off[i]
+            hi = m_off[i + 1]
             n_rung, n_ladder = _decide_request(
                 req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
                 matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
@@ -377,9 +406,9 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             s_rung += n_rung
             s_ladder += n_ladder
             fleet_min[i], fleet_fresh[i] = fleet_reading_nb(snap, fleet)
-            sel = req.selected_worker[i] if has_selected else -1
-            accumulate_request_nb(layout_acc(acc, hist_wait, hist_div, stats), b, sc.res_i, sc.res_f, sc.src_of, plan.parent,
-                                  req.query_blocks[i], sel)
+            sel = req_selected[i] if has_selected else -1
+            accumulate_request_nb(block_totals, b, sc.res_i, sc.res_f, sc.src_of, parent,
+                                  req_qb[i], sel)
             if keep:
                 for c in range(n_cfg):
                     src = sc.src_of[c]
@@ -390,8 +419,8 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
         n_sel = 0
         if has_selected:
             for i in range(block_lo[b], block_lo[b + 1]):
-                n_sel += req.selected_worker[i] >= 0
-        book_block_constants_nb(acc, b, plan.parent, block_lo[b + 1] - block_lo[b], n_sel)
+                n_sel += req_selected[i] >= 0
+        book_block_constants_nb(acc, b, parent, block_lo[b + 1] - block_lo[b], n_sel)
         stats[b, 0] += s_rung  # once per block: neighbouring blocks share a cache line
         stats[b, 1] += s_ladder
         ptrs[b] = ptr
