@@ -582,6 +582,10 @@ class CacheResolution:
     fleet_all_queued: bool = False
     pressure_guard_compared_pairs: int = 0
     pressure_guard_overrides: int = 0
+    # replay-only (the locality waterfall): capped matched blocks of the deepest
+    # candidate of each set; "pin_pool" only when the pin ran
+    depths: dict = field(default_factory=lambda: dict.fromkeys(
+        ("prepared", "evaluated", "admitted", "pin_pool"), 0))
 
     @property
     def audit(self) -> tuple:
@@ -680,6 +684,9 @@ def resolve_cache_candidates(
         queue_gate_fell_back=fell_back,
         fleet_all_queued=all_queued,
     )
+    res.depths["prepared"] = max((c.matched_blocks for c in candidates), default=0)
+    res.depths["evaluated"] = max((c.matched_blocks for c in evaluated), default=0)
+    res.depths["admitted"] = max((c.matched_blocks for c in admitted), default=0)
     # 3.6: work floor = first admitted candidate with minimal E.
     work_floor: Optional[Candidate] = None
     for c in admitted:
@@ -688,6 +695,8 @@ def resolve_cache_candidates(
     if work_floor is None:
         if rejected and floor is not None and not any_fresh_queue_below(snapshot, fleet, floor):
             pin_loads = CandidateLoads(snapshot, [c.worker for c in rejected])
+            res.depths["pin_pool"] = max((c.matched_blocks for c in rejected
+                                          if is_cache_candidate_admitted(c, L, snapshot)), default=0)
             target: Optional[Candidate] = None
             for c in rejected:
                 if not is_cache_candidate_admitted(c, L, snapshot):
@@ -1217,6 +1226,38 @@ def replay(
     return out
 
 
+def locality_waterfall(matched: int, selected: int, reason: int,
+                       resolution: Optional[CacheResolution]) -> dict[str, int]:
+    """Where a routed decision's matched blocks went (docs/replay-model.md,
+    "Where locality goes"): blocks lost per step of ``labels.LOSS_STEPS``,
+    adding up to ``matched - selected``.
+
+    The blocks walk down a chain of depths, one per step that narrows the
+    owners the decision could still reach; each depth is clamped to
+    [selected, the level before], and a step loses the drop it causes.
+    """
+    lost = dict.fromkeys(labels.LOSS_STEPS, 0)
+    if matched <= 0:
+        return lost
+    if resolution is None:  # no proposal: the domain rungs chose
+        lost["fallback"] = matched - selected
+        return lost
+    d = resolution.depths
+    if reason == labels.SATURATION_PIN:
+        # the pin considers the gated owners again: the gate loses nothing
+        chain = [("candidates", d["prepared"]), ("capacity", d["pin_pool"]), ("pin", selected)]
+    else:
+        chooser = "tournament" if reason == labels.CACHE_CANDIDATE else "fallback"
+        chain = [("candidates", d["prepared"]), ("queue_gate", d["evaluated"]),
+                 ("capacity", d["admitted"]), (chooser, selected)]
+    level = matched
+    for step, depth in chain:
+        below = min(level, max(depth, selected))
+        lost[step] += level - below
+        level = below
+    return lost
+
+
 def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[PrefixSignal], snap: Snapshot) -> None:
     res = sel.resolution
     if res is not None:
@@ -1247,6 +1288,11 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[P
     out["decision"][i, c] = sel.decision
     if triple is not None:
         out["selected_blocks"][i, c] = triple[2]
+        lost = locality_waterfall(triple[1], triple[2], sel.reason, res)
+        for step in ("candidates", "queue_gate", "capacity"):
+            out[f"lost_{step}"][i, c] = lost[step]
+        out["lost_to"][i, c] = next((k for k, step in enumerate(labels.LOSS_STEPS) if lost[step] > 0),
+                                    labels.NO_LOSS)
     out["uncached_tokens"][i, c] = selected_uncached_tokens(L, signal, w)
     b = snap.basic_of(w)
     if b is not None:

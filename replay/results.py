@@ -97,6 +97,9 @@ class Accumulator:
         for b, bound in enumerate(labels.DIVERTED_BUCKETS):
             cols[f"diverted_overlap_le_{bound}"] = hist_div[:, b]
         cols["diverted_overlap_le_inf"] = hist_div[:, -1]
+        # the locality waterfall: matched_blocks - sum(lost_*) == selected_blocks
+        for step in labels.LOSS_STEPS:
+            cols[f"lost_{step}"] = a[:, ACC[f"lost_{step}"]]
         if has_selected:
             cols["agreement"] = ratio(a[:, ACC["agree"]], a[:, ACC["agree_known"]])
             cols["agreement_requests"] = a[:, ACC["agree_known"]]
@@ -153,6 +156,7 @@ class DecisionWriter:
         self.decisions = pa.array(labels.DECISIONS, type=pa.string())
         self.failures = pa.array(labels.FAILURES, type=pa.string())
         self.sources = pa.array(labels.PRESSURE_SOURCES, type=pa.string())
+        self.loss_steps = pa.array(labels.LOSS_STEPS, type=pa.string())
         self.writer: pq.ParquetWriter | None = None
         self.rows = 0
         self.closed = False
@@ -183,6 +187,7 @@ class DecisionWriter:
         qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
                         0).astype(np.int64)
         ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
+        failed = o[kl.O_WORKER] < 0
 
         def i32(col):
             return pa.array(o[col].astype(np.int32))
@@ -211,6 +216,13 @@ class DecisionWriter:
             "pressure_source": self._labels(self.sources, o[kl.O_PRESSURE_SOURCE]),
             "guard_compared": i32(kl.O_GUARD_COMPARED),
             "guard_overrides": i32(kl.O_GUARD_OVERRIDES),
+            # the locality waterfall's drill-down: blocks a routed decision gave away, and where first
+            # (the choosing step's term is the rest: blocks_lost minus these three; fields.waterfall_terms)
+            "blocks_lost": pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed),
+            "lost_to": self._labels(self.loss_steps, o[kl.O_LOST_TO]),
+            "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
+            "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
+            "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
         })
         if self.writer is None:
             # Dictionary columns are written as plain Parquet strings (dictionary

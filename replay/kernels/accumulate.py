@@ -29,6 +29,9 @@ from .layout import (
     O_GATE_REJECTED,
     O_GUARD_COMPARED,
     O_GUARD_OVERRIDES,
+    O_LOST_CANDIDATES,
+    O_LOST_CAPACITY,
+    O_LOST_QUEUE_GATE,
     O_MATCHED_BLOCKS,
     O_POLICY_REASON,
     O_PRESSURE_SOURCE,
@@ -69,6 +72,13 @@ _OVERRIDES = ACC["guard_overrides"]
 _EVAL = ACC["admission_evaluated"]
 _ADM_REJ = ACC["admission_rejected"]
 _GATE_REJ = ACC["gate_rejected"]
+_LOST_CANDIDATES = ACC["lost_candidates"]
+_LOST_GATE = ACC["lost_queue_gate"]
+_LOST_CAPACITY = ACC["lost_capacity"]
+_LOST_PIN = ACC["lost_pin"]
+_LOST_TOURNAMENT = ACC["lost_tournament"]
+_LOST_FALLBACK = ACC["lost_fallback"]
+_CANDIDATE = labels.CACHE_CANDIDATE
 _PIN = labels.SATURATION_PIN
 _WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
 _N_BOUNDS = len(labels.DIVERTED_BUCKETS)
@@ -113,6 +123,21 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
         a[_OWNER_CHANCES, c] += sign
         if sel > 0:
             a[_OWNER_HITS, c] += sign
+        # the waterfall: three stored terms, the choosing step keeps the rest
+        lc = res_i[O_LOST_CANDIDATES, k]
+        lg = res_i[O_LOST_QUEUE_GATE, k]
+        lcap = res_i[O_LOST_CAPACITY, k]
+        a[_LOST_CANDIDATES, c] += sign * lc
+        a[_LOST_GATE, c] += sign * lg
+        a[_LOST_CAPACITY, c] += sign * lcap
+        rest = matched - sel - lc - lg - lcap
+        reason = res_i[O_REASON, k]
+        if reason == _PIN:
+            a[_LOST_PIN, c] += sign * rest
+        elif reason == _CANDIDATE:
+            a[_LOST_TOURNAMENT, c] += sign * rest
+        else:
+            a[_LOST_FALLBACK, c] += sign * rest
     a[_COLD, c] += sign * (res_i[O_UNCACHED_TOKENS, k])
     sw = res_i[O_SELECTED_WAITING, k]
     if sw >= 0:

@@ -48,6 +48,13 @@ FAIL_EMPTY = labels.FAIL_PROPOSAL_EMPTY
 SRC_MS = labels.SRC_ESTIMATED_MS
 SRC_TOKENS = labels.SRC_NATIVE_TOKENS
 SRC_LOCAL = labels.SRC_ROUTER_LOCAL
+NO_LOSS = labels.NO_LOSS
+LOST_CANDIDATES = labels.LOST_CANDIDATES
+LOST_QUEUE_GATE = labels.LOST_QUEUE_GATE
+LOST_CAPACITY = labels.LOST_CAPACITY
+LOST_PIN = labels.LOST_PIN
+LOST_TOURNAMENT = labels.LOST_TOURNAMENT
+LOST_FALLBACK = labels.LOST_FALLBACK
 
 # Candidate table columns (int64), one row per prepared candidate.
 C_WORKER = 0
@@ -69,7 +76,13 @@ A_ALL_QUEUED = 7
 A_COMPARED = 8
 A_OVERRIDES = 9
 A_SOURCE = 10
-A_NCOLS = 11
+# depths (capped matched blocks) of the deepest candidate of each set, for the
+# locality waterfall: prepared, gate-evaluated, capacity-admitted, pin pool
+A_DEPTH_PREPARED = 11
+A_DEPTH_EVALUATED = 12
+A_DEPTH_ADMITTED = 13
+A_DEPTH_PIN_POOL = 14
+A_NCOLS = 15
 
 
 # ---------------------------------------------------------------------------
@@ -366,6 +379,10 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     n_ev = 0
     n_rj = 0
     best_rej = 0
+    depth = 0
+    for i in range(n):
+        depth = max(depth, cand[i, C_BLOCKS])
+    audit[A_DEPTH_PREPARED] = depth
     for i in range(n):
         w = cand[i, C_WORKER]
         if gate_admits_nb(snap, w, limit):
@@ -393,12 +410,18 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     engine, all_est = set_coverage_nb(snap, est, tmp, n_ev)
     audit[A_SOURCE] = pressure_source_nb(engine, all_est)
     n_adm = 0
+    d_ev = 0
+    d_adm = 0
     for k in range(n_ev):
         i = ev[k]
+        d_ev = max(d_ev, cand[i, C_BLOCKS])
         if cache_candidate_admitted_nb(snap, cand[i, C_WORKER], L, cand[i, C_E], cand[i, C_BUDGET]):
             adm[n_adm] = i
             n_adm += 1
+            d_adm = max(d_adm, cand[i, C_BLOCKS])
     audit[A_ADM_REJECTED] = n_ev - n_adm
+    audit[A_DEPTH_EVALUATED] = d_ev
+    audit[A_DEPTH_ADMITTED] = d_adm
     if n_adm == 0:
         # 3.6 saturation pin
         if n_rj > 0 and floor >= 0 and not any_below:
@@ -411,6 +434,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
                 w = cand[i, C_WORKER]
                 if not cache_candidate_admitted_nb(snap, w, L, cand[i, C_E], cand[i, C_BUDGET]):
                     continue
+                audit[A_DEPTH_PIN_POOL] = max(audit[A_DEPTH_PIN_POOL], cand[i, C_BLOCKS])
                 if best < 0:
                     best = w
                     continue
@@ -586,6 +610,60 @@ def locality_nb(L, query_blocks, best_prefix, m_worker, m_blocks, w):
             break
     H = estimate_matched_tokens_nb(L, blocks, query_blocks)
     return query_blocks, matched, min(blocks, matched), max(L - H, 0)
+
+
+# ---------------------------------------------------------------------------
+# The locality waterfall (docs/replay-model.md "Where locality goes")
+@njit
+def waterfall_nb(matched, selected, reason, audit):
+    """(lost_candidates, lost_queue_gate, lost_capacity, lost_to) of a routed decision.
+
+    ``matched``/``selected`` are its locality blocks, ``reason`` its DecisionReason
+    and ``audit`` its cache resolution's (A_REASON = -2 when none ran).  The
+    chain of depths from ``matched`` down to ``selected`` runs through the
+    deepest prepared, gate-evaluated and admitted candidate (the pin: the deepest
+    of its pool), each clamped to [selected, previous]; a term is the drop at
+    its step, and the step that chose the worker (pin, tournament or fallback
+    ladder) keeps the rest, so the terms add up to ``matched - selected``.
+    """
+    if matched <= 0:
+        return 0, 0, 0, NO_LOSS
+    cands = 0
+    gate = 0
+    capacity = 0
+    last = 0  # the choosing step's loss
+    last_step = LOST_FALLBACK
+    if audit[A_REASON] == -2:
+        # no proposal: the domain rungs chose
+        last = matched - selected
+    else:
+        x1 = min(matched, max(audit[A_DEPTH_PREPARED], selected))
+        cands = matched - x1
+        if reason == SATURATION_PIN:
+            # the pin re-admits gated owners: no gate loss; capacity, then the pin's order
+            x2 = min(x1, max(audit[A_DEPTH_PIN_POOL], selected))
+            capacity = x1 - x2
+            last = x2 - selected
+            last_step = LOST_PIN
+        else:
+            x2 = min(x1, max(audit[A_DEPTH_EVALUATED], selected))
+            x3 = min(x2, max(audit[A_DEPTH_ADMITTED], selected))
+            gate = x1 - x2
+            capacity = x2 - x3
+            last = x3 - selected
+            if reason == CACHE_CANDIDATE:
+                last_step = LOST_TOURNAMENT
+    if cands > 0:
+        first = LOST_CANDIDATES
+    elif gate > 0:
+        first = LOST_QUEUE_GATE
+    elif capacity > 0:
+        first = LOST_CAPACITY
+    elif last > 0:
+        first = last_step
+    else:
+        first = NO_LOSS
+    return cands, gate, capacity, first
 
 
 # ---------------------------------------------------------------------------

@@ -144,6 +144,7 @@ ACC_NAMES = (
     "queue_ms_known", "queue_us_sum", "cold_prefill_tokens", "agree", "agree_known",
     "guard_compared", "guard_overrides", "admission_evaluated", "admission_rejected",
     "gate_rejected",
+    *(f"lost_{step}" for step in labels.LOSS_STEPS),
 )
 ACC = {name: i for i, name in enumerate(ACC_NAMES)}
 N_ACC = len(ACC_NAMES)

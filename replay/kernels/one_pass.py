@@ -42,6 +42,7 @@ from .decide import (
     failure_of_nb,
     locality_nb,
     prepare_candidates_nb,
+    waterfall_nb,
 )
 from .layout import Accumulators as layout_acc
 from .layout import (
@@ -57,6 +58,10 @@ from .layout import (
     O_GATE_REJECTED,
     O_GUARD_COMPARED,
     O_GUARD_OVERRIDES,
+    O_LOST_CANDIDATES,
+    O_LOST_CAPACITY,
+    O_LOST_QUEUE_GATE,
+    O_LOST_TO,
     O_MATCHED_BLOCKS,
     O_NCOLS,
     O_POLICY_REASON,
@@ -286,12 +291,18 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
             row[O_SELECTED_BLOCKS] = sel_blocks
             row[O_UNCACHED_TOKENS] = uncached
+            (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
+             row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
             row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
             row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
             res_f[F_SELECTED_QUEUE_MS, c] = est[w]
         else:
             row[O_SELECTED_BLOCKS] = 0
             row[O_UNCACHED_TOKENS] = -1
+            row[O_LOST_CANDIDATES] = 0
+            row[O_LOST_QUEUE_GATE] = 0
+            row[O_LOST_CAPACITY] = 0
+            row[O_LOST_TO] = -1
             row[O_SELECTED_WAITING] = -1
             row[O_SELECTED_WAITING_UNCACHED] = -1
             res_f[F_SELECTED_QUEUE_MS, c] = np.nan
