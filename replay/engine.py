@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .config import RouterConfig
+from .config import KNOBS, RouterConfig
 from .fields import DECISION_FIELDS, empty_decisions
 from .kernels import accumulate as kacc
 from .kernels import layout, one_pass
@@ -71,8 +71,11 @@ def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
         if key in last:
             parent[c] = last[key]
         last[key] = c
+    per_worker = bool((knobs.variant_floor_scaling
+                       == KNOBS["variant_floor_scaling"].choices.index("per-worker")).any())
     plan = layout.GridPlan(group, li, fi, np.array(lim_list or [-1], dtype=np.int64),
-                           np.array(fl_list or [-1], dtype=np.int64), parent, max(len(groups), 1))
+                           np.array(fl_list or [-1], dtype=np.int64), parent, max(len(groups), 1),
+                           per_worker)
     return EncodedConfigs(knobs, plan)
 
 

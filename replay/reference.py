@@ -85,6 +85,7 @@ class BasicLoad:
     num_tokens: int
     max_total_num_tokens: int
     captured_at: int               # oldest rank timestamp
+    ranks: int = 1                 # required ranks summed (the per-worker floor-scaling variant)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class LoadTable:
             num_tokens=sum(e.sample.num_tokens for e in entries),
             max_total_num_tokens=sum(e.sample.max_total_num_tokens for e in entries),
             captured_at=min(e.at for e in entries),
+            ranks=len(entries),
         )
 
     def fresh_native_load(self, worker: Worker, now: int) -> Optional[NativeLoad]:
@@ -286,14 +288,37 @@ class LoadTable:
 # =============================================================================
 
 
-def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit: Optional[int]) -> bool:
+@dataclass(frozen=True)
+class PerRank:
+    """A limit or floor under the ``--floor-scaling per-worker`` policy variant
+    (docs/replay-model.md, "Policy variants"; not router behaviour): a per-rank
+    value, each worker's bound being ``value x its dp_size`` (its required ranks)."""
+
+    value: int
+
+
+def threshold_for(bound, basic: BasicLoad) -> int:
+    """The bound a worker's fresh waiting count is compared with: the router's
+    fleet value, or a :class:`PerRank` value times the worker's own ranks."""
+    return bound.value * basic.ranks if isinstance(bound, PerRank) else bound
+
+
+def gate_bounds(cfg: RouterConfig) -> tuple:
+    """(limit, floor) of a config as the gate and the pin compare them."""
+    limit, floor = cfg.worker_queue_limit, cfg.saturation_queue_floor
+    if cfg.variant_floor_scaling == "per-worker":
+        return (None if limit is None else PerRank(limit)), (None if floor is None else PerRank(floor))
+    return limit, floor
+
+
+def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit) -> bool:
     """Section 3.1: admit iff no limit, no fresh basic sample (fail-open), or waiting < limit."""
     if limit is None:
         return True
     basic = snapshot.basic_of(worker) if snapshot is not None else None
     if basic is None:
         return True
-    return basic.waiting < limit
+    return basic.waiting < threshold_for(limit, basic)
 
 
 def fleet_is_all_queued(snapshot: Optional[Snapshot], fleet: Sequence[Worker], limit: Optional[int]) -> bool:
@@ -309,7 +334,7 @@ def any_fresh_queue_below(snapshot: Optional[Snapshot], fleet: Sequence[Worker],
         return False
     for w in fleet:
         b = snapshot.basic_of(w)
-        if b is not None and b.waiting < floor:
+        if b is not None and b.waiting < threshold_for(floor, b):
             return True
     return False
 
@@ -658,8 +683,7 @@ def resolve_cache_candidates(
     cfg: RouterConfig,
 ) -> CacheResolution:
     """Section 3: gate pass, fell-back tier, admission, pin, tournament."""
-    limit = cfg.worker_queue_limit
-    floor = cfg.saturation_queue_floor
+    limit, floor = gate_bounds(cfg)
     # 3.2: computed once per resolution.
     all_queued = fleet_is_all_queued(snapshot, fleet, limit)
     # 3.3: gate pass in seed order.
@@ -710,6 +734,10 @@ def resolve_cache_candidates(
                 k = pin_loads.compare_prefill_pressure(target.worker, c.worker)
                 if k == 0:
                     k = _cmp(target.worker, c.worker)
+                if cfg.variant_pin_order == "locality":
+                    # policy variant (not router behaviour): deepest match first,
+                    # then the order above
+                    k = _cmp(c.matched_blocks, target.matched_blocks) or k
                 if k > 0:
                     target = c
             if target is not None:
@@ -1100,7 +1128,7 @@ def select_prefill(
         failure = labels.FAIL_CACHE_CANDIDATES_EXHAUSTED
     # Step 2: domain rungs, two passes (affinity lookup disabled -> pair proposals).
     k = cfg.min_load_choices
-    limit = cfg.worker_queue_limit
+    limit, _floor = gate_bounds(cfg)
     for allow_capacity in (False, True):
         for dom in prefill_domains(fleet):
             pair = propose_k_with_snapshot(dom.workers, snapshot, k, limit, rng)

@@ -106,7 +106,7 @@ class Accumulator:
         return pl.DataFrame(cols, schema_overrides=_summary_dtypes(cols), strict=False)
 
 
-_KIND_DTYPE = {"int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean}
+_KIND_DTYPE = {"int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean, "choice": pl.String}
 _INT_SUMMARY = ("config_id", "dp_size", "per_rank_limit", "per_rank_floor",
                 "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_max_bucket")
 

@@ -249,7 +249,7 @@ def resolve_cache(cand, n: int, L: int, snap, est, fleet_ids, kn: Knobs):
     m = max(n, 1)
     ev, rj, adm, tmp = (np.zeros(m, dtype=np.int64) for _ in range(4))
     w = kd.resolve_cache_nb(cand, int(n), int(L), snap, est, fleet_ids, kn.limit, kn.floor, kn.margin,
-                            kn.guard, kn.abs_tokens, kn.abs_ms, kn.rel, audit, ev, rj, adm, tmp)
+                            kn.guard, kn.abs_tokens, kn.abs_ms, kn.rel, audit, ev, rj, adm, tmp, S_WAITING, False)
     assert w == audit[kd.A_SELECTED]
     return int(w), audit
 
@@ -264,7 +264,7 @@ def sample_pair(snap, est, workers, k: int, limit: int, seed: int, req_index: in
     m = max(snap.shape[0], workers.shape[0], 1)
     pool = np.zeros(m, dtype=np.int64)
     idx = np.zeros(m, dtype=np.int64)
-    b, r, d = kd.sample_pair_nb(snap, est, workers, int(k), int(limit), int(seed), int(req_index),
+    b, r, d = kd.sample_pair_nb(snap, est, workers, int(k), int(limit), S_WAITING, int(seed), int(req_index),
                                 int(draw), pool, idx)
     return int(b), int(r), int(d)
 
@@ -272,7 +272,8 @@ def sample_pair(snap, est, workers, k: int, limit: int, seed: int, req_index: in
 def resolve_admitted(snap, est, primary: int, backup: int, legal, L: int, limit: int):
     """resolve_admitted_nb -> (worker, reason) or (-1, -1)."""
     pool = np.zeros(max(snap.shape[0], legal.shape[0], 1), dtype=np.int64)
-    w, r = kd.resolve_admitted_nb(snap, est, int(primary), int(backup), legal, int(L), int(limit), pool)
+    w, r = kd.resolve_admitted_nb(snap, est, int(primary), int(backup), legal, int(L), int(limit),
+                                  S_WAITING, pool)
     return int(w), int(r)
 
 

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from .. import labels
+from ..config import KNOBS
 from ._jit import njit
 from .rng import draw_nb
 from .snapshot import (
@@ -28,6 +29,7 @@ from .snapshot import (
     S_RUNNING,
     S_TOTAL,
     S_WAITING,
+    S_WAITING_PER_RANK,
     S_WU,
 )
 
@@ -85,34 +87,51 @@ A_DEPTH_PIN_POOL = 14
 A_NCOLS = 15
 
 
+# Policy variants (docs/replay-model.md "Policy variants"): codes of the
+# ``choice`` knobs, their index in ``config.KNOBS[...].choices``.
+PIN_LOCALITY = KNOBS["variant_pin_order"].choices.index("locality")
+SCALING_PER_WORKER = KNOBS["variant_floor_scaling"].choices.index("per-worker")
+
+
+@njit
+def gate_column_nb(floor_scaling):
+    """The snapshot column the queue gate and the floor read under a floor-scaling code."""
+    return S_WAITING_PER_RANK if floor_scaling == SCALING_PER_WORKER else S_WAITING
+
+
 # ---------------------------------------------------------------------------
 # Section 3.1 / 3.2 / 3.6: queue readings
 @njit
-def gate_admits_nb(snap, w, limit):
-    """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit."""
+def gate_admits_nb(snap, w, limit, wcol):
+    """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit.
+
+    ``wcol`` is the snapshot column the gate reads: ``S_WAITING`` (the router's
+    fleet scaling) or ``S_WAITING_PER_RANK`` (the per-worker floor-scaling
+    variant: waiting < limit x dp_size  <=>  waiting // dp_size < limit).
+    """
     if limit < 0:
         return True
     if snap[w, S_BASIC] == 0:
         return True
-    return snap[w, S_WAITING] < limit
+    return snap[w, wcol] < limit
 
 
 @njit
-def fleet_all_queued_nb(snap, fleet, limit):
+def fleet_all_queued_nb(snap, fleet, limit, wcol):
     """fleet_is_all_queued (3.2): a limit, a non-empty fleet, every worker gated out."""
     if limit < 0 or fleet.shape[0] == 0:
         return False
     for w in fleet:
-        if gate_admits_nb(snap, w, limit):
+        if gate_admits_nb(snap, w, limit, wcol):
             return False
     return True
 
 
 @njit
-def any_fresh_queue_below_nb(snap, fleet, floor):
+def any_fresh_queue_below_nb(snap, fleet, floor, wcol):
     """any_fresh_queue_below (3.6): some fleet worker with a fresh basic sample reads waiting < floor."""
     for w in fleet:
-        if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] < floor:
+        if snap[w, S_BASIC] == 1 and snap[w, wcol] < floor:
             return True
     return False
 
@@ -351,7 +370,7 @@ def _tournament_cmp(snap, est, lw, le, rw, re, engine, margin, guard, abs_tokens
 # Section 3: resolve_cache_candidates
 @njit
 def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
-                     abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp):
+                     abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp, wcol, pin_locality):
     """Resolve prepared candidates ``cand[:n]``; write the audit; return the selected worker or -1.
 
     ``ev``, ``rj``, ``adm`` and ``tmp`` are int64 scratch vectors of length >= n
@@ -359,13 +378,14 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
     """
     return resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
                                  abs_ms, rel, audit, ev, rj, adm, tmp,
-                                 fleet_all_queued_nb(snap, fleet, limit),
-                                 floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
+                                 fleet_all_queued_nb(snap, fleet, limit, wcol),
+                                 floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor, wcol),
+                                 wcol, pin_locality)
 
 
 @njit
 def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                          rel, audit, ev, rj, adm, tmp, all_queued, any_below):
+                          rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality):
     """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
     the snapshot and the limit / floor: ``fleet_is_all_queued`` (3.2) and
     ``any_fresh_queue_below(floor)`` (3.6).  The grid pass computes them once per
@@ -385,7 +405,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     audit[A_DEPTH_PREPARED] = depth
     for i in range(n):
         w = cand[i, C_WORKER]
-        if gate_admits_nb(snap, w, limit):
+        if gate_admits_nb(snap, w, limit, wcol):
             ev[n_ev] = i
             n_ev += 1
         else:
@@ -429,6 +449,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
                 tmp[k] = cand[rj[k], C_WORKER]
             pin_engine, _unused = set_coverage_nb(snap, est, tmp, n_rj)
             best = -1
+            best_i = -1
             for k in range(n_rj):
                 i = rj[k]
                 w = cand[i, C_WORKER]
@@ -437,10 +458,19 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
                 audit[A_DEPTH_PIN_POOL] = max(audit[A_DEPTH_PIN_POOL], cand[i, C_BLOCKS])
                 if best < 0:
                     best = w
+                    best_i = i
                     continue
+                if pin_locality:
+                    # variant --pin-order locality: deepest match first, then pressure, then id
+                    if cand[i, C_BLOCKS] != cand[best_i, C_BLOCKS]:
+                        if cand[i, C_BLOCKS] > cand[best_i, C_BLOCKS]:
+                            best = w
+                            best_i = i
+                        continue
                 c = cmp_set_nb(snap, est, w, best, pin_engine)
                 if c < 0 or (c == 0 and w < best):
                     best = w
+                    best_i = i
             if best >= 0:
                 audit[A_SELECTED] = best
                 audit[A_REASON] = SATURATION_PIN
@@ -483,7 +513,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
 # ---------------------------------------------------------------------------
 # Section 4.2: the min-load sampler
 @njit
-def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, idx):
+def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, pool, idx):
     """best_two_of_sample over the queue-gate tier of ``workers``.
 
     Returns (best, runner_up, next_draw_index); best = -1 for an empty list.
@@ -491,7 +521,7 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
     m = 0
     if limit >= 0:
         for w in workers:
-            if gate_admits_nb(snap, w, limit):
+            if gate_admits_nb(snap, w, limit, wcol):
                 pool[m] = w
                 m += 1
     if m == 0:
@@ -561,18 +591,18 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
 # ---------------------------------------------------------------------------
 # Section 4.1: resolve_prefill_admitted (strict, with the two-tier range fallback)
 @njit
-def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, pool):
+def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, wcol, pool):
     """Returns (worker, reason) or (-1, -1)."""
-    p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit)
+    p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit, wcol)
     if p_ok:
         return primary, PRIMARY  # cache-aware pairs carry no guard hints: never BackupPressureGuard
-    if backup >= 0 and prefill_admitted_nb(snap, backup, L) and gate_admits_nb(snap, backup, limit):
+    if backup >= 0 and prefill_admitted_nb(snap, backup, L) and gate_admits_nb(snap, backup, limit, wcol):
         return backup, BACKUP_PRIMARY_ADMISSION
     # range fallback: tier 1 = capacity-admitted and gate-admitted; tier 2 = capacity-admitted
     m = 0
     if limit >= 0:
         for w in legal:
-            if prefill_admitted_nb(snap, w, L) and gate_admits_nb(snap, w, limit):
+            if prefill_admitted_nb(snap, w, L) and gate_admits_nb(snap, w, limit, wcol):
                 pool[m] = w
                 m += 1
     if m == 0:
@@ -704,22 +734,25 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
                               knobs.cache_switch_margin_tokens[c], knobs.pressure_guard[c] == 1,
                               knobs.pressure_abs_threshold_tokens[c],
                               knobs.pressure_abs_threshold_ms[c], knobs.pressure_rel_threshold[c],
-                              seed, req_index, audit, scratch_i)
+                              seed, req_index, audit, scratch_i,
+                              gate_column_nb(knobs.variant_floor_scaling[c]),
+                              knobs.variant_pin_order[c] == PIN_LOCALITY)
 
 
 @njit
 def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                  rel, audit, scratch_i):
+                  rel, audit, scratch_i, wcol, pin_locality):
     """Section 8's cache rung (see ``cache_rung_with_nb``)."""
     return cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens,
                               abs_ms, rel, audit, scratch_i,
-                              fleet_all_queued_nb(snap, fleet, limit),
-                              floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
+                              fleet_all_queued_nb(snap, fleet, limit, wcol),
+                              floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor, wcol),
+                              wcol, pin_locality)
 
 
 @njit
 def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                       rel, audit, scratch_i, all_queued, any_below):
+                       rel, audit, scratch_i, all_queued, any_below, wcol, pin_locality):
     """Section 8's cache rung: returns (worker, reason, label).
 
     ``worker == -1``: the rung yielded nothing and ``label`` is the
@@ -735,7 +768,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
         return -1, -1, CACHE_MISS
     w = resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
                               abs_ms, rel, audit, scratch_i[1], scratch_i[2], scratch_i[3],
-                              scratch_i[4], all_queued, any_below)
+                              scratch_i[4], all_queued, any_below, wcol, pin_locality)
     if w >= 0:
         reason = audit[A_REASON]
         if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:
@@ -746,7 +779,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
 
 
 @njit
-def domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i):
+def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i):
     """Section 4's domain rungs over the one global domain: (worker, reason).
 
     Pass 1 draws a pair for the strict resolution; pass 2 draws a fresh pair,
@@ -759,15 +792,15 @@ def domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i):
     pool = scratch_i[0]
     idx = scratch_i[5]
     draw = 0
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
     if w >= 0:
         return w, reason
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
     if w >= 0:
         return w, reason
-    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
     return w, CAPACITY_FALLBACK
 
 
@@ -781,17 +814,17 @@ def failure_of_nb(resolved, n_fleet):
 
 @njit
 def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
-                       abs_ms, rel, seed, req_index, audit, scratch_i):
+                       abs_ms, rel, seed, req_index, audit, scratch_i, wcol, pin_locality):
     """The ladder of ``select_prefill_nb`` after candidate preparation.
 
     ``cand[:n]`` are the prepared candidates in seed order; ``n == 0`` means no
     proposal (no signal, empty outcome, or no candidate survived).
     """
     w, reason, label = cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard,
-                                     abs_tokens, abs_ms, rel, audit, scratch_i)
+                                     abs_tokens, abs_ms, rel, audit, scratch_i, wcol, pin_locality)
     if w >= 0:
         return w, reason, label, -1
-    w, reason = domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i)
+    w, reason = domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i)
     if w >= 0:
         return w, reason, label, -1
     return -1, -1, -1, failure_of_nb(n > 0, fleet.shape[0])

@@ -77,14 +77,17 @@ def knob_arrays(rows: list[dict]) -> KnobArrays:
         for k in KNOB_NAMES))
 
 
-GridPlan = namedtuple("GridPlan", ("group", "li", "fi", "lim_vals", "fl_vals", "parent", "n_groups"),
-                      module=__name__)
+GridPlan = namedtuple("GridPlan", ("group", "li", "fi", "lim_vals", "fl_vals", "parent", "n_groups",
+                                   "per_worker"), module=__name__)
 GridPlan.__doc__ = """How the grid pass shares work between configs (``kernels/one_pass.py``).
 
 ``group[c]``: index of config ``c``'s group (its ``GROUP_KNOBS`` values);
 ``li[c]``/``fi[c]``: index of its limit / floor in ``lim_vals``/``fl_vals``
 (distinct values, -1 = None); ``parent[c]``: the previous config of its group
-and limit (``kernels/accumulate.py``); ``n_groups``: number of groups.
+and limit (``kernels/accumulate.py``); ``n_groups``: number of groups;
+``per_worker``: some config uses the per-worker floor-scaling variant (its
+gate reads another snapshot column, so its limit and floor classes are
+computed as well).
 """
 
 # ---------------------------------------------------------------------------

@@ -37,9 +37,11 @@ from .decide import (
     A_SOURCE,
     C_NCOLS,
     C_WORKER,
+    PIN_LOCALITY,
     cache_rung_with_nb,
     domain_rungs_nb,
     failure_of_nb,
+    gate_column_nb,
     locality_nb,
     prepare_candidates_nb,
     waterfall_nb,
@@ -78,6 +80,7 @@ from .snapshot import (
     S_NATIVE,
     S_NCOLS,
     S_WAITING,
+    S_WAITING_PER_RANK,
     S_WU,
     advance_dirty_nb,
     fleet_reading_nb,
@@ -91,9 +94,9 @@ _POLICY_OF_REASON = np.array([2, 0, 3, 4, 5, 6, 1], dtype=np.int64)
 # Per-block working memory of ``_decide_request`` (made once per block, reused per request).
 Scratch = namedtuple("Scratch", (
     "memo",        # int64[n_groups * (max_fleet + 2) * 3]: outcome key -> config column, -1 = none yet
-    "lclass",      # int64[lim_vals]: limit class of each distinct limit
-    "fclass",      # int64[fl_vals]: floor class of each distinct floor
-    "fleet_wait",  # int64[max_fleet]: fresh waiting count per fleet worker (huge when absent)
+    "lclass",      # int64[2, lim_vals]: limit class of each distinct limit (row: gate reading)
+    "fclass",      # int64[2, fl_vals]: floor class of each distinct floor
+    "fleet_wait",  # int64[2, max_fleet]: gate reading per fleet worker (huge when absent)
     "audit",       # int64[A_NCOLS]: the last cache resolution's audit
     "ints",        # int64[8, width]: scratch rows of decide.py, rows 6/7 the keys to reset
     "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
@@ -180,26 +183,34 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     k_abs_tokens = knobs.pressure_abs_threshold_tokens
     k_abs_ms = knobs.pressure_abs_threshold_ms
     k_rel = knobs.pressure_rel_threshold
+    k_scaling = knobs.variant_floor_scaling
+    k_pin_order = knobs.variant_pin_order
     # limit classes: number of fresh fleet workers reading below the limit;
-    # floor classes: unset, nobody fresh below it, somebody fresh below it
+    # floor classes: unset, nobody fresh below it, somebody fresh below it.
+    # Row 0 reads the router's fleet scaling (S_WAITING), row 1 the per-worker
+    # floor-scaling variant's per-rank reading (only when a config uses it).
     big = np.int64(1) << 62
     n_absent = 0
+    n_rows = 2 if plan.per_worker else 1
     for j in range(n_fleet):
         w = fleet[j]
         if snap[w, S_BASIC] == 1:
-            fleet_wait[j] = snap[w, S_WAITING]
+            fleet_wait[0, j] = snap[w, S_WAITING]
+            fleet_wait[1, j] = snap[w, S_WAITING_PER_RANK]
         else:
-            fleet_wait[j] = big
+            fleet_wait[0, j] = big
+            fleet_wait[1, j] = big
             n_absent += 1
-    for j in range(lim_vals.shape[0]):
-        lim = lim_vals[j]
-        lclass[j] = 0 if lim < 0 else _count_below(fleet_wait, n_fleet, lim) + 1
-    for j in range(fl_vals.shape[0]):
-        fl = fl_vals[j]
-        if fl < 0:
-            fclass[j] = 0
-        else:
-            fclass[j] = 2 if _count_below(fleet_wait, n_fleet, fl) > 0 else 1
+    for r in range(n_rows):
+        for j in range(lim_vals.shape[0]):
+            lim = lim_vals[j]
+            lclass[r, j] = 0 if lim < 0 else _count_below(fleet_wait[r], n_fleet, lim) + 1
+        for j in range(fl_vals.shape[0]):
+            fl = fl_vals[j]
+            if fl < 0:
+                fclass[r, j] = 0
+            else:
+                fclass[r, j] = 2 if _count_below(fleet_wait[r], n_fleet, fl) > 0 else 1
     has_signal = qb > 0
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
@@ -219,13 +230,14 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                                       knobs.cache_candidate_max_workers[c0],
                                       seen, cands[g], scratch_i[0])
         group_n[g] = n
+        wcol = gate_column_nb(k_scaling[c0])
         for j in range(lim_vals.shape[0]):
             lim = lim_vals[j]
             gated = False
             if lim >= 0:
                 for t in range(n):
                     w = cands[g, t, C_WORKER]
-                    if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] >= lim:
+                    if snap[w, S_BASIC] == 1 and snap[w, wcol] >= lim:
                         gated = True
                         break
             gated_any[g, j] = gated
@@ -235,8 +247,12 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     for c in range(n_cfg):
         g = group[c]
         li = cfg_li[c]
-        fc = fclass[cfg_fi[c]] if gated_any[g, li] else 0
-        key = (g * width + lclass[li]) * 3 + fc
+        wcol = gate_column_nb(k_scaling[c])
+        r = 1 if wcol == S_WAITING_PER_RANK else 0
+        lcl = lclass[r, li]
+        fcl = fclass[r, cfg_fi[c]]
+        fc = fcl if gated_any[g, li] else 0
+        key = (g * width + lcl) * 3 + fc
         src = memo[key]
         if src >= 0:
             src_of[c] = src
@@ -247,19 +263,19 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         used += 1
         cand = cands[g]
         lim = k_limit[c]
-        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lclass[li] == 1
+        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
         w, reason, decision = cache_rung_with_nb(
             group_n[g], cand, L, snap, est, lim, k_floor[c],
             k_margin[c], k_guard[c] == 1,
             k_abs_tokens[c], k_abs_ms[c],
-            k_rel[c], audit, scratch_i, all_queued,
-            fclass[cfg_fi[c]] == 2)
+            k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
+            k_pin_order[c] == PIN_LOCALITY)
         failure = -1
         if w < 0:
             # the domain rungs depend on (group, limit class) only: computed once
-            lk = g * width + lclass[li]
+            lk = g * width + lcl
             if ladder_w[lk] == -2:
-                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, k_choices[c], seed,
+                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, wcol, k_choices[c], seed,
                                          req_index, scratch_i)
                 ladder_w[lk] = lw
                 ladder_r[lk] = lr
@@ -383,9 +399,9 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
                 group_rep[plan.group[c]] = c
         sc = Scratch(
             np.full(memo_size, -1, dtype=np.int64),
-            np.zeros(plan.lim_vals.shape[0], dtype=np.int64),
-            np.zeros(plan.fl_vals.shape[0], dtype=np.int64),
-            np.zeros(max(max_fleet, 1), dtype=np.int64),
+            np.zeros((2, plan.lim_vals.shape[0]), dtype=np.int64),
+            np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
+            np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
             np.zeros(A_NCOLS, dtype=np.int64),
             np.zeros((8, width), dtype=np.int64),
             np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),

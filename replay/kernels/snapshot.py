@@ -24,7 +24,8 @@ S_TOTAL = 5      # sum of num_total_tokens
 S_MAXTOT = 6     # sum of max_total_num_tokens
 S_MAXRUN = 7     # sum of max_running_requests
 S_INFLIGHT = 8   # router-local in-flight count (section 0, items 3 and 15)
-S_NCOLS = 9
+S_WAITING_PER_RANK = 9  # S_WAITING // required ranks (the per-worker floor-scaling variant's gate)
+S_NCOLS = 10
 
 # Columns of the per-rank table (int64), indexed [worker, rank, column].
 R_HAS = 0
@@ -167,6 +168,8 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
         return oldest
     out[S_BASIC] = 1
     out[S_WAITING] = waiting
+    # count = the worker's required ranks (its dp_size, else the ranks observed)
+    out[S_WAITING_PER_RANK] = waiting // count
     if native:
         out[S_NATIVE] = 1
         out[S_RUNNING] = running
