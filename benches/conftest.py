@@ -14,14 +14,13 @@ from __future__ import annotations
 import gc
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _support as S  # noqa: E402
+import _support as S  # noqa: E402 - importable once sys.path holds benches/
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _support as S  # noqa: E402
+import _support as S  # noqa: E402 - importable once sys.path holds benches/
 
 
 def log(msg: str) -> None:

@@ -104,7 +104,8 @@ def measure_record(work: Path, workers=64, dp=2, interval_ms=10, seconds=20, flu
             "offered_samples_per_s": round(sent["loads"] / sent["wall_s"]),
             "rss_peak_first_half_mib": round(first_half / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
             "lost": sent["loads"] - got, "lost_kv": sent["kv"] - kv,
-            "recorder_cpu_s": round(cpu, 1), "recorder_cpu_us_per_message": round(1e6 * cpu / (sent["loads"] + sent["kv"]), 1),
+            "recorder_cpu_s": round(cpu, 1),
+            "recorder_cpu_us_per_message": round(1e6 * cpu / (sent["loads"] + sent["kv"]), 1),
             "stamp_delay_ms_p50_p99_max": [round(delay.quantile(0.5), 2), round(delay.quantile(0.99), 2),
                                            round(delay.max(), 2)]}
 

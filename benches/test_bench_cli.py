@@ -4,9 +4,8 @@ on the 1M trace (Parquet reading and writing included), and CLI start times.
 
 from __future__ import annotations
 
-import pytest
-
 import _support as S
+import pytest
 
 
 @pytest.mark.parametrize("decisions", [False, True], ids=["no-decisions", "decisions"])

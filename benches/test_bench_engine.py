@@ -1,15 +1,14 @@
 """Engine throughput: request-config decisions per second on the 1M trace.
 
 ``engine.iter_chunks`` over the loaded trace as ``sweep --no-decisions`` runs it:
-every decision is booked into the per-config accumulators, none is kept, no Parquet.  Compilation is excluded (``warmed``
-replays the small sample trace first); trace loading is timed separately.
+every decision is booked into the per-config accumulators, none is kept, no Parquet.  Compilation is excluded
+(``warmed`` replays the small sample trace first); trace loading is timed separately.
 """
 
 from __future__ import annotations
 
-import pytest
-
 import _support as S
+import pytest
 from conftest import stat
 
 

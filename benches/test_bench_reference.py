@@ -10,9 +10,8 @@ configs; pytest-benchmark's group table shows the ratio, and the engine's
 
 from __future__ import annotations
 
-import pytest
-
 import _support as S
+import pytest
 from conftest import stat
 
 _REF_BEST: dict[tuple[str, str], float] = {}

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
 import _support as S
+import pytest
 
 FLOOR_RSS = 4 * 2**30
 

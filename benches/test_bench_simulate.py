@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import stat
 
 MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake"

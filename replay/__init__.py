@@ -10,14 +10,16 @@ The library API (the CLI is a thin layer over it):
 * :func:`generate_trace` - a seeded synthetic trace directory.
 """
 
+# the one place the version is written (pyproject.toml reads it); set before the imports below,
+# whose modules import it
 __version__ = "0.1.0"
 
-from .config import Grid, RouterConfig  # noqa: E402
-from .engine import decide_all, iter_chunks  # noqa: E402
-from .errors import ConfigError, ReplayError  # noqa: E402
-from .generate import generate_trace  # noqa: E402
-from .sweep import SweepResult, run_sweep  # noqa: E402
-from .trace import Trace, TraceError, load_trace, validate_trace  # noqa: E402
+from .config import Grid, RouterConfig  # noqa: E402 - after __version__
+from .engine import decide_all, iter_chunks  # noqa: E402 - after __version__
+from .errors import ConfigError, ReplayError  # noqa: E402 - after __version__
+from .generate import generate_trace  # noqa: E402 - after __version__
+from .sweep import SweepResult, run_sweep  # noqa: E402 - after __version__
+from .trace import Trace, TraceError, load_trace, validate_trace  # noqa: E402 - after __version__
 
 __all__ = [
     "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",

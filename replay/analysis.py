@@ -26,10 +26,10 @@ import os
 import shutil
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -215,7 +215,7 @@ def load_run(path: str | os.PathLike) -> Run:
     for dp in decisions or []:
         try:
             names = set(pq.read_schema(dp).names)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds
             raise ReplayError(f"{dp}: unreadable Parquet ({_first_line(err)})") from None
         need = ("request_id", "config_id", "worker", *LABEL_COLUMNS, "failure")
         absent = [c for c in need if c not in names]
@@ -342,7 +342,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 1
 
     def line(cells):
         out = []
-        for i, (c, w) in enumerate(zip(cells, widths)):
+        for i, (c, w) in enumerate(zip(cells, widths, strict=False)):
             c = cut(c, w)
             out.append(c.ljust(w) if i == shrink else c.rjust(w))
         return sep.join(out).rstrip()
@@ -1121,7 +1121,8 @@ def format_recommendations(recs: Sequence[Recommendation], run: Run, *, width: i
                          f"selected_waiting_p99 <= {bound:g}.")
             if rec.lowest_p99 is not None:
                 lo = rec.lowest_p99
-                lines.append(f"  lowest p99 in this run: {fmt_value('selected_waiting_p99', lo['selected_waiting_p99'])}"
+                lines.append(f"  lowest p99 in this run: "
+                             f"{fmt_value('selected_waiting_p99', lo['selected_waiting_p99'])}"
                              f" ({lo['config']}, hit rate {fmt_value('hit_rate', lo['hit_rate'])}); "
                              f"raise the bound or sweep tighter limits")
             else:

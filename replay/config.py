@@ -20,8 +20,9 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class RouterConfig:
     variant_floor_scaling: str = "fleet"
 
     @classmethod
-    def proposal_default(cls, **overrides) -> "RouterConfig":
+    def proposal_default(cls, **overrides) -> RouterConfig:
         """The knobs of ``CacheCandidateProposal::default()`` used by the router's
         direct resolver unit tests: margin 0, guard off, abs 0, ms None, rel 0.0."""
         base = dict(
@@ -89,7 +90,7 @@ class RouterConfig:
         return {k: v for k, v in self.as_dict().items()
                 if not KNOBS[k].router and not _same_value(v, _DEFAULTS[k])}
 
-    def validate(self, policy: str = "cache_aware") -> "RouterConfig":
+    def validate(self, policy: str = "cache_aware") -> RouterConfig:
         """Raise :class:`ConfigError` with the router's exact text if the router
         would refuse this config under ``--policy policy``; return ``self``.
 
@@ -571,7 +572,7 @@ class Grid:
         self._per_rank: list[tuple[int | None, int | None]] = []
         self._skipped_per_rank: list[tuple[int | None, int | None]] = []
         for pos, combo in enumerate(itertools.product(*(self.values[k] for k in KNOB_NAMES))):
-            knobs = dict(zip(KNOB_NAMES, combo))
+            knobs = dict(zip(KNOB_NAMES, combo, strict=True))
             per_rank = (knobs["worker_queue_limit"], knobs["saturation_queue_floor"])
             # REPLAY CHOICE: a per-worker floor scaling reads the limit and floor per
             # rank already (each worker's threshold is value x its own dp_size), so
@@ -596,14 +597,14 @@ class Grid:
     # -- construction helpers ---------------------------------------------------------
 
     @classmethod
-    def from_texts(cls, texts: Mapping[str, str | None], **kwargs) -> "Grid":
+    def from_texts(cls, texts: Mapping[str, str | None], **kwargs) -> Grid:
         """Build from value-spec strings keyed by flag or knob name (``None`` = not given).
 
         Keyword arguments go to the constructor (``dp_size``, ``policy``).
         """
         return cls({k: v for k, v in texts.items() if v is not None}, **kwargs)
 
-    def scaled_per_dp_rank(self, dp_size: int) -> "Grid":
+    def scaled_per_dp_rank(self, dp_size: int) -> Grid:
         """The same grid with its limit and floor values read per rank and
         multiplied by ``dp_size`` (``--per-dp-rank``); a new Grid."""
         return Grid(self._input, dp_size=dp_size, policy=self.policy)
@@ -621,7 +622,7 @@ class Grid:
 
     def __iter__(self):
         """Iterate over ``(config_id, RouterConfig)`` pairs in id order."""
-        return iter(zip(self.config_ids, self.configs))
+        return iter(zip(self.config_ids, self.configs, strict=True))
 
     def __repr__(self) -> str:
         """Short summary: config and skipped counts."""
@@ -659,7 +660,7 @@ class Grid:
         (fleet values), ``dp_size``, ``per_rank_limit`` and ``per_rank_floor``
         (None unless the grid is per-rank)."""
         out = []
-        for cid, cfg, (pl, pf) in zip(self.config_ids, self.configs, self._per_rank):
+        for cid, cfg, (pl, pf) in zip(self.config_ids, self.configs, self._per_rank, strict=True):
             row = {"config_id": cid, **cfg.as_dict(), "dp_size": self.dp_size}
             row["per_rank_limit"] = pl if self.dp_size is not None else None
             row["per_rank_floor"] = pf if self.dp_size is not None else None
@@ -690,7 +691,7 @@ class Grid:
                 vals = [None if v is None else v * self.dp_size for v in vals]
             values[k] = [_jsonable(v) for v in vals]
         skipped = []
-        for (knobs, err), (pl, pf) in zip(self.skipped, self._skipped_per_rank):
+        for (knobs, err), (pl, pf) in zip(self.skipped, self._skipped_per_rank, strict=True):
             entry = {"knobs": {k: _jsonable(v) for k, v in knobs.items()}, "error": err}
             if per_rank:
                 entry["per_rank_limit"], entry["per_rank_floor"] = pl, pf

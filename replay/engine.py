@@ -88,7 +88,8 @@ class Chunk:
 
     start: int
     stop: int
-    out_i: np.ndarray | None  # int64[O_NCOLS, stop-start, n_configs] (kernels/layout.py O_*; one contiguous block per column)
+    # int64[O_NCOLS, stop-start, n_configs] (kernels/layout.py O_*; one contiguous block per column)
+    out_i: np.ndarray | None
     out_f: np.ndarray | None  # float64[F_NCOLS, stop-start, n_configs] (layout.F_*)
     # per request, config-independent: the fleet readings of replay/readings.py
     fleet_min: np.ndarray | None = None    # int64: smallest fresh waiting count, -1 = none
@@ -112,7 +113,7 @@ class Totals:
         # work done: distinct outcomes computed, domain-rung evaluations
         self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
 
-    def add(self, other: "Totals") -> None:
+    def add(self, other: Totals) -> None:
         """Fold another run's totals (same configs) into this one (both made absolute)."""
         mine, theirs = self.merged(), other.merged()
         self.parent = mine.parent
@@ -121,7 +122,7 @@ class Totals:
         self.hist_div = mine.hist_div + theirs.hist_div
         self.stats = mine.stats + theirs.stats
 
-    def merged(self) -> "Totals":
+    def merged(self) -> Totals:
         """A one-block Totals holding the exact (integer) sum over blocks, with
         every config's totals absolute (children folded onto their parents)."""
         out = Totals(1, self.acc.shape[2])
@@ -265,7 +266,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         a, b = m_off[start], m_off[stop]
         chunk_req = layout.Requests(*(
             col[start:stop] if (name != "selected_worker" or has_selected) else col
-            for name, col in zip(layout.Requests._fields, req)))
+            for name, col in zip(layout.Requests._fields, req, strict=True)))
         one_pass.run_chunk_nb(
             layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
             chunk_req,

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -132,7 +133,7 @@ def _requests(rng: np.random.Generator, fleet: _Fleet, *, n_requests: int, n_sec
     b_len[:2] = np.minimum(b_len[:2], max(5.0, 0.15 * n_sec))
     b_amp = rng.uniform(1.3, 2.6, n_bursts)
     b_amp[:2] = rng.uniform(2.2, 2.8, 2)              # ... that saturate the whole fleet
-    for s0, ln, a in zip(b_start, b_len, b_amp):        # loop over bursts, not rows
+    for s0, ln, a in zip(b_start, b_len, b_amp, strict=True):        # loop over bursts, not rows
         sl = slice(int(s0), min(n_sec, int(s0 + ln)))
         mult[sl] *= a                                   # base load is ~0.72 of capacity
     p = mult / mult.sum()
@@ -280,7 +281,7 @@ def _loads(rng: np.random.Generator, fleet: _Fleet, req_ts: np.ndarray, *, n_req
     # per-rank publisher pauses of 6-20 s
     n_pauses = max(2, int(n_pub * n_sec / 1800))
     for pr, p0, pl_ in zip(rng.integers(0, n_pub, n_pauses), rng.uniform(0, n_sec, n_pauses),
-                           rng.uniform(6, 20, n_pauses)):
+                           rng.uniform(6, 20, n_pauses), strict=True):
         keep[int(p0 / tick_s): int((p0 + pl_) / tick_s), pr] = False
     # one fleet-wide pause (every publisher silent for 7 s)
     f0 = rng.uniform(0.4, 0.5) * n_sec
@@ -293,7 +294,7 @@ def _loads(rng: np.random.Generator, fleet: _Fleet, req_ts: np.ndarray, *, n_req
     tail[:, old[pub_worker]] = False
     n_gaps = max(1, int(n_pub * n_sec / 3600))
     for pr, p0, pl_ in zip(rng.integers(0, n_pub, n_gaps), rng.uniform(0, n_sec, n_gaps),
-                           rng.uniform(10, 60, n_gaps)):
+                           rng.uniform(10, 60, n_gaps), strict=True):
         tail[int(p0 / tick_s): int((p0 + pl_) / tick_s), pr] = False
     partial = tail & (rng.random(tail.shape) < 0.0005)
 
@@ -463,7 +464,7 @@ def plan_trace_set(n_requests: int, *, rate_per_s: float | None = None, partitio
         a, b = k * partition_s, min(span, (k + 1) * partition_s)
         p_start = start_ns + a * NS
         sec = p_start // NS
-        date = _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%d")
+        date = _dt.datetime.fromtimestamp(sec, _dt.UTC).strftime("%Y-%m-%d")
         num = (sec % DAY_S) // partition_s if per_day else k
         parts.append(Partition(index=k, start_ns=p_start, n_sec=b - a,
                                n_requests=n_requests * b // span - n_requests * a // span,

@@ -108,7 +108,7 @@ class FleetFacts:
         self.values = np.zeros(0, dtype=np.int64)   # distinct known min_waiting values
         self.counts = np.zeros(0, dtype=np.int64)
 
-    def add(self, req_ts: np.ndarray, min_waiting: np.ndarray) -> "FleetFacts":
+    def add(self, req_ts: np.ndarray, min_waiting: np.ndarray) -> FleetFacts:
         """Book the requests of the next window (``req_ts`` ascending, after all earlier ones)."""
         part = FleetFacts()
         n = int(req_ts.shape[0])
@@ -127,7 +127,7 @@ class FleetFacts:
             part.values, part.counts = np.unique(known, return_counts=True)
         return self.merge(part)
 
-    def merge(self, later: "FleetFacts") -> "FleetFacts":
+    def merge(self, later: FleetFacts) -> FleetFacts:
         """Fold in the facts of requests that all come after this one's."""
         if later.n == 0:
             return self

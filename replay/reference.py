@@ -21,10 +21,9 @@ and documented in ``docs/replay-model.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cmp_to_key
-from typing import Hashable, Iterable, Optional, Sequence
-
 
 from . import fields as _fields
 from . import labels
@@ -73,7 +72,7 @@ class RankSample:
     waiting: int
     num_tokens: int                # used KV
     max_total_num_tokens: int      # 0 = capacity unknown
-    native: Optional[NativeTail] = None
+    native: NativeTail | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,8 @@ class NativeLoad:
     total_tokens: int
     max_total_tokens: int
     max_running_requests: int
-    prefill_throughput_tokens_per_s: Optional[float] = None
-    estimated_prefill_queue_ms: Optional[float] = None
+    prefill_throughput_tokens_per_s: float | None = None
+    estimated_prefill_queue_ms: float | None = None
     captured_at: int = 0
 
 
@@ -119,10 +118,10 @@ class Snapshot:
     inflight: dict = field(default_factory=dict)
     version: int = 0
 
-    def basic_of(self, w: Worker) -> Optional[BasicLoad]:
+    def basic_of(self, w: Worker) -> BasicLoad | None:
         return self.basic.get(w)
 
-    def native_of(self, w: Worker) -> Optional[NativeLoad]:
+    def native_of(self, w: Worker) -> NativeLoad | None:
         return self.native.get(w)
 
     def inflight_of(self, w: Worker) -> int:
@@ -134,11 +133,11 @@ class _RankEntry:
     """Section 1.2: per ``(worker, rank)``: latest sample, previous native tail, arrival time."""
 
     sample: RankSample
-    prev_native: Optional[NativeTail]
+    prev_native: NativeTail | None
     at: int
 
 
-def rank_prefill_rate(entry: _RankEntry) -> Optional[float]:
+def rank_prefill_rate(entry: _RankEntry) -> float | None:
     """Section 1.3 'Prefill throughput' of one rank, tokens/s, or None."""
     cur = entry.sample.native
     prev = entry.prev_native
@@ -204,7 +203,7 @@ class LoadTable:
         # Section 1.2: fresh iff now - at <= window (inclusive).
         return now - entry.at <= self.freshness
 
-    def _fresh_entries(self, worker: Worker, now: int) -> Optional[list]:
+    def _fresh_entries(self, worker: Worker, now: int) -> list | None:
         """Every required rank's entry, in rank order, when all are observed and
         fresh (and there is at least one); else None."""
         per = self.ranks.get(worker, {})
@@ -216,7 +215,7 @@ class LoadTable:
             entries.append(e)
         return entries or None
 
-    def fresh_load(self, worker: Worker, now: int) -> Optional[BasicLoad]:
+    def fresh_load(self, worker: Worker, now: int) -> BasicLoad | None:
         """Section 1.3 basic aggregate: every required rank observed and fresh."""
         entries = self._fresh_entries(worker, now)
         if entries is None:
@@ -230,7 +229,7 @@ class LoadTable:
             ranks=len(entries),
         )
 
-    def fresh_native_load(self, worker: Worker, now: int) -> Optional[NativeLoad]:
+    def fresh_native_load(self, worker: Worker, now: int) -> NativeLoad | None:
         """Section 1.3 native aggregate (stricter than basic), with throughput and est ms."""
         entries = self._fresh_entries(worker, now)
         if entries is None:
@@ -244,7 +243,7 @@ class LoadTable:
         # Throughput: Σ rate_r, None if any required rank lacks a valid rate.
         # REPLAY CHOICE: the float sum runs over ranks in ascending order, starting
         # from 0.0 (fixes the rounding the kernels must reproduce).
-        throughput: Optional[float] = 0.0
+        throughput: float | None = 0.0
         for e in entries:
             rate = rank_prefill_rate(e)
             if rate is None:
@@ -267,7 +266,7 @@ class LoadTable:
             captured_at=min(e.at for e in entries),
         )
 
-    def capture(self, now: int, inflight: Optional[dict] = None) -> Snapshot:
+    def capture(self, now: int, inflight: dict | None = None) -> Snapshot:
         """Section 1.3 ``capture_snapshot(now)``: for each URL with an observed rank."""
         snap = Snapshot(inflight=dict(inflight or {}), version=self.version)
         for w, per in self.ranks.items():
@@ -311,7 +310,7 @@ def gate_bounds(cfg: RouterConfig) -> tuple:
     return limit, floor
 
 
-def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit) -> bool:
+def queue_gate_admits(snapshot: Snapshot | None, worker: Worker, limit) -> bool:
     """Section 3.1: admit iff no limit, no fresh basic sample (fail-open), or waiting < limit."""
     if limit is None:
         return True
@@ -321,14 +320,14 @@ def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit) -> bo
     return basic.waiting < threshold_for(limit, basic)
 
 
-def fleet_is_all_queued(snapshot: Optional[Snapshot], fleet: Sequence[Worker], limit: Optional[int]) -> bool:
+def fleet_is_all_queued(snapshot: Snapshot | None, fleet: Sequence[Worker], limit: int | None) -> bool:
     """Section 3.2."""
     return limit is not None and len(fleet) > 0 and all(
         not queue_gate_admits(snapshot, w, limit) for w in fleet
     )
 
 
-def any_fresh_queue_below(snapshot: Optional[Snapshot], fleet: Sequence[Worker], floor: int) -> bool:
+def any_fresh_queue_below(snapshot: Snapshot | None, fleet: Sequence[Worker], floor: int) -> bool:
     """Section 3.6: some fleet worker with a fresh basic sample has waiting < floor."""
     if snapshot is None:
         return False
@@ -344,7 +343,7 @@ def any_fresh_queue_below(snapshot: Optional[Snapshot], fleet: Sequence[Worker],
 # =============================================================================
 
 
-def has_kv_capacity(native: Optional[NativeLoad], tokens: int) -> bool:
+def has_kv_capacity(native: NativeLoad | None, tokens: int) -> bool:
     """Section 3.5: running + 1 <= max_running and total + tokens <= max_total."""
     if native is None:
         return True
@@ -359,7 +358,7 @@ def has_kv_capacity(native: Optional[NativeLoad], tokens: int) -> bool:
 # =============================================================================
 
 
-def compare_prefill_load(a: NativeLoad, b: NativeLoad, use_ms: Optional[bool] = None) -> int:
+def compare_prefill_load(a: NativeLoad, b: NativeLoad, use_ms: bool | None = None) -> int:
     """Section 3.7 ``compare_prefill_load``.
 
     ``use_ms=None`` is the pairwise rule as written (ms when both have one).
@@ -378,7 +377,7 @@ def compare_prefill_load(a: NativeLoad, b: NativeLoad, use_ms: Optional[bool] = 
     )
 
 
-def compare_prefill_pressure(a: Worker, b: Worker, snapshot: Optional[Snapshot]) -> int:
+def compare_prefill_pressure(a: Worker, b: Worker, snapshot: Snapshot | None) -> int:
     """Section 3.7 free function (the sampler's comparator): native for both ⇒
     ``compare_prefill_load`` then router in-flight; otherwise router in-flight only.
     No worker-id tie-break."""
@@ -396,7 +395,7 @@ def compare_prefill_pressure(a: Worker, b: Worker, snapshot: Optional[Snapshot])
 class CandidateLoads:
     """Section 3.7 ``CandidateLoads(snapshot, workers)`` (old name ``FreshLoadLookup``)."""
 
-    def __init__(self, snapshot: Optional[Snapshot], workers: Iterable[Worker]):
+    def __init__(self, snapshot: Snapshot | None, workers: Iterable[Worker]):
         self.workers = list(workers)
         self.local_active: dict = {}
         self.native: dict = {}
@@ -411,13 +410,13 @@ class CandidateLoads:
             self.native[w].estimated_prefill_queue_ms is not None for w in self.workers
         )
 
-    def get(self, w: Worker) -> Optional[NativeLoad]:
+    def get(self, w: Worker) -> NativeLoad | None:
         return self.native.get(w)
 
     def local(self, w: Worker) -> float:
         return self.local_active.get(w, math.inf)
 
-    def comparable_get(self, w: Worker) -> Optional[NativeLoad]:
+    def comparable_get(self, w: Worker) -> NativeLoad | None:
         return self.native.get(w) if self.compare_engine else None
 
     def compare_prefill_pressure(self, a: Worker, b: Worker) -> int:
@@ -461,8 +460,8 @@ class PrefixSignal:
 
     query_blocks: int
     matches: list = field(default_factory=list)
-    best_prefix_blocks: Optional[int] = None
-    outcome: Optional[str] = None      # "Matched" | "Empty"; None = derived
+    best_prefix_blocks: int | None = None
+    outcome: str | None = None      # "Matched" | "Empty"; None = derived
 
     @property
     def is_matched(self) -> bool:
@@ -486,7 +485,7 @@ class Candidate:
     matched_tokens: int                 # H
     uncached_tokens: int                # E
     matched_blocks: int                 # capped blocks
-    max_pending_prefill_tokens: Optional[int] = None
+    max_pending_prefill_tokens: int | None = None
     range_id: str = GLOBAL_RANGE
 
 
@@ -519,14 +518,14 @@ def passes_cache_gate(h: int, L: int, cfg: RouterConfig) -> bool:
 
 
 def prepare_candidates(
-    L: Optional[int],
-    signal: Optional[PrefixSignal],
+    L: int | None,
+    signal: PrefixSignal | None,
     fleet: Sequence[Worker],
-    snapshot: Optional[Snapshot],
+    snapshot: Snapshot | None,
     cfg: RouterConfig,
     *,
     lookup_enabled: bool = True,
-) -> Optional[list]:
+) -> list | None:
     """Section 2 ``cache_candidate_proposal``: the candidates in seed order, or
     None for "no proposal" (the caller then uses the power-of-k pair)."""
     if not lookup_enabled or L is None or signal is None:
@@ -588,8 +587,8 @@ class Decision:
 
     selected: Worker
     reason: int                      # labels.REASONS code
-    primary: Optional[Worker] = None
-    backup: Optional[Worker] = None
+    primary: Worker | None = None
+    backup: Worker | None = None
     range_id: str = GLOBAL_RANGE
 
 
@@ -597,7 +596,7 @@ class Decision:
 class CacheResolution:
     """Section 3.9 resolution audit record."""
 
-    decision: Optional[Decision]
+    decision: Decision | None
     prefill_pressure_source: int
     admission_evaluated_candidates: int = 0
     admission_rejected_candidates: int = 0
@@ -623,7 +622,7 @@ class CacheResolution:
         )
 
 
-def is_cache_candidate_admitted(c: Candidate, L: int, snapshot: Optional[Snapshot]) -> bool:
+def is_cache_candidate_admitted(c: Candidate, L: int, snapshot: Snapshot | None) -> bool:
     """Section 3.5."""
     native = snapshot.native_of(c.worker) if snapshot is not None else None
     if native is None:
@@ -653,7 +652,8 @@ def materially_more_pressured(x: Worker, y: Worker, loads: CandidateLoads, cfg: 
     return diff > cfg.pressure_abs_threshold_tokens and nx.waiting_uncached > ny.waiting_uncached * rel
 
 
-def tournament_compare(l: Candidate, r: Candidate, guard: bool, loads: CandidateLoads, cfg: RouterConfig) -> int:
+def tournament_compare(l: Candidate, r: Candidate, guard: bool, loads: CandidateLoads,  # noqa: E741 - l/r: left, right
+                       cfg: RouterConfig) -> int:
     """Section 3.8 ``compare(l, r, guard)``."""
 
     def tail() -> int:
@@ -678,7 +678,7 @@ def tournament_compare(l: Candidate, r: Candidate, guard: bool, loads: Candidate
 def resolve_cache_candidates(
     candidates: Sequence[Candidate],
     L: int,
-    snapshot: Optional[Snapshot],
+    snapshot: Snapshot | None,
     fleet: Sequence[Worker],
     cfg: RouterConfig,
 ) -> CacheResolution:
@@ -712,7 +712,7 @@ def resolve_cache_candidates(
     res.depths["evaluated"] = max((c.matched_blocks for c in evaluated), default=0)
     res.depths["admitted"] = max((c.matched_blocks for c in admitted), default=0)
     # 3.6: work floor = first admitted candidate with minimal E.
-    work_floor: Optional[Candidate] = None
+    work_floor: Candidate | None = None
     for c in admitted:
         if work_floor is None or c.uncached_tokens < work_floor.uncached_tokens:
             work_floor = c
@@ -721,7 +721,7 @@ def resolve_cache_candidates(
             pin_loads = CandidateLoads(snapshot, [c.worker for c in rejected])
             res.depths["pin_pool"] = max((c.matched_blocks for c in rejected
                                           if is_cache_candidate_admitted(c, L, snapshot)), default=0)
-            target: Optional[Candidate] = None
+            target: Candidate | None = None
             for c in rejected:
                 if not is_cache_candidate_admitted(c, L, snapshot):
                     continue
@@ -826,12 +826,12 @@ class Proposal:
     """A prefill proposal: primary, optional backup, optional eligible list."""
 
     primary: Worker
-    backup: Optional[Worker] = None
-    eligible: Optional[list] = None
+    backup: Worker | None = None
+    eligible: list | None = None
     kind: str = KIND_POWER_OF_TWO
 
 
-def sample_pool(workers: Sequence[Worker], snapshot: Optional[Snapshot], limit: Optional[int]) -> list:
+def sample_pool(workers: Sequence[Worker], snapshot: Snapshot | None, limit: int | None) -> list:
     """Section 4.2 ``sample_pool``: the gate-admitted tier, else the whole list."""
     if snapshot is not None and limit is not None:
         tier = [w for w in workers if queue_gate_admits(snapshot, w, limit)]
@@ -855,7 +855,7 @@ def sample_indices(n: int, k: int, rng: DrawStream) -> list:
 
 
 def best_two_of_sample(
-    pool: Sequence[Worker], k: int, snapshot: Optional[Snapshot], rng: DrawStream
+    pool: Sequence[Worker], k: int, snapshot: Snapshot | None, rng: DrawStream
 ) -> tuple:
     """Section 4.2 ``best_two_of_sample``: (best, runner_up) by a linear scan, or (None, None)."""
     if not pool:
@@ -874,16 +874,16 @@ def best_two_of_sample(
 
 
 def select_k_with_snapshot(
-    workers: Sequence[Worker], snapshot: Optional[Snapshot], k: int, limit: Optional[int], rng: DrawStream
-) -> Optional[Worker]:
+    workers: Sequence[Worker], snapshot: Snapshot | None, k: int, limit: int | None, rng: DrawStream
+) -> Worker | None:
     """Section 4.2 ``select``: the sample's best."""
     best, _ = best_two_of_sample(sample_pool(workers, snapshot, limit), k, snapshot, rng)
     return best
 
 
 def propose_k_with_snapshot(
-    workers: Sequence[Worker], snapshot: Optional[Snapshot], k: int, limit: Optional[int], rng: DrawStream
-) -> Optional[Proposal]:
+    workers: Sequence[Worker], snapshot: Snapshot | None, k: int, limit: int | None, rng: DrawStream
+) -> Proposal | None:
     """Section 4.2 ``propose``: (best, runner-up) with kind PowerOfTwo; None on an empty list."""
     best, runner = best_two_of_sample(sample_pool(workers, snapshot, limit), k, snapshot, rng)
     if best is None:
@@ -902,10 +902,10 @@ class PrefillRange:
 
     id: str
     workers: list
-    max_pending_prefill_tokens: Optional[int] = None
+    max_pending_prefill_tokens: int | None = None
 
 
-def is_prefill_admitted(rng_: PrefillRange, w: Worker, L: int, snapshot: Optional[Snapshot]) -> bool:
+def is_prefill_admitted(rng_: PrefillRange, w: Worker, L: int, snapshot: Snapshot | None) -> bool:
     """Section 4.1 ``is_prefill_admitted`` (capacity only)."""
     native = snapshot.native_of(w) if snapshot is not None else None
     if native is None:
@@ -925,8 +925,8 @@ def legal_workers(range_: PrefillRange, proposal: Proposal) -> list:
 
 
 def range_fallback(
-    range_: PrefillRange, proposal: Proposal, L: int, snapshot: Optional[Snapshot], queue_limit: Optional[int]
-) -> Optional[Decision]:
+    range_: PrefillRange, proposal: Proposal, L: int, snapshot: Snapshot | None, queue_limit: int | None
+) -> Decision | None:
     """Section 4.1 range fallback (two tiers)."""
     legal = legal_workers(range_, proposal)
     pool0 = [w for w in legal if is_prefill_admitted(range_, w, L, snapshot)]
@@ -946,8 +946,8 @@ def range_fallback(
 
 
 def resolve_prefill_admitted(
-    range_: PrefillRange, proposal: Proposal, L: int, snapshot: Optional[Snapshot], queue_limit: Optional[int]
-) -> Optional[Decision]:
+    range_: PrefillRange, proposal: Proposal, L: int, snapshot: Snapshot | None, queue_limit: int | None
+) -> Decision | None:
     """Section 4.1 (strict)."""
     in_range = set(range_.workers)
     primary = proposal.primary
@@ -981,11 +981,11 @@ def resolve_prefill(
     range_: PrefillRange,
     proposal: Proposal,
     L: int,
-    snapshot: Optional[Snapshot],
-    queue_limit: Optional[int],
+    snapshot: Snapshot | None,
+    queue_limit: int | None,
     min_load_choices: int,
     rng: DrawStream,
-) -> Optional[Decision]:
+) -> Decision | None:
     """Section 4.2: strict, then the capacity fallback (power-of-k over the legal list)."""
     d = resolve_prefill_admitted(range_, proposal, L, snapshot, queue_limit)
     if d is not None:
@@ -1039,7 +1039,7 @@ def diverted_overlap_bucket(blocks: int) -> int:
     return len(labels.DIVERTED_BUCKETS)
 
 
-def first_entry_blocks(signal: Optional[PrefixSignal], worker: Worker) -> int:
+def first_entry_blocks(signal: PrefixSignal | None, worker: Worker) -> int:
     """Section 0 item 13: a worker's blocks are those of its first entry in ``matches`` (0 if none)."""
     if signal is None:
         return 0
@@ -1049,7 +1049,7 @@ def first_entry_blocks(signal: Optional[PrefixSignal], worker: Worker) -> int:
     return 0
 
 
-def locality_triple(signal: Optional[PrefixSignal], selected: Optional[Worker]) -> Optional[tuple]:
+def locality_triple(signal: PrefixSignal | None, selected: Worker | None) -> tuple | None:
     """Section 5.4 (and section 0 items 10, 13, 16): ``(query, matched, selected)``
     blocks, or None when there is no prefix signal (nothing is booked)."""
     if signal is None or signal.query_blocks <= 0:
@@ -1060,7 +1060,7 @@ def locality_triple(signal: Optional[PrefixSignal], selected: Optional[Worker]) 
     return (query, matched, sel)
 
 
-def selected_uncached_tokens(L: int, signal: Optional[PrefixSignal], selected: Worker) -> int:
+def selected_uncached_tokens(L: int, signal: PrefixSignal | None, selected: Worker) -> int:
     """Section 0 item 16: ``L - H`` for the chosen worker, H by the section 2 estimate."""
     if signal is None or signal.query_blocks <= 0:
         return L
@@ -1079,13 +1079,13 @@ def selected_uncached_tokens(L: int, signal: Optional[PrefixSignal], selected: W
 class Selection:
     """Outcome of :func:`select_prefill` for one request under one config."""
 
-    worker: Optional[Worker]
+    worker: Worker | None
     reason: int = labels.NO_REASON
-    proposal_kind: Optional[str] = None
+    proposal_kind: str | None = None
     decision: int = labels.NO_DECISION            # CacheAwareDecision label code
     failure: int = labels.NO_FAILURE
-    resolution: Optional[CacheResolution] = None
-    diverted_overlap_blocks: Optional[int] = None  # observed into the histogram (5.3 arm 4)
+    resolution: CacheResolution | None = None
+    diverted_overlap_blocks: int | None = None  # observed into the histogram (5.3 arm 4)
 
     @property
     def policy_reason(self) -> int:
@@ -1101,16 +1101,16 @@ def prefill_domains(fleet: Sequence[Worker]) -> list:
 
 def select_prefill(
     L: int,
-    signal: Optional[PrefixSignal],
+    signal: PrefixSignal | None,
     fleet: Sequence[Worker],
-    snapshot: Optional[Snapshot],
+    snapshot: Snapshot | None,
     cfg: RouterConfig,
     rng: DrawStream,
 ) -> Selection:
     """Section 8 pseudo-code / section 4: ``select_prefill_worker`` for policy_kind cache_aware."""
     failure = labels.FAIL_PROPOSAL_EMPTY
-    audit: Optional[tuple] = None
-    resolution: Optional[CacheResolution] = None
+    audit: tuple | None = None
+    resolution: CacheResolution | None = None
     # 4.1 step 1: the cache rung.
     cands = prepare_candidates(L, signal, fleet, snapshot, cfg)
     if cands:
@@ -1159,7 +1159,7 @@ def select_prefill(
 # =============================================================================
 
 
-def _request_signal(trace, i: int) -> Optional[PrefixSignal]:
+def _request_signal(trace, i: int) -> PrefixSignal | None:
     """A request's prefix signal: present iff query_blocks > 0; Matched iff it has a match entry."""
     q = int(trace.req_query_blocks[i])
     if q <= 0:
@@ -1255,7 +1255,7 @@ def replay(
 
 
 def locality_waterfall(matched: int, selected: int, reason: int,
-                       resolution: Optional[CacheResolution]) -> dict[str, int]:
+                       resolution: CacheResolution | None) -> dict[str, int]:
     """Where a routed decision's matched blocks went (docs/replay-model.md,
     "Where locality goes"): blocks lost per step of ``labels.LOSS_STEPS``,
     adding up to ``matched - selected``.
@@ -1286,7 +1286,7 @@ def locality_waterfall(matched: int, selected: int, reason: int,
     return lost
 
 
-def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[PrefixSignal], snap: Snapshot) -> None:
+def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: PrefixSignal | None, snap: Snapshot) -> None:
     res = sel.resolution
     if res is not None:
         out["gate_rejected"][i, c] = res.queue_gate_rejected_candidates

@@ -194,7 +194,7 @@ def _unreadable(path: Path, err: Exception) -> ReplayError:
 def _read_parquet(path: Path) -> pl.DataFrame:
     try:
         return pl.read_parquet(path)
-    except Exception as err:  # polars / arrow raise many kinds
+    except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
         raise _unreadable(path, err) from None
 
 
@@ -204,7 +204,7 @@ def _scan_parquet(path: Path) -> pl.LazyFrame:
     try:
         lf = pl.scan_parquet(path)
         lf.collect_schema()
-    except Exception as err:  # polars / arrow raise many kinds
+    except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
         raise _unreadable(path, err) from None
     return lf
 
@@ -220,7 +220,10 @@ class Analysis:
         self.run = data.run
         s = data.summary
         routed = pl.col("routed").cast(pl.Float64)
-        share = lambda c: pl.when(routed > 0).then(pl.col(c) / routed).otherwise(None)  # noqa: E731
+
+        def share(c):
+            return pl.when(routed > 0).then(pl.col(c) / routed).otherwise(None)
+
         s = s.with_columns(
             pin_share=share("pinned"),
             all_queued_share=share("all_queued"),
@@ -272,7 +275,8 @@ class Analysis:
                 self.slice = {k: pick[k] for k in self.other_varying}
                 why = "the best config's values"
             vals = ", ".join(f"{KNOBS[k].flag} {_flag_value(k, v)}" for k, v in self.slice.items())
-            self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
+            others = ", ".join(KNOBS[k].flag for k in self.other_varying)
+            self.slice_note = (f"Other knobs vary in this grid ({others}); "
                                f"the grid figures show the slice {vals} ({why}). "
                                "The trade-off plot shows every config.")
         else:
@@ -343,12 +347,12 @@ def _id_list(rows: dict) -> str:
 # ---------------------------------------------------------------------------
 # figures
 def _go():
-    import plotly.graph_objects as go  # noqa: PLC0415 (plotly is slow to import; only reports need it)
+    import plotly.graph_objects as go  # here: plotly is slow to import; only reports need it
     return go
 
 
 def _subplots(**kw):
-    from plotly.subplots import make_subplots  # noqa: PLC0415
+    from plotly.subplots import make_subplots
     return make_subplots(**kw)
 
 
@@ -543,13 +547,13 @@ def _file_groups(files: list[Path], ids: list[int]) -> list[tuple[list[tuple[Pat
     """The configs grouped by the decisions files that hold them (with each file's rows),
     from the files' config_id statistics: a sharded run writes one file per window and
     block of configs, and the configs of one block are streamed together."""
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq
 
     info = []
     for f in files:
         try:
             md = pq.ParquetFile(f).metadata
-        except Exception as err:  # polars / arrow raise many kinds
+        except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
             raise _unreadable(f, err) from None
         lo, hi = math.inf, -math.inf
         j = md.schema.names.index("config_id") if "config_id" in md.schema.names else None
@@ -734,7 +738,7 @@ def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
     hi = first["fleet_min_max"].to_numpy().astype(float)
     known = ~np.isnan(lo)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], known.astype(np.int8), [0]])))
-    for k, (a0, a1) in enumerate(zip(edges[::2], edges[1::2])):  # one band per stretch without gaps
+    for k, (a0, a1) in enumerate(zip(edges[::2], edges[1::2], strict=True)):  # one band per stretch without gaps
         xs = np.concatenate([t[a0:a1], t[a0:a1][::-1]])
         add(go.Scatter(x=xs, y=np.concatenate([hi[a0:a1], lo[a0:a1][::-1]]), mode="lines", fill="toself",
                        line=dict(width=0), fillcolor="rgba(31,119,180,0.18)", hoverinfo="skip",
@@ -862,7 +866,7 @@ def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
     higher-or-equal, one of them strictly.  ``points`` are ``(x, y, id)``."""
     front = []
     best_y = -math.inf
-    for x, y, i in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
+    for _x, y, i in sorted(points, key=lambda p: (p[0], -p[1], p[2])):
         if y > best_y:
             front.append(i)
             best_y = y
@@ -941,7 +945,7 @@ def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
         # a table built from Python rows types an all-None knob column as Null: align the keys
         cl = cl.with_columns(*[pl.col(k).cast(right.schema[k], strict=False) for k in keys])
         joined = cl.join(right, on=keys, how="left", nulls_equal=True, maintain_order="left")
-    except Exception as err:  # mismatched key types
+    except Exception as err:  # noqa: BLE001 - mismatched key types
         return None, (f"closed_loop_summary.parquet: cannot match configs on {', '.join(keys)} "
                       f"({type(err).__name__})")
     matched = joined["open_loop_hit_rate"].is_not_null().sum()
@@ -967,9 +971,10 @@ def fig_closed_loop(a: Analysis):
     fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
                     subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
     if LIMIT in df.columns and FLOOR in df.columns:
-        x = [f"{_knob_text(l)}/{_knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
+        x = [f"{_knob_text(lim)}/{_knob_text(f)}"
+             for lim, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list(), strict=True)]
         if len(set(x)) < len(x) and "config_id" in df.columns:  # other knobs vary too
-            x = [f"{v} (#{i})" for v, i in zip(x, df["config_id"].to_list())]
+            x = [f"{v} (#{i})" for v, i in zip(x, df["config_id"].to_list(), strict=True)]
         x_title = "limit / floor"
     else:
         x = [str(i) for i in df["config_id"].to_list()]
@@ -1092,7 +1097,7 @@ td.wrap { white-space: normal; word-break: break-all; text-align:left; }
 .verdict { background:#eef6ee; border:1px solid #b7dfb9; border-radius:8px; padding:8px 14px; margin: 10px 0; }
 nav a { margin-right: 12px; color: var(--accent); text-decoration:none; font-size:13px; }
 code { background: var(--bg); padding: 0 4px; border-radius: 4px; }
-"""
+"""  # noqa: E501 - one CSS rule a line, written as is into report.html
 
 _ERROR_HOOK = """
 window.__reportErrors = [];
@@ -1132,7 +1137,7 @@ def _headline_html(a: Analysis) -> str:
     if span is not None:
         card("trace span", _duration(span))
     if f.get("span_start_ns") is not None:
-        start = _dt.datetime.fromtimestamp(f["span_start_ns"] / 1e9, tz=_dt.timezone.utc)
+        start = _dt.datetime.fromtimestamp(f["span_start_ns"] / 1e9, tz=_dt.UTC)
         card("trace start (UTC)", start.strftime("%Y-%m-%d %H:%M:%S"))
     fw = f.get("fleet_workers") or {}
     if fw:
@@ -1179,8 +1184,8 @@ def _headline_html(a: Analysis) -> str:
     trs = ["<tr>" + "".join(f'<th class="{"l" if i < 1 else ""}">{_e(h)}</th>' for i, h in enumerate(head)) + "</tr>"]
     for rank, r in enumerate(a.best_rows, 1):
         b = a.baseline_for(r)
-        d = lambda k: (r[k] - b[k]) if (b is not None and r[k] is not None and b[k] is not None) else None  # noqa: E731
-        pct = lambda k: (100 * d(k)) if d(k) is not None else None  # noqa: E731
+        d = lambda k: (r[k] - b[k]) if (b is not None and r[k] is not None and b[k] is not None) else None  # noqa: E731, B023 - this iteration
+        pct = lambda k: (100 * d(k)) if d(k) is not None else None  # noqa: E731, B023 - this iteration only
         rel = (100 * d("cold_prefill_tokens") / b["cold_prefill_tokens"]
                if d("cold_prefill_tokens") is not None and b["cold_prefill_tokens"] else None)
         cells = [
@@ -1214,7 +1219,7 @@ def _provenance_html(a: Analysis) -> str:
     tr = run.get("trace", {})
     rows = [("tool", f"{run.get('tool', '')} {run.get('version', '')}"),
             ("report built by", f"router-replay {__version__}"),
-            ("run created", _dt.datetime.fromtimestamp(run["created_unix"], tz=_dt.timezone.utc)
+            ("run created", _dt.datetime.fromtimestamp(run["created_unix"], tz=_dt.UTC)
              .strftime("%Y-%m-%d %H:%M:%S UTC") if run.get("created_unix") else "–"),
             ("trace", tr.get("path", "–")),
             ("seed", run.get("seed")), ("freshness", f"{run.get('freshness_ms')} ms"),
@@ -1271,7 +1276,7 @@ def _closed_loop_html(a: Analysis) -> tuple[str, bool]:
     head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in cols)
     pct = {c for c in cols if c.endswith("hit_rate")}
     body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(v, 'pct') if c in pct and v is not None else _cell(v))}</td>"
-                                    for c, v in zip(cols, row)) + "</tr>"
+                                    for c, v in zip(cols, row, strict=True)) + "</tr>"
                    for row in df.select(cols).head(60).iter_rows())
     more = f" (first 60 of {df.height})" if df.height > 60 else ""
     return (f'<p class="note">From closed_loop_summary.parquet: {_e(note)}. Columns starting '
@@ -1286,7 +1291,7 @@ def _cell(v: Any) -> str:
 
 
 def _fig_html(fig, key: str) -> str:
-    import plotly.io as pio  # noqa: PLC0415
+    import plotly.io as pio
 
     return ('<div class="fig">' + pio.to_html(fig, include_plotlyjs=False, full_html=False,
                                                 div_id=f"fig-{key}", config=PLOT_CONFIG,
@@ -1300,7 +1305,7 @@ FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_
 def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
                 max_p99_waiting: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline)."""
-    from plotly.offline import get_plotlyjs  # noqa: PLC0415
+    from plotly.offline import get_plotlyjs
 
     data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
     a = Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
@@ -1321,7 +1326,8 @@ def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None =
                + _fig_html(figs["reason_mix"], "reason_mix") + "</section>")
     if "over_time" in figs:
         body = (f'<p class="note">Showing {_e(a.chosen_note)}; the menu at the top right switches to '
-                "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. The pin fires when the queue gate "
+                "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. "
+                "The pin fires when the queue gate "
                 "rejects an owner and no fresh fleet worker reads below the floor, i.e. when the bottom "
                 "panel's reading is at or above the floor (or no fleet worker has a fresh reading): the "
                 "dashed grey line in the middle panel.</p>" + _fig_html(figs["over_time"], "over_time"))

@@ -36,7 +36,7 @@ class Accumulator:
         """Merged counts and sums, ``[config, ACC field]``."""
         return self.totals.merged().acc[0].T
 
-    def merge(self, other: "Accumulator") -> None:
+    def merge(self, other: Accumulator) -> None:
         """Fold another accumulator (same configs) into this one."""
         merged = self.totals.merged()
         merged.add(other.totals)
@@ -86,7 +86,8 @@ class Accumulator:
         cols["selected_waiting_max_bucket"] = [
             None if not h.any() else int(np.nonzero(h)[0][-1]) for h in hist_wait
         ]
-        cols["selected_waiting_uncached_mean"] = ratio(a[:, ACC["waiting_uncached_sum"]], a[:, ACC["waiting_uncached_known"]])
+        cols["selected_waiting_uncached_mean"] = ratio(a[:, ACC["waiting_uncached_sum"]],
+                                                       a[:, ACC["waiting_uncached_known"]])
         cols["selected_queue_ms_mean"] = ratio(a[:, ACC["queue_us_sum"]] / 1000.0, a[:, ACC["queue_ms_known"]])
         cols["cold_prefill_tokens"] = a[:, ACC["cold_prefill_tokens"]]
         cols["guard_compared"] = a[:, ACC["guard_compared"]]

@@ -65,7 +65,7 @@ def require_ray():
 
 
 def iso(t_ns: int) -> str:
-    return _dt.datetime.fromtimestamp(t_ns / NS, tz=_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _dt.datetime.fromtimestamp(t_ns / NS, tz=_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def config_blocks(n_configs: int, per_task: int | None) -> list[tuple[int, int]]:
@@ -192,7 +192,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
         t = time.perf_counter()
         try:
             plan["carries"] = tset.carries(bounds)
-        except BaseException as err:  # raised in the driver below
+        except BaseException as err:  # noqa: BLE001 - raised in the driver below
             plan["error"] = err
         plan["seconds"] = time.perf_counter() - t
 
@@ -228,7 +228,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
         tset_ref = ray.put(tset)
         futures = {}
         specs = {}
-        for w, ((a, b), first) in enumerate(zip(bounds, firsts)):
+        for w, ((a, b), first) in enumerate(zip(bounds, firsts, strict=True)):
             carry_ref = ray.put(carries[w])
             for k, (lo, hi) in enumerate(blocks):
                 spec = ShardSpec(w, k, a, b, lo, hi, first)
@@ -248,7 +248,7 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
             spec = futures[ref]
             try:
                 res = ray.get(ref)
-            except Exception as err:  # Ray wraps the task's exception
+            except Exception as err:  # noqa: BLE001 - Ray wraps the task's exception
                 for other in pending:
                     ray.cancel(other, force=True)
                 raise ReplayError(f"shard {spec.describe(len(blocks))} failed after {retries + 1} "

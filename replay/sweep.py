@@ -12,17 +12,16 @@ a run that looks finished.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import math
 
 import numba
 import numpy as np
@@ -35,8 +34,7 @@ from .config import Grid, fleet_dp_size
 from .errors import ReplayError
 from .outdir import move_into_place, partial_beside, refuse_existing
 from .results import Accumulator, DecisionWriter
-from .trace import REQUESTS, Trace, load_trace
-from .trace import NS, TraceSet, auto_window, format_window, parse_window
+from .trace import NS, REQUESTS, Trace, TraceSet, auto_window, format_window, load_trace, parse_window
 
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"
@@ -260,7 +258,7 @@ class _Background:
         def run():
             try:
                 self._out["value"] = fn()
-            except BaseException as err:  # raised by result()
+            except BaseException as err:  # noqa: BLE001 - raised by result()
                 self._out["error"] = err
 
         self._thread = threading.Thread(target=run, name="background", daemon=True)
@@ -442,7 +440,7 @@ def _prefetched(windows, depth: int = 1):
                 if stop.is_set():
                     return
             q.put((END, None))
-        except BaseException as err:  # handed to the consumer, raised there
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
             q.put((None, err))
 
     thread = threading.Thread(target=produce, name="window-reader", daemon=True)
@@ -479,7 +477,7 @@ def _write_report(tmp_dir: Path, run: dict) -> None:
 
     try:
         build_report(tmp_dir, tmp_dir / REPORT)
-    except Exception as err:  # the sweep's results stand without their report
+    except Exception as err:  # noqa: BLE001 - the sweep's results stand without their report
         (tmp_dir / REPORT).unlink(missing_ok=True)
         run["report"] = None
         run["report_error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]

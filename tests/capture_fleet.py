@@ -272,8 +272,13 @@ def _serve(argv: list[str]) -> None:
     http, load, kv, replay, count, first = (int(x) for x in argv)
     it = iter([load, kv, replay])
     global free_ports, free_block
-    free_ports = lambda n: [http]
-    free_block = lambda n: next(it)
+
+    def free_ports(n):
+        return [http]
+
+    def free_block(n):
+        return next(it)
+
     e = FakeEngine(dp_size=1)
     e.wait_subscribed()
     print("ready", flush=True)

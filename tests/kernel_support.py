@@ -15,10 +15,11 @@ arrays and decodes kernel outputs back into names and label strings.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import numpy as np
+from scenario_support import ParsedScenario, basic_of, native_of
 
 from replay import labels
 from replay.config import RouterConfig
@@ -36,8 +37,6 @@ from replay.kernels.snapshot import (
     S_WAITING,
     S_WU,
 )
-
-from scenario_support import ParsedScenario, basic_of, native_of
 
 REASON_CODE = {name: i for i, name in enumerate(labels.REASONS)}
 DECISION_CODE = {name: i for i, name in enumerate(labels.DECISIONS)}
@@ -71,7 +70,7 @@ class World:
     names: list
 
     @classmethod
-    def of(cls, names: Iterable) -> "World":
+    def of(cls, names: Iterable) -> World:
         return cls(sorted({n for n in names if n is not None}))
 
     def __post_init__(self):
@@ -105,7 +104,7 @@ def scenario_world(sc: ParsedScenario, extra: Iterable = ()) -> World:
 # --- snapshot -------------------------------------------------------------------
 
 
-def snapshot_arrays(sc: ParsedScenario, world: World, load_overrides: Optional[dict] = None):
+def snapshot_arrays(sc: ParsedScenario, world: World, load_overrides: dict | None = None):
     """``(snap int64[n, S_NCOLS], est float64[n])`` from the scenario's load dicts.
 
     Reads a load dict exactly like scenario_support.basic_of / native_of:
@@ -165,7 +164,7 @@ class Knobs:
     arrays: KnobArrays | None = None  # the config as the engine encodes it (one config)
 
     @classmethod
-    def of(cls, cfg: RouterConfig) -> "Knobs":
+    def of(cls, cfg: RouterConfig) -> Knobs:
         a = knob_arrays([cfg.as_dict()])
         return cls(
             limit=int(a.worker_queue_limit[0]), floor=int(a.saturation_queue_floor[0]),
@@ -325,7 +324,10 @@ def load_arrays(samples: list, world: World, now_ns: int):
     def col(fn, dtype=np.int64):
         return np.array([fn(s) for s in rows], dtype=dtype)
 
-    tail = lambda s, k: 0 if s.get("native") is None else s["native"][k]  # noqa: E731
+
+    def tail(s, k):
+        return 0 if s.get("native") is None else s["native"][k]
+
     return LoadColumns(
         col(lambda s: s["at_ms"] * MS), col(lambda s: world.id(s["worker"])), col(lambda s: s["rank"]),
         col(lambda s: s["running"]), col(lambda s: s["waiting"]), col(lambda s: s["num_tokens"]),
@@ -337,7 +339,7 @@ def load_arrays(samples: list, world: World, now_ns: int):
     )
 
 
-def dp_sizes(expected_ranks: Optional[dict], world: World) -> np.ndarray:
+def dp_sizes(expected_ranks: dict | None, world: World) -> np.ndarray:
     """Expected rank sets -> dp_size per worker (0 = "the ranks observed so far").
 
     The kernel knows expected ranks only as ``0..dp_size-1`` (section 0 item 2);

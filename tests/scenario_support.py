@@ -20,9 +20,9 @@ fresh sample).  The config is a ``RouterConfig``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields as dc_fields
+from dataclasses import dataclass, field
+from dataclasses import fields as dc_fields
 from pathlib import Path
-from typing import Optional
 
 from replay import reference as ref
 from replay.config import RouterConfig
@@ -39,16 +39,16 @@ class ParsedScenario:
     unit: str
     config_defaults: str
     config: RouterConfig                 # config_defaults applied (see config_of)
-    policy_kind: Optional[str]           # "cache_aware" / "power_of_two" / None
+    policy_kind: str | None           # "cache_aware" / "power_of_two" / None
     workers: list                        # every listed worker name, listed order
     fleet: list                          # names with in_fleet true, listed order
     loads: dict                          # name -> load dict (section 7 schema) or None
     inflight: dict                       # name -> router_inflight
-    input_tokens: Optional[int]          # L
-    signal: Optional[ref.PrefixSignal]   # matches as (address name, blocks)
+    input_tokens: int | None          # L
+    signal: ref.PrefixSignal | None   # matches as (address name, blocks)
     candidates: list                     # [ref.Candidate], seed order
-    proposal: Optional[ref.Proposal]
-    range: Optional[ref.PrefillRange]
+    proposal: ref.Proposal | None
+    range: ref.PrefillRange | None
     expected: dict
     runs: list                           # structured checks (dicts)
     raw: dict = field(repr=False)
@@ -71,7 +71,7 @@ def config_of(raw_config: dict, defaults: str) -> RouterConfig:
     return RouterConfig(**overrides)
 
 
-def signal_of(raw_signal: Optional[dict]) -> Optional[ref.PrefixSignal]:
+def signal_of(raw_signal: dict | None) -> ref.PrefixSignal | None:
     if raw_signal is None:
         return None
     matches = [(m["address"], int(m["blocks"])) for m in raw_signal.get("matches") or []]
@@ -138,7 +138,7 @@ def load_scenarios() -> list:
 # --- building reference objects from the parsed form -------------------------
 
 
-def native_of(load: Optional[dict]) -> Optional[ref.NativeLoad]:
+def native_of(load: dict | None) -> ref.NativeLoad | None:
     """A section 7 load dict -> the native aggregate (None unless fresh and native)."""
     if load is None or not load.get("fresh", True) or not load.get("native", False):
         return None
@@ -155,7 +155,7 @@ def native_of(load: Optional[dict]) -> Optional[ref.NativeLoad]:
     )
 
 
-def basic_of(load: Optional[dict]) -> Optional[ref.BasicLoad]:
+def basic_of(load: dict | None) -> ref.BasicLoad | None:
     """Fixture convention (section 7): the basic sample is derived from the
     native one (``num_tokens = used``)."""
     if load is None or not load.get("fresh", True) or not load.get("basic", True):
@@ -169,7 +169,7 @@ def basic_of(load: Optional[dict]) -> Optional[ref.BasicLoad]:
     )
 
 
-def snapshot_of(sc: ParsedScenario, load_overrides: Optional[dict] = None) -> ref.Snapshot:
+def snapshot_of(sc: ParsedScenario, load_overrides: dict | None = None) -> ref.Snapshot:
     """The scenario's load table as a snapshot (every listed worker, in or out of the fleet)."""
     loads = dict(sc.loads)
     loads.update(load_overrides or {})

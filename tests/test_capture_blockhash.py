@@ -26,7 +26,7 @@ def test_known_values_partial_block_and_salt():
     assert got[2] == int.from_bytes(d2[:8], "big", signed=True)
     salted = block_hashes(toks, 4, cache_salt="tenant-a")
     assert salted == spec_hashes(toks, 4, "tenant-a")
-    assert salted[0] != got[0] and all(a != b for a, b in zip(salted, got))
+    assert salted[0] != got[0] and all(a != b for a, b in zip(salted, got, strict=True))
     assert block_hashes(toks, 4, cache_salt="") == got          # empty salt = no salt
     assert any(h < 0 for h in block_hashes(list(range(4000)), 16))   # signed: negative values occur
 

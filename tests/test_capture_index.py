@@ -79,13 +79,16 @@ def slow(dps, ev, reqs, lag):
 @given(streams())
 def test_kernel_equals_plain_replay(case):
     dps, n_blocks, ev, reqs, lag = case
-    a = lambda i: np.array([e[i] for e in ev], dtype=np.int64)
+
+    def a(i):
+        return np.array([e[i] for e in ev], dtype=np.int64)
+
     rank_off = np.concatenate([[0], np.cumsum(dps)]).astype(np.int64)
     h_off = np.concatenate([[0], np.cumsum([len(b) for _, b in reqs])]).astype(np.int64)
     h_ids = np.array([x for _, b in reqs for x in b], dtype=np.int64)
     req_t = np.array([t for t, _ in reqs], dtype=np.int64)
     m_off, m_w, m_b = matches_from_events(a(0), a(1), a(2), a(3), a(4), req_t, h_off, h_ids, rank_off, n_blocks, lag)
-    got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist()))
+    got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist(), strict=True))
            for i in range(len(reqs))]
     truth = slow(dps, ev, reqs, lag)
     assert got == truth
@@ -103,7 +106,7 @@ def test_kernel_equals_plain_replay(case):
         used = sweep.run(tuple(np.ascontiguousarray(x) for x in buf), upto)
         buf = buf[:, used:]
     m_off, m_w, m_b = sweep.result()
-    got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist()))
+    got = [list(zip(m_w[m_off[i]:m_off[i + 1]].tolist(), m_b[m_off[i]:m_off[i + 1]].tolist(), strict=True))
            for i in range(len(reqs))]
     assert got == truth
 

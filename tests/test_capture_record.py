@@ -141,7 +141,7 @@ def test_record_frame_by_frame(tmp_path, engines):
             mine = [m for m in e.sent if m["kind"] == "load" and m["rank"] == r]
             got = loads.filter((pl.col("worker") == e.url) & (pl.col("dp_rank") == r)).sort("ts", maintain_order=True)
             assert got.height == len(mine)
-            for m, row in zip(mine, got.iter_rows(named=True)):
+            for m, row in zip(mine, got.iter_rows(named=True), strict=True):
                 assert (row["seq"], row["num_running_reqs"], row["num_waiting_reqs"], row["num_tokens"],
                         row["max_total_num_tokens"]) == (m["seq"], m["running"], m["waiting"], m["tokens"],
                                                          m["max_total"])
@@ -172,7 +172,8 @@ def test_record_frame_by_frame(tmp_path, engines):
 
     # --- gaps, restarts, malformed frames
     gaps = read_table(out, "gaps")
-    g = {(r["worker"], r["dp_rank"], r["stream"], r["kind"], r["from_seq"], r["to_seq"]) for r in gaps.iter_rows(named=True)}
+    g = {(r["worker"], r["dp_rank"], r["stream"], r["kind"], r["from_seq"], r["to_seq"])
+         for r in gaps.iter_rows(named=True)}
     assert (a.url, 0, "load", "gap", 2, 3) in g
     assert (a.url, 0, "kv", "gap", 2, 2) in g
     assert not any(k[2] == "kv" and k[3] == "gap" and k[4] == 1 for k in g)   # seq 1 was recovered

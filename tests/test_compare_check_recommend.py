@@ -158,8 +158,8 @@ def test_compare_transitions_recomputed_from_both_decision_files(runs, tmp_path)
     assert got.to_dicts() == want.to_dicts()
     cr = pl.read_parquet(out / "changed_requests.parquet")
     assert cr.height == changed.height
-    assert set(zip(cr["config_id_a"].to_list(), cr["request_id"].to_list())) == \
-        set(zip(changed["cid_a"].to_list(), changed["request_id"].to_list()))
+    assert set(zip(cr["config_id_a"].to_list(), cr["request_id"].to_list(), strict=True)) == \
+        set(zip(changed["cid_a"].to_list(), changed["request_id"].to_list(), strict=True))
 
 
 def test_compare_matches_configs_by_knobs_not_ids(runs, tmp_path):
@@ -389,7 +389,7 @@ def test_recommend_none_meets_bound_exit_1(runs):
     low = min(s["selected_waiting_p99"].to_list()) - 1
     assert low >= 0
     text = ok(invoke("recommend", runs["a"], "--max-p99-waiting", low), 1)
-    assert "NO CONFIG MEETS THE BOUND" in text and f"none of 7 configs" in text
+    assert "NO CONFIG MEETS THE BOUND" in text and "none of 7 configs" in text
     assert f"lowest p99 in this run: {low + 1}" in text
 
 

@@ -289,7 +289,8 @@ def test_unreachable_cli_cases_are_exactly_the_errors_about_unmodelled_flags():
     assert refused == set(UNREACHABLE)
 
 
-@pytest.mark.parametrize("cid,case", [c for c in CLI_CASES if c[0] not in UNREACHABLE], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("cid,case", [c for c in CLI_CASES if c[0] not in UNREACHABLE],
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_cli_scenario(cid, case):
     policy, args, _ = _to_knob_args(_split_args(case["args"]))
     got = router_error(args, policy)
@@ -373,7 +374,8 @@ def test_parse_values_with_explicit_kind_for_unknown_flag():
     [
         ("--worker-queue-limit", "abc", "--worker-queue-limit: 'abc' is not an integer, a range a..b, or none"),
         ("--min-load-choices", "abc", "--min-load-choices: 'abc' is not an integer or a range a..b"),
-        ("--min-load-choices", "none", "--min-load-choices: 'none' is not allowed (the router has no unset value for this flag)"),
+        ("--min-load-choices", "none",
+         "--min-load-choices: 'none' is not allowed (the router has no unset value for this flag)"),
         ("--worker-queue-limit", "5..2", "--worker-queue-limit: range '5..2' is empty (end 2 < start 5)"),
         ("--worker-queue-limit", "1,5..2", "--worker-queue-limit: range '5..2' is empty (end 2 < start 5)"),
         ("--worker-queue-limit", "-1", "--worker-queue-limit: '-1' is negative; the router takes an unsigned integer"),
@@ -381,14 +383,18 @@ def test_parse_values_with_explicit_kind_for_unknown_flag():
         ("--worker-queue-limit", "1..", "--worker-queue-limit: '1..' is not an integer, a range a..b, or none"),
         ("--worker-queue-limit", "1_000", "--worker-queue-limit: '1_000' is not an integer, a range a..b, or none"),
         ("--worker-queue-limit", "", "--worker-queue-limit: empty value; expected an integer, a range a..b, or none"),
-        ("--worker-queue-limit", "1,,2", "--worker-queue-limit: empty item in '1,,2'; expected an integer, a range a..b, or none"),
-        ("--worker-queue-limit", "0..1000000", "--worker-queue-limit: range '0..1000000' has 1000001 values, more than 100000"),
+        ("--worker-queue-limit", "1,,2",
+         "--worker-queue-limit: empty item in '1,,2'; expected an integer, a range a..b, or none"),
+        ("--worker-queue-limit", "0..1000000",
+         "--worker-queue-limit: range '0..1000000' has 1000001 values, more than 100000"),
         ("--pressure-rel-threshold", "fast", "--pressure-rel-threshold: 'fast' is not a number"),
         ("--pressure-rel-threshold", "1..2", "--pressure-rel-threshold: '1..2' is not a number"),
-        ("--pressure-rel-threshold", "none", "--pressure-rel-threshold: 'none' is not allowed (the router has no unset value for this flag)"),
+        ("--pressure-rel-threshold", "none",
+         "--pressure-rel-threshold: 'none' is not allowed (the router has no unset value for this flag)"),
         ("--pressure-abs-threshold-ms", "x", "--pressure-abs-threshold-ms: 'x' is not a number or none"),
         ("--disable-pressure-guard", "maybe", "--disable-pressure-guard: 'maybe' is not true or false"),
-        ("--disable-pressure-guard", "none", "--disable-pressure-guard: 'none' is not allowed (the router has no unset value for this flag)"),
+        ("--disable-pressure-guard", "none",
+         "--disable-pressure-guard: 'none' is not allowed (the router has no unset value for this flag)"),
     ],
 )
 def test_parse_values_errors(flag, text, message):

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_factory import Shape, random_trace, shape_strategy
 
 from replay import engine, reference
 from replay.config import Grid, RouterConfig
 from replay.generate import generate_trace
 from replay.trace import load_trace
-
-from trace_factory import Shape, random_trace, shape_strategy
 
 
 def assert_same(ref: dict, ker: dict, context: str = "") -> None:

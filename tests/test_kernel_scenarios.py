@@ -17,17 +17,16 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import kernel_support as K
 import numpy as np
 import pytest
+from scenario_support import load_raw, load_scenarios
 
 from replay import labels
 from replay import reference as ref
 from replay.kernels import decide as kd
 from replay.kernels import one_pass as kpass
 from replay.kernels import snapshot as ks
-
-import kernel_support as K
-from scenario_support import load_raw, load_scenarios
 
 SCENARIOS = load_scenarios()
 BY_ID = {s.id: s for s in SCENARIOS}
@@ -385,7 +384,7 @@ def run_load_snapshot(sc, run):
     ms = K.MS
     now = run["now_ms"] * ms
     world = K.World.of([s["worker"] for s in run["samples"]] + list(run["expect"])
-                       + list((run.get("expected_ranks") or {})))
+                       + list(run.get("expected_ranks") or {}))
     dp = K.dp_sizes(run.get("expected_ranks"), world)
     cols = K.load_arrays(run["samples"], world, now)
     n_ranks = max([int(cols.rank.max()) + 1 if len(cols.rank) else 1, int(dp.max())])

@@ -11,10 +11,10 @@ import dataclasses
 from collections import Counter
 
 import pytest
+from scenario_support import load_raw, load_scenarios, rank_sample_of, snapshot_of
 
 from replay import labels
 from replay import reference as ref
-from scenario_support import load_raw, load_scenarios, rank_sample_of, snapshot_of
 
 SCENARIOS = load_scenarios()
 BY_ID = {s.id: s for s in SCENARIOS}

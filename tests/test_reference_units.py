@@ -119,7 +119,10 @@ def test_pending_budget_uses_uncached_work_and_kv_uses_full_input():
 
 def test_load_table_native_condition_and_throughput_rules():
     t = ref.LoadTable(freshness=100)
-    tail = lambda wu, tok, busy, mr=64: ref.NativeTail(wu, 0, mr, tok, busy)  # noqa: E731
+
+    def tail(wu, tok, busy, mr=64):
+        return ref.NativeTail(wu, 0, mr, tok, busy)
+
     t.set("w", 0, ref.RankSample(0, 0, 0, 1000, tail(10, 100, 1000)), 0)
     t.set("w", 0, ref.RankSample(0, 0, 0, 1000, tail(10, 100, 2000)), 1)   # no token progress
     assert t.capture(1).native_of("w").estimated_prefill_queue_ms is None

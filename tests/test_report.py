@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from conftest import tree_digest
 
 from replay import reference
 from replay.cli import main
@@ -28,8 +29,6 @@ from replay.generate import generate_trace
 from replay.report import HEATMAP_METRICS, figures, headline, load_run, pareto_front
 from replay.sweep import run_sweep
 from replay.trace import load_trace
-
-from conftest import tree_digest
 
 GRID = {"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..4"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -172,7 +171,7 @@ def test_pareto_front():
 
 def test_pareto_front_on_run(run_dir):
     s = pl.read_parquet(run_dir / "summary.parquet").drop_nulls(["hit_rate", "selected_waiting_mean"])
-    rows = list(zip(s["selected_waiting_mean"], s["hit_rate"], s["config_id"]))
+    rows = list(zip(s["selected_waiting_mean"], s["hit_rate"], s["config_id"], strict=True))
     front = set(pareto_front(rows))
     for x, y, i in rows:  # brute force: on the front iff nobody dominates it
         dominated = any((x2 <= x and y2 >= y) and (x2 < x or y2 > y) for x2, y2, _ in rows)
@@ -260,7 +259,7 @@ def test_pins_only_where_no_fresh_reading_is_below_the_floor(run_dir):
     dec = pl.read_parquet(run_dir / "decisions.parquet", columns=["request_id", "config_id", "policy_reason"])
     a = Analysis(load_run(run_dir))
     frames = over_time_frames(a, s["config_id"].to_list())
-    for cid, floor in zip(s["config_id"], s["saturation_queue_floor"]):
+    for cid, floor in zip(s["config_id"], s["saturation_queue_floor"], strict=True):
         d = dec.filter(pl.col("config_id") == cid).join(fl, on="request_id", maintain_order="left")
         allowed = (pl.col("fleet_min_waiting") >= floor) | pl.col("fleet_min_waiting").is_null()
         pinned = d.filter(pl.col("policy_reason") == "saturation_pin")
@@ -506,7 +505,7 @@ def _over_time_reference(run_dir: Path, floors: dict) -> dict[int, list[dict]]:
     t0 = min(ts)
     step = _nice_interval_ns(max(max(ts) - t0, 1))
     req = {rid: ((t - t0) // step, w)
-           for rid, t, w in zip(fl["request_id"].to_list(), ts, fl["fleet_min_waiting"].to_list())}
+           for rid, t, w in zip(fl["request_id"].to_list(), ts, fl["fleet_min_waiting"].to_list(), strict=True)}
     per = {c: defaultdict(list) for c in floors}
     for f in decision_files(run_dir):
         dec = pl.read_parquet(f, columns=["request_id", "config_id", "decision", "policy_reason", "gate_rejected"])

@@ -252,7 +252,7 @@ def test_summary_csv_matches_parquet(runs):
         a, b = pq_df[col].to_list(), csv_df[col].to_list()
         if pq_df[col].dtype == pl.Boolean:
             b = [None if v is None else (v if isinstance(v, bool) else v == "true") for v in b]
-        assert all(close(x, y) for x, y in zip(a, b)), col
+        assert all(close(x, y) for x, y in zip(a, b, strict=True)), col
 
 
 def test_summary_schema_does_not_depend_on_values(runs, models_trace, tmp_path):
@@ -333,7 +333,7 @@ def test_config_result_independent_of_grid_and_chunking(gen_trace, tmp_path):
     assert picked.height == 2
     float_col = "selected_queue_ms_mean"  # a float sum: equal up to summation order
     assert picked.drop("config_id", float_col).equals(s.sort(keys).drop("config_id", float_col))
-    assert all(close(x, y) for x, y in zip(picked[float_col], s.sort(keys)[float_col]))
+    assert all(close(x, y) for x, y in zip(picked[float_col], s.sort(keys)[float_col], strict=True))
 
 
 def test_decision_writer_leaves_empty_readable_file(gen_trace, tmp_path):

@@ -13,8 +13,17 @@ from click.testing import CliRunner
 
 from replay.cli import main
 from replay.config import RouterConfig
-from replay.simulate import (FleetSpec, build_fleet, generate_log, load_fleet, read_azure,
-                             read_mooncake, simulate, simulate_grid, write_mooncake_jsonl)
+from replay.simulate import (
+    FleetSpec,
+    build_fleet,
+    generate_log,
+    load_fleet,
+    read_azure,
+    read_mooncake,
+    simulate,
+    simulate_grid,
+    write_mooncake_jsonl,
+)
 from replay.simulate.logs import LogError, RequestLog
 from replay.sweep import run_sweep
 

@@ -18,13 +18,12 @@ import time
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from conftest import tree_digest
 
 import replay
 from replay.cli import main
 from replay.errors import ReplayError
 from replay.sweep import run_sweep
-
-from conftest import tree_digest
 
 OUTPUTS = {"summary.parquet", "summary.csv", "decisions.parquet", "run.json", "fleet.parquet",
            "report.html"}
@@ -95,7 +94,7 @@ def test_writes_outputs_and_reports(base, gen_trace):
                     "(and 5 more, listed in run.json)"]
     s = base["summary"]
     assert s.height == 14 and base["decisions"].height == 14 * 1500
-    combos = set(zip(s["worker_queue_limit"], s["saturation_queue_floor"]))
+    combos = set(zip(s["worker_queue_limit"], s["saturation_queue_floor"], strict=True))
     want = {(None, None)} | {(lim, fl) for lim in (2, 4, 8) for fl in (None, 1, 2, 3, 4)
                              if fl is None or fl <= lim}
     assert combos == want

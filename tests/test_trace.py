@@ -104,7 +104,7 @@ def test_unsorted_input_sorted_and_files_unchanged(tmp_path):
 
 
 def test_datetime_ts_any_unit_and_tz(tmp_path):
-    base = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    base = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     ns0 = int(base.timestamp()) * 10**9
     for unit, tz in (("ns", None), ("us", "UTC"), ("ms", "Europe/Paris")):
         req = pl.DataFrame({

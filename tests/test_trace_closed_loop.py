@@ -11,13 +11,12 @@ import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from test_cli_validate import loads_df, one_error_line, req_df
+from test_trace import digest, write_trace
 
 from replay import RouterConfig
 from replay.cli import main
 from replay.trace import TraceSet, load_trace, request_log, validate_trace
-
-from test_cli_validate import loads_df, one_error_line, req_df
-from test_trace import digest, write_trace
 
 S = 10**9
 PAGE = 16

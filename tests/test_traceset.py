@@ -31,18 +31,26 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
+from trace_factory import Shape, random_trace, shape_strategy
 
 from replay import engine, labels
-from replay.trace import windows as trace_windows
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.fields import empty_decisions
 from replay.sweep import run_sweep
-from replay.trace import Trace, TraceError, load_trace
-from replay.trace import LOAD_FIELDS, NS, TraceSet, auto_window, format_window, parse_window
-
-from trace_factory import Shape, random_trace, shape_strategy
+from replay.trace import (
+    LOAD_FIELDS,
+    NS,
+    Trace,
+    TraceError,
+    TraceSet,
+    auto_window,
+    format_window,
+    load_trace,
+    parse_window,
+)
+from replay.trace import windows as trace_windows
 
 T0 = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z, a whole number of days since the epoch
 MS = 1_000_000
@@ -77,7 +85,7 @@ def write_pieces(d: Path, kind: str, df: pl.DataFrame, cuts, names, row_group_si
     """Split ``df`` at the row positions ``cuts`` into the files ``d/kind/names[i]``."""
     bounds = [0, *sorted(int(c) for c in cuts), df.height]
     assert len(names) == len(bounds) - 1
-    for name, a, b in zip(names, bounds[:-1], bounds[1:]):
+    for name, a, b in zip(names, bounds[:-1], bounds[1:], strict=True):
         write_parquet(d / kind / name, df.slice(a, b - a), row_group_size)
 
 
@@ -270,7 +278,7 @@ def test_hive_segments_become_string_columns(tmp_path):
                   load_frame([T0, T0 + NS], ["http://w0", "http://w1"]))
     t = load_trace(d)
     assert t.models == ["default", "llama", "mis tral", "own"]
-    got = dict(zip(t.request_id.tolist(), (t.models[m] for m in t.req_model)))
+    got = dict(zip(t.request_id.tolist(), (t.models[m] for m in t.req_model), strict=True))
     assert got == {"l0": "llama", "l1": "llama", "m0": "mis tral", "o0": "own", "o1": "default"}
     assert t.request_id.tolist() == ["l0", "o0", "m0", "l1", "o1"]
     assert t.facts.models == {"default": 1, "llama": 2, "mis tral": 1, "own": 1}
@@ -608,7 +616,7 @@ def edge_loads() -> pl.DataFrame:
                    num_waiting_reqs=waiting, num_tokens=4_000 + 900 * waiting,
                    max_total_num_tokens=100_000, router_inflight=inflight)
         vals = (700 * waiting + 100 * (n % 3), 6_000 + 800 * waiting, 16, ptok, pbusy)
-        for c, v in zip(TAIL, vals):
+        for c, v in zip(TAIL, vals, strict=True):
             row[c] = v if tail else None
         if partial:
             row["num_waiting_uncached_tokens"] = None   # a partial tail counts as no tail
@@ -664,7 +672,7 @@ def edge_requests() -> pl.DataFrame:
             matches = []
         else:
             order = fleet[i % len(fleet):] + fleet[:i % len(fleet)]
-            matches = [{"worker": w, "blocks": b} for w, b in zip(order, (6 + i % 4, 3, 1))]
+            matches = [{"worker": w, "blocks": b} for w, b in zip(order, (6 + i % 4, 3, 1), strict=False)]
             if i % 7 == 0:
                 matches.append({"worker": "http://zz-unknown", "blocks": 2})
         tokens = 1024 + (i * 733) % 5000
@@ -836,8 +844,8 @@ def frames_of(tr: Trace, base_ns: int):
 
     offs = tr.match_offsets
     matches = [[{"worker": name(w), "blocks": int(b)}
-                for w, b in zip(tr.match_worker[a:b], tr.match_blocks[a:b])]
-               for a, b in zip(offs[:-1], offs[1:])]
+                for w, b in zip(tr.match_worker[a:b], tr.match_blocks[a:b], strict=True)]
+               for a, b in zip(offs[:-1], offs[1:], strict=True)]
     req = {
         "ts": pl.Series(tr.req_ts + base_ns, dtype=pl.Int64),
         "request_id": pl.Series(tr.request_id, dtype=pl.Int64),
@@ -853,7 +861,7 @@ def frames_of(tr: Trace, base_ns: int):
     tail = tr.load_has_tail
 
     def tail_col(a):
-        return pl.Series([int(v) if t else None for v, t in zip(a, tail)], dtype=pl.Int64)
+        return pl.Series([int(v) if t else None for v, t in zip(a, tail, strict=True)], dtype=pl.Int64)
 
     loads = pl.DataFrame({
         "ts": pl.Series(tr.load_ts + base_ns, dtype=pl.Int64),

@@ -18,15 +18,14 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine_vs_reference import CONFIGS, assert_same, shapes
+from test_waterfall import BASE, lost_of, one_request
+from trace_factory import Shape, random_trace
 
 from replay import engine, labels, reference
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.fields import waterfall_terms
-
-from test_engine_vs_reference import CONFIGS, assert_same, shapes
-from test_waterfall import BASE, lost_of, one_request
-from trace_factory import Shape, random_trace
 
 VARIANTS = [("pressure", "fleet"), ("locality", "fleet"), ("pressure", "per-worker"),
             ("locality", "per-worker")]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_engine_vs_reference import CONFIGS
+from trace_factory import Shape, random_trace
 
 from replay import engine, labels, reference
 from replay.config import RouterConfig
@@ -19,9 +21,6 @@ from replay.fields import waterfall_terms
 from replay.kernels.layout import ACC
 from replay.results import Accumulator
 from replay.trace import Trace
-
-from test_engine_vs_reference import CONFIGS
-from trace_factory import Shape, random_trace
 
 STEPS = [f"lost_{s}" for s in labels.LOSS_STEPS]
 SHAPES = [Shape(), Shape(n_workers=7, queue_max=8, max_matches=6, tail_share=1.0),

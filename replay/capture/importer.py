@@ -554,7 +554,7 @@ class Importer:
         urls = workers["worker"].to_list()
         f = self.facts.data
         dp = np.array([max(int(d or 0), self.max_rank.get(u, -1) + 1, 1)
-                       for u, d in zip(urls, workers["dp_size"].to_list())], dtype=np.int64)
+                       for u, d in zip(urls, workers["dp_size"].to_list(), strict=True)], dtype=np.int64)
         mode = self.s.matches
         ts = req["ts"].to_numpy().astype(np.int64)
         res = None
@@ -576,7 +576,7 @@ class Importer:
             done = np.where(np.isfinite(lat), ts + np.nan_to_num(lat * MS).astype(np.int64), ts)
             done = np.maximum(done, ts + 1)   # a request never matches its own blocks
             cap_tok = np.array([self.s.kv_capacity_tokens or self.load_caps.get(u, 0) * int(d)
-                                for u, d in zip(urls, dp)], dtype=np.int64)
+                                for u, d in zip(urls, dp, strict=True)], dtype=np.int64)
             if not np.all(cap_tok[np.unique(worker[worker >= 0])] > 0):
                 raise ImportError_("the placement model needs each serving worker's KV capacity: the loads "
                                    "have no max_total_num_tokens; give --kv-capacity-tokens")

@@ -41,9 +41,9 @@ def matches_from_events_nb(held, ev_t, ev_rank, ev_kind, ev_tier, ev_block, req_
     """Answer requests ``i0..i1`` (sorted by time), applying events (sorted by time, then rank
     sequence) to ``held`` (uint8[blocks, ranks] of tier bits, updated in place) as they become
     visible.  ``held`` is laid out ``[block, rank]``: a request's walk reads every rank's
-    entry of one block from one or two cache lines.  ``ev_block`` is a dense block id (-1: a block no request holds; only a clear needs
-    none), ``ev_tier`` a tier bit (0 = every tier for a removal, GPU for a store).  Workers ``w``
-    own ranks ``rank_off[w]..rank_off[w+1]``, numbered in URL order.
+    entry of one block from one or two cache lines.  ``ev_block`` is a dense block id (-1: a block no request
+    holds; only a clear needs none), ``ev_tier`` a tier bit (0 = every tier for a removal, GPU for a store).
+    Workers ``w`` own ranks ``rank_off[w]..rank_off[w+1]``, numbered in URL order.
 
     Returns ``(events applied, counts[i1 - i0], m_worker, m_blocks)``: the events not applied
     are those after the last request's visibility time, for the caller to pass again.
@@ -129,7 +129,10 @@ class IndexSweep:
         counts = np.concatenate(self.counts) if self.counts else np.zeros(0, np.int64)
         off = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=off[1:])
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+
+        def cat(xs):
+            return np.concatenate(xs) if xs else np.zeros(0, np.int64)
+
         return off, cat(self.m_w), cat(self.m_b)
 
 

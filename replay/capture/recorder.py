@@ -473,7 +473,7 @@ class Recorder:
                     write_atomic_json(self.out / "record.json", payload)
                 else:
                     what.write(payload)
-            except BaseException as err:  # disk full and the like: stop recording, say so
+            except BaseException as err:  # noqa: BLE001 - disk full and the like: stop recording, say so
                 self._writer_error.append(err)
                 self.stop.set()
                 return

@@ -95,7 +95,7 @@ def ndjson(path: Path, data: bytes, schema: dict, facts: Facts, what: str) -> pl
         return pl.DataFrame(schema=schema)
     try:
         return pl.read_ndjson(io.BytesIO(data), schema=schema, ignore_errors=False)
-    except Exception:  # polars raises several kinds; locate the line ourselves
+    except Exception:  # noqa: BLE001 - polars raises several kinds; locate the line ourselves
         pass
     rows = []
     for i, line in enumerate(data.split(b"\n")):

@@ -55,7 +55,7 @@ def unpack_seq(frame: bytes) -> int:
 def _unpack(payload: bytes):
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as err:  # msgpack raises several kinds for garbage
+    except Exception as err:  # noqa: BLE001 - msgpack raises several kinds for garbage
         raise FrameError(f"not msgpack ({type(err).__name__})") from None
 
 
@@ -96,7 +96,7 @@ def decode_loadstat(payload: bytes) -> dict:
     if len(arr) < 6:
         raise FrameError(f"LoadStat of {len(arr)} elements, expected at least 6")
     out: dict = {}
-    for k, v in zip(LOAD_FIELDS, arr[1:5]):
+    for k, v in zip(LOAD_FIELDS, arr[1:5], strict=True):
         out[k] = _count(v, k)
     rank = arr[5]
     out["attn_dp_rank"] = None if rank is None else _count(rank, "attn_dp_rank")
@@ -144,9 +144,9 @@ def decode_event(ev) -> dict:
     elif isinstance(ev, (list, tuple)) and ev:
         kind = ev[0]
         if kind == BLOCK_STORED:
-            fields = dict(zip(_STORED_KEYS, ev[1:]))
+            fields = dict(zip(_STORED_KEYS, ev[1:], strict=False))
         elif kind == BLOCK_REMOVED:
-            fields = dict(zip(("block_hashes", "medium"), ev[1:]))
+            fields = dict(zip(("block_hashes", "medium"), ev[1:], strict=False))
         else:
             fields = {}
     else:

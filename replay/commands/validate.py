@@ -12,7 +12,7 @@ from ..trace.facts import TraceFacts
 
 
 def _ts(ns: int) -> str:
-    return _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc).isoformat(timespec="milliseconds")
+    return _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.UTC).isoformat(timespec="milliseconds")
 
 
 def format_report(facts: TraceFacts) -> str:
@@ -92,8 +92,7 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
     import sys
 
     from ..errors import ReplayError
-    from ..trace import validate_trace
-    from ..trace import parse_window
+    from ..trace import parse_window, validate_trace
 
     try:
         window_ns = parse_window(window)

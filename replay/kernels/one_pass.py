@@ -46,7 +46,6 @@ from .decide import (
     prepare_candidates_nb,
     waterfall_nb,
 )
-from .layout import Accumulators as layout_acc
 from .layout import (
     F_NCOLS,
     F_SELECTED_QUEUE_MS,
@@ -75,6 +74,7 @@ from .layout import (
     O_UNCACHED_TOKENS,
     O_WORKER,
 )
+from .layout import Accumulators as layout_acc
 from .snapshot import (
     S_BASIC,
     S_NATIVE,

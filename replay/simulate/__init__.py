@@ -6,8 +6,7 @@ grid.  The model and its assumptions: ``docs/simulator.md``.
 """
 
 from .fleet import Fleet, FleetSpec, WorkerSpec, build_fleet, load_fleet
-from .logs import (RequestLog, generate_log, read_azure, read_log, read_mooncake,
-                   write_mooncake_jsonl)
+from .logs import RequestLog, generate_log, read_azure, read_log, read_mooncake, write_mooncake_jsonl
 from .sim import SimResult, simulate, simulate_grid
 
 __all__ = ["Fleet", "FleetSpec", "WorkerSpec", "build_fleet", "load_fleet", "RequestLog",

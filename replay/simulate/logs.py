@@ -127,7 +127,7 @@ class RequestLog:
         self.block_parent = parent
         self.block_tokens = btok
 
-    def head(self, n: int) -> "RequestLog":
+    def head(self, n: int) -> RequestLog:
         """The first ``n`` requests (arrival order)."""
         n = min(int(n), self.n_requests)
         # original ids are gone after densifying; dense ids are valid ids too
@@ -175,7 +175,7 @@ def read_mooncake(path: str | os.PathLike, *, block_size: int = DEFAULT_BLOCK_SI
             df = pl.read_ndjson(p, schema={"timestamp": pl.Float64, "input_length": pl.Int64,
                                            "output_length": pl.Int64,
                                            "hash_ids": pl.List(pl.Int64)})
-    except Exception as err:  # polars raises many kinds; one line for the user
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
         raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
     if limit is not None:
         df = df.head(int(limit))
@@ -256,7 +256,7 @@ def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFA
         raise LogError(f"{p}: no such file")
     try:
         df = pl.read_csv(p)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
         raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
     need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
     for c in need:
@@ -266,7 +266,7 @@ def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFA
         df = df.head(int(limit))
     try:
         t = df["TIMESTAMP"].str.to_datetime("%Y-%m-%d %H:%M:%S%.f", time_unit="ns").dt.epoch("ns")
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
         raise LogError(f"{p}: column 'TIMESTAMP': {str(err).splitlines()[0]}") from None
     ts = t.to_numpy().astype(np.int64)
     ts = ts - ts.min() if ts.size else ts

@@ -154,7 +154,7 @@ def row_counts(path: str | os.PathLike) -> dict[str, int]:
 def open_parquet(part: Part) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(part.path)
-    except Exception as err:  # pyarrow raises many kinds
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds
         raise TraceError(f"{part.name}: unreadable Parquet ({type(err).__name__}: {one_line(err)})") from None
 
 
@@ -168,7 +168,7 @@ def read_table_file(dirpath: str, name: str) -> tuple[pl.DataFrame | None, dict 
         raise TraceError(f"{name}: not a regular file: {path}")
     try:
         df = pl.read_parquet(path)
-    except Exception as err:  # polars / arrow raise many kinds
+    except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
         raise TraceError(f"{name}: unreadable Parquet ({type(err).__name__}: {one_line(err)})") from None
     return df, file_info(path)
 
@@ -197,7 +197,7 @@ def to_frame(part: Part, table, offset: int = 0) -> pl.DataFrame:
     ``ts`` in epoch ns, ``matches`` and ``hash_ids`` in their canonical types."""
     try:
         df = pl.from_arrow(table)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
         raise TraceError(f"{part.name}: unreadable Parquet ({type(err).__name__}: {one_line(err)})") from None
     if isinstance(df, pl.Series):
         df = df.to_frame()
@@ -243,7 +243,7 @@ def _canonical(df: pl.DataFrame) -> pl.DataFrame:
         return df
     try:
         return df.with_columns(fixes)
-    except Exception:   # out-of-range values: left as they are, the checks name the row
+    except Exception:  # noqa: BLE001 - out-of-range values: left as they are, the checks name the row
         return df
 
 
@@ -260,7 +260,7 @@ def read_part(part: Part, groups: list[int] | None = None, offset: int = 0) -> p
     pf = open_parquet(part)
     try:
         table = pf.read() if groups is None else pf.read_row_groups(groups)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds
         raise TraceError(f"{part.name}: unreadable Parquet ({type(err).__name__}: {one_line(err)})") from None
     return to_frame(part, table, offset)
 
@@ -277,7 +277,7 @@ def concat(parts: list[Part], dfs: list[pl.DataFrame]) -> pl.DataFrame:
     """Concatenate the frames of several files; a column whose kind of type
     differs between files is an error naming the file."""
     first: dict[str, tuple[str, str, object]] = {}
-    for part, df in zip(parts, dfs):
+    for part, df in zip(parts, dfs, strict=True):
         for col, dtype in df.schema.items():
             kind = _kind_of(dtype)
             if kind == "null":
@@ -291,7 +291,7 @@ def concat(parts: list[Part], dfs: list[pl.DataFrame]) -> pl.DataFrame:
         return dfs[0]
     try:
         return pl.concat(dfs, how="diagonal_relaxed")
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds on mismatched schemas
         raise TraceError(f"{parts[0].name}: files do not concatenate ({type(err).__name__}: "
                          f"{one_line(err)})") from None
 
@@ -327,7 +327,7 @@ def read_frames(path: str | os.PathLike) -> Frames:
     # the sha256 of every file (provenance) is computed while the files are parsed
     (req, loads), infos = run_both(lambda: (read_whole(req_parts), read_whole(load_parts)),
                                    lambda: [file_info(p.path) for p in parts])
-    files = {p.name: info for p, info in zip(parts, infos)}
+    files = {p.name: info for p, info in zip(parts, infos, strict=True)}
     if wk_df is not None:
         files[WORKERS] = wk_info
     (req_df, req_name, req_loc), (load_df, load_name, load_loc) = req, loads

@@ -32,7 +32,6 @@ from .files import Frames, read_frames
 from .info import TraceInfo, read_trace_info
 from .workers import Universe, make_universe, parse_workers_table
 
-
 # dtypes of the Trace's load columns other than int64
 LOAD_DTYPES = {"load_worker": np.int32, "load_rank": np.int32, "load_has_tail": np.bool_}
 
@@ -172,11 +171,11 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
         load_rows_without_tail=int((~ld.tail_any).sum()),
         has_router_inflight=ld.has_inflight,
         workers=len(workers),
-        models={m: int(c) for m, c in zip(models, np.bincount(req_model, minlength=len(models)))},
+        models={m: int(c) for m, c in zip(models, np.bincount(req_model, minlength=len(models)), strict=True)},
         has_workers_table=universe.has_table,
         non_fleet_load_workers=universe.non_fleet_load,
         closed_loop_columns=cl.counts(),
-        page_sizes={m: int(p) for m, p in zip(models, universe.model_page) if p > 0} or None,
+        page_sizes={m: int(p) for m, p in zip(models, universe.model_page, strict=False) if p > 0} or None,
         trace_json=None if info.path is None else {
             "router": dict(info.router), "page_size": info.page_size, "source": info.source,
             "per_dp_rank": info.per_dp_rank},

@@ -166,7 +166,7 @@ class TraceSet:
                     try:
                         ent = df.get_column("matches").explode().struct.field("worker")
                         match_names.update(x for x in ent.drop_nulls().unique().to_list())
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - any failure here is reported when its window is read
                         pass  # a malformed column is reported when its window is read
             n_req += part.rows
         load_names: set[str] = set()
@@ -398,7 +398,7 @@ def _note_big_ranks(part: Part, offset: int, df: pl.DataFrame, out: dict) -> Non
         return      # a wrong type is reported when the window is read
     big = (df.with_row_index("row").filter(pl.col("dp_rank") >= MAX_DP_SIZE)
            .group_by("worker", maintain_order=True).first())
-    for w, row, rank in zip(big["worker"].to_list(), big["row"].to_list(), big["dp_rank"].to_list()):
+    for w, row, rank in zip(big["worker"].to_list(), big["row"].to_list(), big["dp_rank"].to_list(), strict=True):
         if w is not None and w not in out:
             out[w] = (part.name, offset + int(row), int(rank))
 
