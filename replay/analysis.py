@@ -736,16 +736,16 @@ def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None
     ``tolerances``.
     """
     run = run if isinstance(run, Run) else load_run(run)
-    tolerances = {k: (v if isinstance(v, Tolerance) else parse_tolerance(k, v))
-                  for k, v in (tolerances or {}).items()}
-    names = list(dict.fromkeys(metrics if metrics else [*DEFAULT_CHECK_METRICS, *tolerances]))
+    given: dict[str, Tolerance] = {k: (v if isinstance(v, Tolerance) else parse_tolerance(k, v))
+                                   for k, v in (tolerances or {}).items()}
+    names = list(dict.fromkeys(metrics if metrics else [*DEFAULT_CHECK_METRICS, *given]))
     for n in names:
         metric(n)
-    extra = [k for k in tolerances if k not in names]
+    extra = [k for k in given if k not in names]
     if extra:
         raise ReplayError(f"tolerance given for {extra[0]}, which is not among the stored metrics "
                           f"({', '.join(names)})")
-    tol = {n: tolerances.get(n) or parse_tolerance(n, DEFAULT_TOLERANCES.get(n, METRICS[n].default_tolerance))
+    tol = {n: given.get(n) or parse_tolerance(n, DEFAULT_TOLERANCES.get(n, METRICS[n].default_tolerance))
            for n in names}
     table = run.metrics(names)
     configs = []
@@ -945,7 +945,10 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
     (improvements never fail; metrics with no good direction fail either way).
     """
     run = run if isinstance(run, Run) else load_run(run)
-    baseline = baseline if isinstance(baseline, dict) and "_tolerances" in baseline else load_baseline(baseline)
+    if not isinstance(baseline, dict):
+        baseline = load_baseline(baseline)
+    elif "_tolerances" not in baseline:      # was a TypeError from Path(dict)
+        raise ReplayError("baseline: a dict must be one load_baseline returned (it has no '_tolerances')")
     where = baseline.get("_path", "baseline")
     diff = trace_difference(trace_hashes(baseline, where), run.trace_hashes)
     if diff is not None:

@@ -60,7 +60,7 @@ class RouterConfig:
     def proposal_default(cls, **overrides) -> RouterConfig:
         """The knobs of ``CacheCandidateProposal::default()`` used by the router's
         direct resolver unit tests: margin 0, guard off, abs 0, ms None, rel 0.0."""
-        base = dict(
+        base: dict[str, Any] = dict(
             cache_switch_margin_tokens=0,
             pressure_guard=False,
             pressure_abs_threshold_tokens=0,
@@ -692,7 +692,7 @@ class Grid:
             values[k] = [_jsonable(v) for v in vals]
         skipped = []
         for (knobs, err), (pl, pf) in zip(self.skipped, self._skipped_per_rank, strict=True):
-            entry = {"knobs": {k: _jsonable(v) for k, v in knobs.items()}, "error": err}
+            entry: dict[str, Any] = {"knobs": {k: _jsonable(v) for k, v in knobs.items()}, "error": err}
             if per_rank:
                 entry["per_rank_limit"], entry["per_rank_floor"] = pl, pf
             skipped.append(entry)

@@ -426,7 +426,7 @@ def generate_trace(
 class Partition(NamedTuple):
     """One partition of a generated trace set."""
 
-    index: int          # 0-based position in the set
+    index: int  # type: ignore[assignment]  # shadows tuple.index; renaming would change the API. 0-based position
     start_ns: int       # first instant of the partition (inclusive)
     n_sec: int          # length in seconds (the last partition may be shorter)
     n_requests: int

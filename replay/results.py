@@ -16,7 +16,7 @@ from . import labels
 from .config import KNOBS
 from .engine import Chunk, Totals
 from .kernels import layout as kl
-from .trace import Trace
+from .trace import Trace, TraceSet
 
 ACC = kl.ACC
 
@@ -132,7 +132,7 @@ def _quantiles(hist: np.ndarray, q: float) -> list:
     The last bucket holds every value >= its index; a quantile falling there
     reads as that lower bound.
     """
-    out = []
+    out: list[int | None] = []
     for h in hist:
         total = int(h.sum())
         if total == 0:
@@ -147,7 +147,7 @@ def _quantiles(hist: np.ndarray, q: float) -> list:
 class DecisionWriter:
     """Streams decisions to Parquet, one row group per chunk, rows (request, config)."""
 
-    def __init__(self, path: str, trace: Trace, config_ids: list[int]):
+    def __init__(self, path: str, trace: Trace | TraceSet, config_ids: list[int]):
         self.path = path
         self.trace = trace
         self.config_ids = np.asarray(config_ids, dtype=np.int32)

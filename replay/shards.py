@@ -121,11 +121,12 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
     name = f"{DECISIONS_DIR}/part-{spec.window:05d}-{spec.block:03d}.parquet"
     writer = (DecisionWriter(os.path.join(out_dir, name), tset, config_ids)
               if decisions and out_dir is not None and trace.n_requests else None)
-    mins, fresh = [], []
+    mins: list[np.ndarray] = []
+    fresh_parts: list[np.ndarray] = []
     for chunk in engine.iter_chunks(trace, configs, seed=seed, freshness_ns=freshness_ns, threads=threads,
                                     keep=writer is not None, totals=totals):
         mins.append(chunk.fleet_min)
-        fresh.append(chunk.fleet_fresh)
+        fresh_parts.append(chunk.fleet_fresh)
         if writer is not None:
             writer.write(chunk, trace)
     if writer is not None:
@@ -136,7 +137,7 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
            "rows": writer.rows if writer is not None else 0,
            "has_selected": trace.req_selected_worker is not None}
     if fleet:
-        min_waiting, fresh = engine.chunk_readings(mins, fresh)
+        min_waiting, fresh = engine.chunk_readings(mins, fresh_parts)
         out["facts"] = fleet_mod.FleetFacts().add(trace.req_ts, min_waiting)
         if out_dir is not None and trace.n_requests:
             # sent back as Parquet bytes: the driver writes them, so a run

@@ -21,11 +21,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numba
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import __version__, engine
@@ -53,7 +54,7 @@ class SweepResult:
     run_dir: Path | None
     run: dict[str, Any]
     grid: Grid
-    trace: Any                  # the Trace, or the TraceSet of a windowed sweep
+    trace: Trace | TraceSet     # the Trace, or the TraceSet of a windowed sweep
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -185,7 +186,8 @@ def run_sweep(
                 n_win = len(tset.window_bounds(window_ns))
                 status(f"replaying in {n_win} windows of {format_window(window_ns)}"
                        + (" as Ray tasks" if executor == "ray" else ""))
-    source = trace if tset is None else tset
+    # a path was opened as tset, or loaded into a Trace above
+    source: Trace | TraceSet = cast(Trace, trace) if tset is None else tset
     t_load = time.perf_counter()
     if isinstance(grid, Grid):
         if per_dp_rank and grid.dp_size is None:
@@ -292,7 +294,7 @@ def _layout(source) -> str:
 class _Job:
     """What every executor needs to replay a trace (in memory or window by window)."""
 
-    source: Any                      # Trace or TraceSet
+    source: Trace | TraceSet
     configs: list
     grid: Grid
     seed: int
@@ -309,7 +311,7 @@ class _Done:
     totals: engine.Totals
     facts: fleet_mod.FleetFacts
     has_selected: bool
-    decision_files: Any = None       # DECISIONS, or a list of files (Ray)
+    decision_files: str | list[str] | None = None   # DECISIONS, or a list of files (Ray)
     windows: int = 1
     t_kernel: float = 0.0
     t_write: float = 0.0
@@ -321,8 +323,8 @@ class _FleetSink:
 
     def __init__(self, out_dir: Path | None):
         self.path = None if out_dir is None else out_dir / FLEET
-        self.writer = None
-        self.empty = None
+        self.writer: pq.ParquetWriter | None = None
+        self.empty: pa.Table | None = None
 
     def write(self, trace: Trace, min_waiting, fresh) -> None:
         if self.path is None:
@@ -354,14 +356,15 @@ def _replay_one(job: _Job, trace: Trace, totals: engine.Totals, writer: Decision
     """Replay one Trace (the whole trace or a window) into the shared totals,
     decisions writer, fleet table and facts."""
     mark = time.perf_counter()
-    mins, fresh = [], []
+    mins: list[np.ndarray] = []
+    fresh_parts: list[np.ndarray] = []
     for chunk in engine.iter_chunks(trace, job.configs, seed=job.seed, freshness_ns=job.freshness_ns,
                                     threads=job.threads, keep=writer is not None, totals=totals,
                                     progress=job.progress):
         now = time.perf_counter()
         clock["kernel"] += now - mark
         mins.append(chunk.fleet_min)
-        fresh.append(chunk.fleet_fresh)
+        fresh_parts.append(chunk.fleet_fresh)
         if writer is not None:
             # chunk k is written on a background thread while the kernels
             # (which release the GIL) replay chunk k+1; one write in flight
@@ -371,7 +374,7 @@ def _replay_one(job: _Job, trace: Trace, totals: engine.Totals, writer: Decision
         mark = time.perf_counter()
         clock["write"] += mark - now
     now = time.perf_counter()
-    min_waiting, fresh = engine.chunk_readings(mins, fresh)
+    min_waiting, fresh = engine.chunk_readings(mins, fresh_parts)
     facts.add(trace.req_ts, min_waiting)
     fleet_sink.write(trace, min_waiting, fresh)
     clock["write"] += time.perf_counter() - now
@@ -465,7 +468,7 @@ def _prefetched(windows, depth: int = 1):
 
 
 def _replay_windows(job: _Job, window_ns: int) -> _Done:
-    tset: TraceSet = job.source
+    tset = cast(TraceSet, job.source)     # windows are replayed only from a TraceSet
     done = _replay_local(job, _prefetched(tset.iter_windows(window_ns, model=job.model)))
     done.has_selected = tset.has_selected
     return done

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import polars as pl
 import pytest
@@ -17,6 +18,14 @@ from replay.generate import generate_trace
 NS = 1_000_000_000
 T0 = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z
 MATCH_T = pl.List(pl.Struct({"worker": pl.String, "blocks": pl.Int64}))
+
+
+def pytest_report_header(config):
+    """Say at the top of every run whether the report's browser tests can run."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe:
+        return f"browser: {exe}"
+    return "browser: NONE - the report's browser tests will SKIP; run .ci/browser to bring chromium"
 
 
 def tree_digest(d) -> dict[str, tuple[int, str]]:

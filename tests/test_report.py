@@ -414,6 +414,10 @@ def test_report_help_has_example():
 # a real browser
 
 
+NO_BROWSER = ("NO BROWSER: chromium is not on PATH, so report.html was not rendered in a browser; "
+              "run .ci/browser (Debian's chromium) to bring it")
+
+
 def _chromium() -> str | None:
     for name in ("chromium", "chromium-browser"):
         path = shutil.which(name)
@@ -441,7 +445,7 @@ def _console_messages(stderr: str) -> list[str]:
 def test_report_renders_in_chromium(run_dir):
     exe = _chromium()
     if exe is None:
-        pytest.skip("chromium not found on PATH (.ci/run installs Debian's chromium)")
+        pytest.skip(NO_BROWSER)
     url = (run_dir / "report.html").resolve().as_uri()
     dom = _run_chromium(exe, url, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
@@ -474,7 +478,7 @@ def test_console_check_catches_errors(tmp_path):
     """The browser check itself fails on a broken page (so a pass above means something)."""
     exe = _chromium()
     if exe is None:
-        pytest.skip("chromium not found on PATH (.ci/run installs Debian's chromium)")
+        pytest.skip(NO_BROWSER)
     bad = tmp_path / "bad.html"
     bad.write_text('<!DOCTYPE html><html><head><script>window.addEventListener("error",function(e){'
                    'document.documentElement.setAttribute("data-report-errors","1")});</script></head>'

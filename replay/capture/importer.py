@@ -22,6 +22,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -132,7 +133,7 @@ def _csr(lists: pl.Series) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_table_dir(d: Path, columns=None) -> list[tuple[Path, pa.Table]]:
-    out = []
+    out: list[tuple[Path, pa.Table]] = []
     if not d.is_dir():
         return out
     for p in sorted(d.rglob("*.parquet")):
@@ -642,7 +643,8 @@ class Importer:
             if self.hash_kind != "sglang":
                 self.facts.data["hash_ids_note"] = ("hash_ids are the request source's own block ids; they "
                                                     "cannot be matched against SGLang KV events")
-            info = {"source": f"router-replay import {__version__}: {self.facts.data['requests_source']}",
+            info: dict[str, Any] = {
+                "source": f"router-replay import {__version__}: {self.facts.data['requests_source']}",
                     "extra": {"capture": _jsonable(self.facts.data), "warnings": self.facts.warnings}}
             if self.page:
                 info["page_size"] = int(self.page)

@@ -153,7 +153,7 @@ def placement_matches(req_t: np.ndarray, done_t: np.ndarray, h_off: np.ndarray, 
     in time order; ``h_ids`` dense or raw ids (any hashable int).  Returns CSR matches
     in worker order, like :func:`matches_from_events_nb`."""
     n_w = cap_blocks.shape[0]
-    lru = [OrderedDict() for _ in range(n_w)]
+    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n_w)]
     order = np.argsort(done_t, kind="stable")
     j = 0
     m_off = [0]

@@ -9,6 +9,7 @@ this tool wrote (it holds ``record.json`` or ``trace.json``).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ReplayError
@@ -16,7 +17,7 @@ from ..errors import ReplayError
 OURS = ("record.json", "trace.json")
 
 
-def check_out(out: Path, force: bool, inputs: list[Path] = ()) -> None:
+def check_out(out: Path, force: bool, inputs: Sequence[Path] = ()) -> None:
     out = Path(out).resolve()
     for inp in inputs:
         p = Path(inp).resolve()

@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from .. import __version__
@@ -167,7 +168,7 @@ class Stream:
     gaps: int = 0
     lost: int = 0
     replayed: int = 0
-    replay: object = None          # the DEALER socket of the rank's replay endpoint
+    replay: Any = None             # zmq DEALER socket of the rank's replay endpoint (zmq imported lazily)
     replay_endpoint: str = ""
     pending: list = field(default_factory=list)   # [start, end, from_ts, to_ts, got(set), deadline]
 

@@ -15,6 +15,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -118,7 +119,7 @@ def ndjson(path: Path, data: bytes, schema: dict, facts: Facts, what: str) -> pl
 
 
 def _coerce(obj: dict, schema: dict) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for k, t in schema.items():
         v = obj.get(k)
         if v is None:
@@ -334,7 +335,7 @@ def read_v1_loads(url: str, path: Path, facts: Facts) -> pl.DataFrame:
     """Polled ``GET /v1/loads?include=core`` answers, one JSON object a line
     (``{"loads": [...]}``, optionally with a top-level ``timestamp`` used when an
     entry has none)."""
-    rows = {c: [] for c in LOAD_COLUMNS}
+    rows: dict[str, list] = {c: [] for c in LOAD_COLUMNS}
     data = read_text(path, facts)
     for i, line in enumerate(data.split(b"\n")):
         if not line.strip():
@@ -381,7 +382,8 @@ def read_prometheus(url: str, path: Path, facts: Facts) -> pl.DataFrame:
 
     text = read_text(path, facts).decode(errors="replace")
     chunks: list[tuple[int | None, str]] = []
-    cur_ts, cur = None, []
+    cur_ts: int | None = None
+    cur: list[str] = []
     for line in text.splitlines():
         if line.startswith("# scrape_ts_ms"):
             if cur:
@@ -412,13 +414,13 @@ def read_prometheus(url: str, path: Path, facts: Facts) -> pl.DataFrame:
                     continue
                 if name not in PROM_FIELDS:
                     continue
-                t = int(round(s.timestamp * 1e9)) if s.timestamp is not None else ts
+                t = int(round(float(s.timestamp) * 1e9)) if s.timestamp is not None else ts
                 if t is None:
                     raise ImportError_(f"{path}: sample {s.name} has no time (add '# scrape_ts_ms <unix ms>' "
                                        "lines before each scrape)")
                 rank = int(s.labels.get("dp_rank", s.labels.get("engine_type_dp_rank", 0)) or 0)
                 samples.setdefault((t, rank), {})[PROM_FIELDS[name]] = s.value
-    rows = {c: [] for c in LOAD_COLUMNS}
+    rows: dict[str, list] = {c: [] for c in LOAD_COLUMNS}
     incomplete = 0
     for (t, rank), v in sorted(samples.items()):
         if not all(k in v for k in ("num_running_reqs", "num_waiting_reqs", "num_tokens")):

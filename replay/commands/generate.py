@@ -34,7 +34,11 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
     """Write a synthetic trace directory (requests, loads, workers Parquet).
 
     \b
-    Example, 100M requests at 1000/s (~28 h) as hourly partitions:
+    Example:
+      router-replay generate traces/generated --requests 3000 --seed 7
+
+    \b
+    100M requests at 1000/s (~28 h) as hourly partitions:
       router-replay generate big --requests 100000000 --workers 64 --dp-size 2 \\
           --rate 1000 --partition-s 3600
     """

@@ -88,6 +88,10 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
 
     Exit 0 when the trace is valid; on bad input print one line naming file,
     column and first bad row (0-based, in the file as given) and exit 2.
+
+    \b
+    Example:
+      router-replay validate traces/sample --json
     """
     import sys
 

@@ -126,7 +126,7 @@ def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, A
     role = "prefill" if spec.decode_peers else "plain"
     out = []
     for i in range(spec.workers):
-        kw = dict(dp_size=spec.dp_size, prefill_tokens_per_s=float(spec.prefill_tokens_per_s),
+        kw: dict[str, Any] = dict(dp_size=spec.dp_size, prefill_tokens_per_s=float(spec.prefill_tokens_per_s),
                   decode_tokens_per_s=float(spec.decode_tokens_per_s),
                   max_running_requests=spec.max_running_requests,
                   max_total_num_tokens=spec.max_total_num_tokens)

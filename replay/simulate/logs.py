@@ -226,7 +226,7 @@ def synthetic_prefixes(input_tokens: np.ndarray, ts_ns: np.ndarray, *, seed: int
     session.  Blocks then follow :func:`stream_blocks`.
     """
     rng = np.random.default_rng(seed)
-    n = input_tokens.shape[0]
+    n = int(input_tokens.shape[0])
     pop = 1.0 / np.arange(1, n_prompts + 1) ** zipf
     prompt = rng.choice(n_prompts, size=n, p=pop / pop.sum()).astype(np.int64)
     prompt_tokens = np.round(rng.lognormal(np.log(prompt_median), 0.6, n_prompts)).astype(np.int64)
@@ -318,13 +318,13 @@ def generate_log(n_requests: int, *, seed: int = 0, rate_per_s: float = 20.0,
         t += rng.exponential(turns_mean / rate_per_s)
         k = int(rng.choice(n_prompts, p=pop / pop.sum()))
         L = int(prompt_tokens[k])
-        ts = t
+        t_req = t
         while len(rows) < n_requests:
             L += int(np.round(rng.lognormal(np.log(300), 0.9))) + 1
             out = int(np.round(rng.lognormal(np.log(150), 0.8))) + 1
-            rows.append((int(ts * 1e9), k, s, L, out))
+            rows.append((int(t_req * 1e9), k, s, L, out))
             L += out
-            ts += rng.exponential(think_s) + out / 40.0
+            t_req += rng.exponential(think_s) + out / 40.0
             if rng.random() < p_stop or L > 60_000:
                 break
         s += 1

@@ -7,6 +7,7 @@ decides every request as the whole trace does."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -45,5 +46,6 @@ def with_carry(trace: Trace, carry: dict | None) -> Trace:
     """The trace with the carried samples (all before its window) put first."""
     if carry is None or carry["load_ts"].shape[0] == 0:
         return trace
-    return dataclasses.replace(trace, **{f: np.ascontiguousarray(np.concatenate([carry[f], getattr(trace, f)]))
-                                         for f in LOAD_FIELDS})
+    cols: dict[str, Any] = {f: np.ascontiguousarray(np.concatenate([carry[f], getattr(trace, f)]))
+                            for f in LOAD_FIELDS}
+    return dataclasses.replace(trace, **cols)

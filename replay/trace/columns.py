@@ -4,7 +4,7 @@ naming the file, the column and the first bad row (as the row is in the file).""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import polars as pl
@@ -38,7 +38,7 @@ class Columns:
     def where(self, row: int) -> tuple[str, int]:
         return self.locate(int(row)) if self.locate is not None else (self.name, int(row))
 
-    def fail(self, col: str, msg: str, row: int | None = None):
+    def fail(self, col: str, msg: str, row: int | None = None) -> NoReturn:
         name = self.name
         if row is not None:
             name, row = self.where(row)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -107,7 +108,8 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
 
     req = Requests(rq.ts, rq.request_id, req_model, rq.input_tokens, rq.query_blocks, best, selected,
                    mt.offsets, match_worker, mt.blocks, cl)
-    loads = Loads(ld.ts, load_worker, ld.rank, *ld.required, ld.tail_valid, *ld.tails, ld.inflight)
+    load_cols: list[Any] = [ld.ts, load_worker, ld.rank, *ld.required, ld.tail_valid, *ld.tails, ld.inflight]
+    loads = Loads(*load_cols)
     req_perm = stable_order(req.ts)
     load_perm = stable_order(loads.load_ts)
     tf = trace_facts(universe, rq, mt, cl, ld, req_model, load_worker, match_worker, sel_null, sel_unknown,

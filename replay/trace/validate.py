@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress
     """``validate_trace``'s facts for a trace checked window by window (every
     row is checked exactly as in memory; ``request_id`` uniqueness within each
     window only)."""
-    sums = dict.fromkeys(_SUMMED, 0)
+    sums: dict[str, Any] = dict.fromkeys(_SUMMED, 0)
     stale = 0
     closed: dict[str, int] = {}
     unknown: set[str] = set()

@@ -80,7 +80,7 @@ def parse_workers_table(wk_df: pl.DataFrame) -> WorkersTable:
     # does not say which when a model's engines advertise different page sizes
     # (/server_info is per engine); such a table is refused rather than guessed.
     seen: dict[str, int] = {}
-    for row in np.nonzero((t_page > 0) & (t_role != labels.ROLE_DECODE))[0]:
+    for row in np.nonzero((t_page > 0) & (t_role != labels.ROLE_DECODE))[0].tolist():
         first = seen.setdefault(models[row], int(row))
         if t_page[row] != t_page[first]:
             W.fail("page_size", f"{t_page[row]} differs from {t_page[first]} (row {first}) for model "
