@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,8 +36,8 @@ import pyarrow.parquet as pq
 from . import __version__
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
-from .outdir import move_into_place, partial_beside, refuse_existing
-from .sweep import DECISIONS, RUN_JSON, SUMMARY, decision_files
+from . import rundir
+from .rundir import DECISIONS, RUN_JSON, SUMMARY, decision_files
 
 # ---------------------------------------------------------------------------
 # Metrics
@@ -350,33 +349,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 1
     return [line(headers), *(line(r) for r in rows)]
 
 
-def check_out_dir(out: str | os.PathLike, force: bool) -> None:
-    """Refuse a file in place of output directory ``out``, or an existing non-empty one unless ``force``."""
-    refuse_existing(out, force)
-
-
-def _prepare_out_dir(out: Path, force: bool) -> Path:
-    check_out_dir(out, force)
-    return partial_beside(out)
-
-
-def refuse_file(path: str | os.PathLike, force: bool, what: str = "output file") -> None:
-    """Refuse to replace an existing file unless ``force`` (a directory is always refused)."""
-    path = Path(path)
-    if path.exists() and (path.is_dir() or not force):
-        raise ReplayError(f"{path}: {what} exists (use --force to replace it)" if not path.is_dir()
-                          else f"{path}: is a directory")
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 # ---------------------------------------------------------------------------
 # compare
 
@@ -540,26 +512,29 @@ def _collect_transitions(cmp: Comparison) -> None:
 def write_comparison(cmp: Comparison, out: str | os.PathLike, *, force: bool = False) -> list[Path]:
     """Write ``deltas.parquet`` (and, with decisions in both runs, ``transitions.parquet``
     and ``changed_requests.parquet``) into directory ``out``, built aside and moved into
-    place when complete; an existing non-empty ``out`` is refused unless ``force``."""
+    place when complete; ``out`` is held to :func:`replay.rundir.guard`'s rule."""
     out = Path(out)
-    tmp = _prepare_out_dir(out, force)
+    rundir.guard([(out, "compare")], inputs=[cmp.a.path, cmp.b.path], force=force)
+    tmp = rundir.partial_beside(out)
     try:
-        cmp.deltas.write_parquet(tmp / "deltas.parquet")
-        if cmp.changed is not None:
-            try:
-                cmp.changed.sink_parquet(tmp / "changed_requests.parquet")
-            except (pl.exceptions.PolarsError, OSError) as err:
-                raise ReplayError(f"reading {DECISIONS}: {_first_line(err)}") from None
-            cmp.changed = pl.scan_parquet(out / "changed_requests.parquet")
-            cmp.transitions = transition_counts(pl.scan_parquet(tmp / "changed_requests.parquet"))
-            cmp.transitions.write_parquet(tmp / "transitions.parquet")
-        names = sorted(p.name for p in tmp.iterdir())
-        move_into_place(tmp, out)
+        with rundir.writing(out):
+            cmp.deltas.write_parquet(tmp / "deltas.parquet")
+            if cmp.changed is not None:
+                try:
+                    cmp.changed.sink_parquet(tmp / "changed_requests.parquet")
+                except (pl.exceptions.PolarsError, OSError) as err:
+                    if rundir.no_space(err):
+                        raise
+                    raise ReplayError(f"reading {DECISIONS}: {_first_line(err)}") from None
+                cmp.changed = pl.scan_parquet(out / "changed_requests.parquet")
+                cmp.transitions = transition_counts(pl.scan_parquet(tmp / "changed_requests.parquet"))
+                cmp.transitions.write_parquet(tmp / "transitions.parquet")
+            names = sorted(p.name for p in tmp.iterdir())
+            rundir.move_into_place(tmp, out)
         tmp = None
         return [out / n for n in names]
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        rundir.discard(tmp)
 
 
 _CMP_COLS = (  # header, metric, how
@@ -748,6 +723,12 @@ def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None
     tol = {n: tolerances.get(n) or parse_tolerance(n, DEFAULT_TOLERANCES.get(n, METRICS[n].default_tolerance))
            for n in names}
     table = run.metrics(names)
+    for n in names:
+        unknown = table.filter(pl.col(n).is_null() | pl.col(n).is_nan())
+        if unknown.height:
+            raise ReplayError(f"{run.path}: metric {n} has no value for {unknown.height} config(s) (first: "
+                              f"config {unknown['config_id'][0]}); a baseline holds numbers only, so leave it "
+                              f"out (--metric ...)")
     configs = []
     for r in table.iter_rows(named=True):
         configs.append({
@@ -777,9 +758,10 @@ def write_baseline(run: Run | str | os.PathLike, path: str | os.PathLike, *, for
     """Write :func:`make_baseline` of ``run`` as JSON to ``path`` (refused if it exists
     unless ``force``); return the record."""
     path = Path(path)
-    refuse_file(path, force, "baseline file")
+    run = run if isinstance(run, Run) else load_run(run)
+    rundir.guard([(path, "baseline")], inputs=[run.path], force=force)
     record = make_baseline(run, **kw)
-    write_text_atomic(path, json.dumps(record, indent=2, allow_nan=False) + "\n")
+    rundir.write_text_atomic(path, json.dumps(record, indent=2, allow_nan=False) + "\n")
     return record
 
 
@@ -809,6 +791,14 @@ def load_baseline(path: str | os.PathLike) -> dict:
         missing = [n for n in names if n not in c["metrics"]]
         if missing:
             raise ReplayError(f"{p}: config entry {i} lacks metric {missing[0]!r}")
+        for n in names:
+            why = _bad_value(n, c["metrics"][n])
+            if why:
+                raise ReplayError(f"{p}: config entry {i}: metric {n!r} {why}; the baseline is unusable")
+        for k, v in c["knobs"].items():
+            why = _bad_knob(k, v)
+            if why:
+                raise ReplayError(f"{p}: config entry {i}: knob {k!r} {why}; the baseline is unusable")
     tols = rec.get("tolerances") or {}
     if not isinstance(tols, dict):
         raise ReplayError(f"{p}: tolerances must be an object")
@@ -816,6 +806,44 @@ def load_baseline(path: str | os.PathLike) -> dict:
                           for n in names}
     rec["_path"] = str(p)
     return rec
+
+
+def _bad_value(name: str, v: Any) -> str | None:
+    """Why ``v`` cannot be a stored value of metric ``name`` (None when it can)."""
+    # REPLAY CHOICE: a null is refused too (not read as "nothing to hold the run to"):
+    # a gate that passes because its baseline holds no number is a silent pass.
+    if v is None:
+        return "is null (no value to hold the run to)"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"is {type(v).__name__} {json.dumps(v)[:40]}, not a number"
+    try:
+        x = float(v)
+    except OverflowError:
+        return "is out of range"
+    if not math.isfinite(x):
+        return f"is {x}, not a finite number"
+    if x < 0:
+        return f"is negative ({x:g})"
+    if METRICS[name].kind == "rate" and x > 1:
+        return f"is {x:g}, outside 0..1 for a rate"
+    return None
+
+
+def _bad_knob(name: str, v: Any) -> str | None:
+    if name not in KNOBS:
+        return None           # check_run names unknown knobs
+    kind = KNOBS[name].kind
+    if v is None:
+        return None if KNOBS[name].nullable else "is null"
+    if kind == "bool":
+        return None if isinstance(v, bool) else f"is {json.dumps(v)[:40]}, not true or false"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind == "int" and not isinstance(v, int)):
+        return f"is {json.dumps(v)[:40]}, not {'an integer' if kind == 'int' else 'a number'}"
+    if kind == "int" and not 0 <= v < 2**64:
+        return f"is {v}, outside the router's unsigned 64-bit range"
+    if kind == "float" and (abs(v) > 1.7976931348623157e308 or not math.isfinite(float(v))):
+        return "is not a finite number"
+    return None
 
 
 @dataclass

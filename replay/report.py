@@ -34,7 +34,8 @@ import polars as pl
 from . import __version__, labels
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
-from .sweep import decision_files
+from . import rundir
+from .rundir import decision_files
 
 REPORT = "report.html"
 CLOSED_LOOP = "closed_loop_summary.parquet"
@@ -240,6 +241,8 @@ class Analysis:
         # the pressure bound and the best configs under it
         p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
         if max_p99_waiting is not None:
+            if not math.isfinite(float(max_p99_waiting)):
+                raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
             self.bound_note = f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} (given)"
         elif p99:
@@ -1376,12 +1379,5 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.partial"
-    try:
-        with open(tmp, "x", encoding="utf-8") as fh:  # ordinary file mode (umask), unlike mkstemp
-            fh.write(page)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    rundir.write_text_atomic(target, page)
     return target

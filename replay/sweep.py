@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
@@ -33,17 +32,12 @@ from . import __version__, engine
 from . import fleet as fleet_mod
 from .config import Grid, fleet_dp_size
 from .errors import ReplayError
-from .outdir import move_into_place, partial_beside, refuse_existing
+from . import rundir
+from .rundir import DECISIONS, FLEET, REPORT, RUN_JSON, SUMMARY, SUMMARY_CSV, decision_files  # noqa: F401
 from .results import Accumulator, DecisionWriter
 from .trace import REQUESTS, Trace, load_trace
 from .traceset import NS, TraceSet, auto_window, format_window, parse_window
 
-SUMMARY = "summary.parquet"
-SUMMARY_CSV = "summary.csv"
-DECISIONS = "decisions.parquet"
-RUN_JSON = "run.json"
-FLEET = fleet_mod.FLEET
-REPORT = "report.html"
 MAX_SEED = 2**63 - 1
 
 
@@ -59,26 +53,9 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> list[Path] | None:
-    """The decisions files of a run: ``run.json``'s ``decisions`` (one file, or
-    the list a sharded sweep writes), else ``decisions.parquet`` if present;
-    None when the run kept no decisions (or a listed file is gone)."""
-    p = Path(run_dir)
-    if run is None:
-        try:
-            run = json.loads((p / RUN_JSON).read_text())
-        except (OSError, ValueError):
-            run = {}
-    listed = run.get("decisions", DECISIONS) if isinstance(run, Mapping) else DECISIONS
-    if not listed:
-        return None
-    files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
-    return files if all(f.is_file() for f in files) else None
-
-
 def check_run_dir(out: Path, force: bool) -> None:
     """Refuse an existing non-empty RUN_DIR unless ``force``; refuse a file in its place."""
-    refuse_existing(out, force, "run directory")
+    rundir.refuse_existing(out, force, "run directory")
 
 
 def fleet_dp(trace) -> int:
@@ -153,7 +130,8 @@ def run_sweep(
             raise ReplayError(str(err)) from None
     out_path = Path(out) if out is not None else None
     if out_path is not None:
-        check_run_dir(out_path, force)
+        rundir.guard([(out_path, "run")], inputs=[trace.path if isinstance(trace, Trace) else trace],
+                     force=force, say=status)
     freshness_ns = int(freshness_ms) * 1_000_000
     tset: TraceSet | None = None
     hashed = None
@@ -197,7 +175,7 @@ def run_sweep(
     configs = grid.configs
     tmp_dir: Path | None = None
     if out_path is not None:
-        tmp_dir = partial_beside(out_path)
+        tmp_dir = rundir.partial_beside(out_path)
     try:
         n_requests = (source.n_requests if tset is None or model is None
                       else tset.model_counts.get(model, 0))
@@ -236,17 +214,21 @@ def run_sweep(
         run["fleet"] = FLEET if out_path is not None else None
         run["report"] = REPORT if out_path is not None and report else None
         if tmp_dir is not None and out_path is not None:
-            summary.write_parquet(tmp_dir / SUMMARY)
-            summary.write_csv(tmp_dir / SUMMARY_CSV)
-            (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
-            if report:
-                _write_report(tmp_dir, run)
-            move_into_place(tmp_dir, out_path)
+            with rundir.writing(out_path):
+                summary.write_parquet(tmp_dir / SUMMARY)
+                summary.write_csv(tmp_dir / SUMMARY_CSV)
+                (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
+                if report:
+                    _write_report(tmp_dir, run)
+                rundir.move_into_place(tmp_dir, out_path)
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, source, timings)
+    except (OSError, pl.exceptions.PolarsError, RuntimeError) as err:
+        if tmp_dir is None or not rundir.no_space(err):   # the decisions writer ran out of disk
+            raise
+        raise rundir.write_error(err, out_path) from None
     finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        rundir.discard(tmp_dir)
 
 
 class _Background:
@@ -480,6 +462,8 @@ def _write_report(tmp_dir: Path, run: dict) -> None:
     try:
         build_report(tmp_dir, tmp_dir / REPORT)
     except Exception as err:  # the sweep's results stand without their report
+        if rundir.no_space(err):
+            raise
         (tmp_dir / REPORT).unlink(missing_ok=True)
         run["report"] = None
         run["report_error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]

@@ -59,6 +59,9 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
     from ..simulate.sim import _check_out
 
+    from .. import rundir
+
+    rundir.guard([(out, "sim")], inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)

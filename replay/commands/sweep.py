@@ -77,11 +77,12 @@ def _knob_options(fn):
 def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, window,
           executor, ray_address, ray_cpus, configs_per_task, ray_retries, force, quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
+    from .. import rundir
     from ..errors import ReplayError
-    from ..sweep import check_run_dir, run_sweep
+    from ..sweep import run_sweep
     from ..traceset import NS, format_window, parse_window
 
-    check_run_dir(Path(out), force)
+    rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
     try:
         window_ns = parse_window(window)
     except ValueError as err:
