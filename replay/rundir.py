@@ -544,9 +544,13 @@ def _errno_of(err: BaseException) -> int | None:
     return None
 
 
+class NoSpace(ReplayError):
+    """The disk (or quota) filled up while writing an output."""
+
+
 def no_space(err: BaseException) -> bool:
     """Whether ``err`` is a full disk (or quota), whatever library raised it."""
-    return _errno_of(err) in _NO_SPACE
+    return isinstance(err, NoSpace) or (not isinstance(err, ReplayError) and _errno_of(err) in _NO_SPACE)
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
@@ -554,7 +558,7 @@ def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
     (full disk, read-only file system, permission); ``err`` itself otherwise."""
     code = _errno_of(err)
     if code in _NO_SPACE:
-        return ReplayError(f"no space left on device writing {path}")
+        return NoSpace(f"no space left on device writing {path}")
     if code == errno.EROFS:
         return ReplayError(f"{path}: cannot write (read-only file system)")
     if code in (errno.EACCES, errno.EPERM):
@@ -567,6 +571,8 @@ def writing(out: str | os.PathLike) -> Iterator[None]:
     """Turn file-system failures inside the block into :func:`write_error` lines naming ``out``."""
     try:
         yield
+    except NoSpace:
+        raise NoSpace(f"no space left on device writing {out}") from None
     except ReplayError:
         raise
     except Exception as err:  # polars, pyarrow and the os raise different types for one errno

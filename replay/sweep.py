@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 from . import __version__, engine
 from . import fleet as fleet_mod
 from .config import Grid, fleet_dp_size
-from .errors import ReplayError
+from .errors import ConfigError, ReplayError
+from .kernels import accumulate as kacc
 from . import rundir
 from .rundir import DECISIONS, FLEET, REPORT, RUN_JSON, SUMMARY, SUMMARY_CSV, decision_files  # noqa: F401
 from .results import Accumulator, DecisionWriter
@@ -39,6 +40,38 @@ from .trace import REQUESTS, Trace, load_trace
 from .traceset import NS, TraceSet, auto_window, format_window, parse_window
 
 MAX_SEED = 2**63 - 1
+MAX_INT_KNOB = 2**63 - 1
+"""Largest integer knob value the replay holds (its kernels count in int64; the router takes
+u64, but no queue or token count comes near 2**63)."""
+MAX_FRESHNESS_MS = (2**63 - 1) // 1_000_000
+"""Largest --freshness-ms whose nanoseconds fit the kernels' int64 timestamps (about 292 years)."""
+MAX_CONFIGS = 10_000
+"""Most configs one sweep replays: each keeps its counters and a 4096-bucket queue histogram per
+thread block (about 33 KB x 2 blocks per thread), so memory grows with configs x threads."""
+
+
+def check_grid(grid: Grid, threads: int | None = None) -> None:
+    """Refuse, before any trace work, a grid the kernels cannot hold: an integer knob above
+    :data:`MAX_INT_KNOB`, or more than :data:`MAX_CONFIGS` configs (one line, the limit and why)."""
+    from .config import KNOBS
+
+    n = len(grid.configs)
+    if n > MAX_CONFIGS:
+        blocks = 2 * (threads or numba.get_num_threads())
+        per = 8 * (kacc.N_ACC + kacc.WAIT_HIST + kacc.N_DIV) * blocks
+        raise ConfigError(f"the grid has {n:,} configs, more than the {MAX_CONFIGS:,} one sweep takes: each "
+                          f"config keeps {per // 1024:,} KiB of counters here ({blocks} thread blocks), "
+                          f"{n * per / 2**30:.1f} GiB for this grid; split it into several sweeps")
+    for name, spec in KNOBS.items():
+        if spec.kind != "int":
+            continue
+        for cfg in grid.configs:
+            v = getattr(cfg, name)
+            if v is not None and v > MAX_INT_KNOB:
+                scaled = f" ({v // grid.dp_size} per rank x dp_size {grid.dp_size})" if grid.dp_size else ""
+                raise ConfigError(f"{spec.flag}: {v}{scaled} is above {MAX_INT_KNOB} (2**63-1), the largest value the "
+                                  f"replay's 64-bit counters hold (no queue comes near it; "
+                                  f"{'use none for no limit' if spec.nullable else 'give a smaller value'})")
 
 
 @dataclass
@@ -113,8 +146,11 @@ def run_sweep(
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
         raise ReplayError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
-    if int(freshness_ms) < 0:
-        raise ReplayError(f"--freshness-ms must be >= 0, got {freshness_ms}")
+    if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
+        raise ReplayError(f"--freshness-ms must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
+                          f"64 bits), got {freshness_ms}")
+    if isinstance(grid, Grid):
+        check_grid(grid, threads)
     if executor not in ("local", "ray"):
         raise ReplayError(f"--executor must be local or ray, got {executor!r}")
     if executor == "ray":
@@ -172,6 +208,7 @@ def run_sweep(
             grid = grid.scaled_per_dp_rank(fleet_dp(source))
     else:
         grid = Grid(grid or {}, dp_size=fleet_dp(source) if per_dp_rank else None)
+    check_grid(grid, threads)         # again: --per-dp-rank scaling may overflow
     configs = grid.configs
     tmp_dir: Path | None = None
     if out_path is not None:

@@ -79,7 +79,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from .. import rundir
     from ..errors import ReplayError
-    from ..sweep import run_sweep
+    from ..sweep import check_grid, run_sweep
     from ..traceset import NS, format_window, parse_window
 
     rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
@@ -93,6 +93,8 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
             raise ReplayError(f"{flag} needs --executor ray")
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid_spec = Grid.from_texts(texts) if not per_dp_rank else texts
+    if isinstance(grid_spec, Grid):
+        check_grid(grid_spec, threads)
     if isinstance(grid_spec, Grid) and grid_spec.warning_line() and not quiet:
         click.echo(f"warning: {grid_spec.warning_line()}", err=True)
     show_bar = not quiet and sys.stderr.isatty()
