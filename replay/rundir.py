@@ -52,8 +52,11 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
 
 from .errors import ReplayError
 
@@ -100,6 +103,142 @@ def run_inputs(run_dir: str | os.PathLike) -> list[Path]:
     p = Path(run_dir)
     names = [RUN_JSON, SUMMARY, SUMMARY_CSV, FLEET, CLOSED_LOOP, DECISIONS, DECISIONS_DIR]
     return [p / n for n in names if (p / n).exists()] + list(decision_files(p) or [])
+
+
+# ---------------------------------------------------------------------------
+# reading a run back
+
+SUMMARY_COLUMNS = ("config_id", "worker_queue_limit", "saturation_queue_floor", "requests", "hit_rate",
+                   "selected_waiting_p99")
+"""Summary columns every reader relies on."""
+DECISION_COLUMNS = ("request_id", "config_id", "worker", "decision", "policy_reason", "reason", "failure")
+"""decisions.parquet columns every reader relies on."""
+
+
+@dataclass
+class Run:
+    """A finished run directory read back: ``run.json`` (``meta``), the summary, where
+    its decisions are (one file, or one per shard; None without), ``fleet.parquet``
+    scanned lazily (one row per request: never read whole), and a closed-loop
+    simulator's ``closed_loop_summary.parquet`` when one was put beside it."""
+
+    path: Path
+    meta: dict
+    summary: pl.DataFrame
+    decisions: list[Path] | None
+    fleet: pl.LazyFrame | pl.DataFrame | None = None
+    closed_loop: pl.DataFrame | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trace_hashes(self) -> dict[str, str]:
+        """``{trace file name: sha256}`` from ``run.json`` (one-line error if absent)."""
+        return trace_hashes(self.meta, self.path / RUN_JSON)
+
+    @property
+    def knobs(self) -> list[str]:
+        """The knob columns of the summary, in ``KNOB_NAMES`` order."""
+        from .config import KNOB_NAMES
+
+        return [k for k in KNOB_NAMES if k in self.summary.columns]
+
+    def metrics(self, names: Iterable[str] | None = None) -> pl.DataFrame:
+        """``config_id``, the knob columns (and ``dp_size``, per-rank values when present),
+        then one Float64 column per metric of ``names`` (default: the compare set; see
+        :mod:`replay.metrics`), null where unknown."""
+        from . import metrics
+
+        return metrics.metric_table(self.summary, names if names is not None else metrics.COMPARE_METRICS)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def unreadable(path: str | os.PathLike, err: BaseException) -> ReplayError:
+    """The one-line error for a Parquet file a reader cannot read."""
+    msg = " ".join(str(err).split())[:200]
+    return ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})")
+
+
+def read_parquet(path: Path) -> pl.DataFrame:
+    """A small table of a run, read whole (one-line error if unreadable)."""
+    try:
+        return pl.read_parquet(path)
+    except Exception as err:  # polars / arrow raise many kinds
+        raise unreadable(path, err) from None
+
+
+def scan_parquet(path: Path) -> pl.LazyFrame:
+    """A lazy scan of a (possibly request-sized) table; its footer is read now, so a file
+    that is not Parquet fails here rather than halfway through a report."""
+    try:
+        lf = pl.scan_parquet(path)
+        lf.collect_schema()
+    except Exception as err:  # polars / arrow raise many kinds
+        raise unreadable(path, err) from None
+    return lf
+
+
+def trace_hashes(meta: Mapping, where: object = RUN_JSON) -> dict[str, str]:
+    """``{file name: sha256}`` of the trace files recorded in a run or baseline record."""
+    files = (meta.get("trace") or {}).get("files") if isinstance(meta.get("trace"), dict) else None
+    if not isinstance(files, dict) or not files:
+        raise ReplayError(f"{where}: no trace file hashes recorded")
+    out = {}
+    for name, info in files.items():
+        sha = info.get("sha256") if isinstance(info, dict) else info
+        if not isinstance(sha, str):
+            raise ReplayError(f"{where}: no sha256 for trace file {name!r}")
+        out[name] = sha
+    return out
+
+
+def load_run(path: str | os.PathLike | Run) -> Run:
+    """Open a run directory written by ``router-replay sweep`` (a :class:`Run` passes through).
+
+    Checks that the directory holds a readable ``run.json`` with router-replay's
+    marker and a ``summary.parquet`` with :data:`SUMMARY_COLUMNS` and at least one
+    config; decisions, ``fleet.parquet`` and ``closed_loop_summary.parquet`` are
+    optional, but when present they must be readable (decisions with
+    :data:`DECISION_COLUMNS`).  Raises :class:`ReplayError` (one line) otherwise.
+    """
+    if isinstance(path, Run):
+        return path
+    p = Path(path)
+    if not p.exists():
+        raise ReplayError(f"{p}: no such run directory")
+    if not p.is_dir():
+        raise ReplayError(f"{p}: not a directory (expected a run directory written by router-replay sweep)")
+    rj, sm = p / RUN_JSON, p / SUMMARY
+    if not rj.is_file() or not sm.is_file():
+        raise ReplayError(f"{p}: not a run directory (no {RUN_JSON} and {SUMMARY}; "
+                          f"write one with router-replay sweep)")
+    try:
+        meta = json.loads(rj.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ReplayError(f"{rj}: unreadable run record ({first_line(err)})") from None
+    if not isinstance(meta, dict) or meta.get("tool") != TOOL:
+        raise ReplayError(f"{rj}: not a router-replay run record")
+    summary = read_parquet(sm)
+    for col in SUMMARY_COLUMNS:
+        if col not in summary.columns:
+            raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
+    if summary.height == 0:
+        raise ReplayError(f"{sm}: no configs")
+    decisions = decision_files(p, meta)
+    for dp in decisions or []:
+        try:
+            names = set(pq.read_schema(dp).names)
+        except Exception as err:  # any reader error is unusable input
+            raise unreadable(dp, err) from None
+        absent = [c for c in DECISION_COLUMNS if c not in names]
+        if absent:
+            raise ReplayError(f"{dp}: column '{absent[0]}': missing (not router-replay decisions)")
+    fleet = scan_parquet(p / FLEET) if (p / FLEET).is_file() else None
+    closed = read_parquet(p / CLOSED_LOOP) if (p / CLOSED_LOOP).is_file() else None
+    return Run(p, meta, summary, decisions, fleet, closed)
 
 
 # ---------------------------------------------------------------------------

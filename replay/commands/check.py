@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 import click
 
+from .. import metrics
 from ..cli import user_errors
 
 _EPILOG = """
@@ -19,10 +21,7 @@ decision-label shares 1pt. Only a move in a metric's bad direction beyond its
 tolerance fails; improvements never fail.
 
 \b
-Metrics: hit_rate, matched_rate, owner_rate, share_cache_hit, share_cache_miss,
-share_cache_worker_queued, share_all_queued, share_failed, pinned_share,
-diverted_share, pinned, diverted, selected_waiting_p50, selected_waiting_p99,
-selected_waiting_mean, selected_queue_ms_mean, cold_prefill_tokens, agreement.
+""" + textwrap.fill(f"Metrics: {metrics.help_list()}.", 80) + """
 
 \b
 Exit codes:
