@@ -737,27 +737,3 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-# ---------------------------------------------------------------------------
-# older helpers, kept for callers that check one output by hand
-
-
-def refuse_existing(out: str | os.PathLike, force: bool, what: str = "output directory") -> None:
-    """Refuse a file in place of ``out``, or an existing non-empty ``out`` unless ``force``.
-
-    Only the emptiness half of the rule; commands call :func:`guard`.
-    """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ReplayError(f"{out}: {what} exists and is not empty (use --force to replace it)")
-
-
-def refuse_file(path: str | os.PathLike, force: bool, what: str = "output file") -> None:
-    """Refuse to replace an existing file unless ``force`` (a directory is always refused)."""
-    path = Path(path)
-    if path.exists() and (path.is_dir() or not force):
-        raise ReplayError(f"{path}: {what} exists (use --force to replace it)" if not path.is_dir()
-                          else f"{path}: is a directory")

@@ -84,11 +84,6 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def check_run_dir(out: Path, force: bool) -> None:
-    """Refuse an existing non-empty RUN_DIR unless ``force``; refuse a file in its place."""
-    rundir.refuse_existing(out, force, "run directory")
-
-
 def run_sweep(
     trace: Trace | str | os.PathLike,
     grid: Grid | Mapping[str, Any] | None = None,
