@@ -35,8 +35,17 @@ import polars as pl
 from . import __version__, rundir
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
-from .metrics import (COMPARE_METRICS, DEFAULT_CHECK_METRICS, DEFAULT_TOLERANCES, LABEL_SHARES, METRICS,
-                      RECOMMEND_EVIDENCE, Metric, metric, metric_table)
+from .metrics import (
+    COMPARE_METRICS,
+    DEFAULT_CHECK_METRICS,
+    DEFAULT_TOLERANCES,
+    LABEL_SHARES,
+    METRICS,
+    RECOMMEND_EVIDENCE,
+    Metric,
+    metric,
+    metric_table,
+)
 from .rundir import DECISIONS, Run, load_run, trace_hashes
 from .rundir import first_line as _first_line
 

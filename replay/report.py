@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import __version__, labels
+from . import __version__, labels, rundir
+from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
-from . import metrics as metrics_mod
-from . import rundir
 from .rundir import Run, load_run
 from .rundir import unreadable as _unreadable
 

@@ -46,8 +46,8 @@ import json
 import os
 import re
 import shutil
-import sys
 import socket
+import sys
 import tempfile
 import time
 import zlib
@@ -95,6 +95,49 @@ def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> li
         return None
     files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
     return files if all(f.is_file() for f in files) else None
+
+
+def run_record(trace, grid, *, seed: int, freshness_ms: int, model: str | None, per_dp_rank: bool,
+               decisions: str | list[str] | None, timings: Mapping[str, float]) -> dict:
+    """``run.json``: the tool's marker, version, the trace (path, files with sha256, size),
+    the grid, the settings, where the decisions are, timings and the machine.  ``sweep``
+    adds the execution, the trace's facts and the fleet/report names."""
+    import platform
+
+    import numba
+    import numpy as np
+
+    from . import __version__
+
+    return {
+        "tool": TOOL,
+        "version": __version__,
+        "status": "complete",
+        "created_unix": int(time.time()),
+        "trace": {
+            "path": str(trace.path),
+            "files": trace.files,
+            "requests": trace.n_requests,
+            "workers": trace.n_workers,
+            "models": list(trace.models),
+        },
+        "grid": grid.describe(),
+        "config_ids": list(grid.config_ids),
+        "seed": int(seed),
+        "freshness_ms": int(freshness_ms),
+        "model": model,
+        "per_dp_rank": bool(per_dp_rank),
+        "dp_size": grid.dp_size,
+        "decisions": decisions,
+        "timings": dict(timings),
+        "machine": {
+            "python": platform.python_version(),
+            "numba": numba.__version__,
+            "numpy": np.__version__,
+            "polars": pl.__version__,
+            "threads": numba.get_num_threads(),
+        },
+    }
 
 
 def run_inputs(run_dir: str | os.PathLike) -> list[Path]:

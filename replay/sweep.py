@@ -6,14 +6,17 @@ config), ``decisions.parquet`` (one row per request and config, optional),
 queue reading, see ``replay/fleet.py``), ``run.json`` (provenance) and
 ``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
-a run that looks finished.
+a run that looks finished (``replay/rundir.py`` owns the directory and its rule).
+
+:func:`run_sweep` checks the arguments, asks :func:`plan` whether the trace
+replays whole or window by window, hands a :class:`replay.executors.Job` to an
+executor (local or Ray), and writes what comes back.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,20 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import numba
-import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from . import __version__, executors, rundir
+from . import executors, rundir, traceset
 from . import fleet as fleet_mod
 from .config import Grid
 from .errors import ConfigError, ReplayError
 from .executors import shard_window  # noqa: F401  (its home was here)
 from .kernels import accumulate as kacc
 from .results import Accumulator
-from .rundir import DECISIONS, FLEET, REPORT, RUN_JSON, SUMMARY, SUMMARY_CSV, decision_files  # noqa: F401
+from .rundir import (  # noqa: F401
+    DECISIONS,
+    FLEET,
+    REPORT,
+    RUN_JSON,
+    SUMMARY,
+    SUMMARY_CSV,
+    decision_files,
+)
 from .trace import REQUESTS, Trace, load_trace
-from . import traceset
 from .traceset import NS, TraceSet, auto_window, format_window, list_parts, parse_window
 
 MAX_SEED = 2**63 - 1
@@ -80,7 +89,7 @@ class SweepResult:
     run_dir: Path | None
     run: dict[str, Any]
     grid: Grid
-    trace: Any                  # the Trace, or the TraceSet of a windowed sweep
+    trace: Trace | TraceSet     # the Trace, or the TraceSet of a windowed sweep
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -203,7 +212,7 @@ def run_sweep(
             "accumulate_and_write_s": round(done.t_write, 4),
             "total_s": round(time.perf_counter() - t0, 4),
         }
-        run = _run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
+        run = rundir.run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
                           decisions=done.decision_files if job.decisions else None,
                           per_dp_rank=grid.per_dp_rank, timings=timings)
         run["trace"]["requests"] = n_requests if tset is not None else source.n_requests
@@ -320,35 +329,3 @@ def _config_rows(grid: Grid) -> list[dict]:
             row.update({k: r[k] for k in extra})
         rows.append(row)
     return rows
-
-
-def _run_record(trace, grid: Grid, **kw) -> dict:
-    return {
-        "tool": "router-replay",
-        "version": __version__,
-        "status": "complete",
-        "created_unix": int(time.time()),
-        "trace": {
-            "path": str(trace.path),
-            "files": trace.files,
-            "requests": trace.n_requests,
-            "workers": trace.n_workers,
-            "models": list(trace.models),
-        },
-        "grid": grid.describe(),
-        "config_ids": list(grid.config_ids),
-        "seed": int(kw["seed"]),
-        "freshness_ms": int(kw["freshness_ms"]),
-        "model": kw["model"],
-        "per_dp_rank": bool(kw["per_dp_rank"]),
-        "dp_size": grid.dp_size,
-        "decisions": kw["decisions"],
-        "timings": kw["timings"],
-        "machine": {
-            "python": platform.python_version(),
-            "numba": numba.__version__,
-            "numpy": np.__version__,
-            "polars": pl.__version__,
-            "threads": numba.get_num_threads(),
-        },
-    }

@@ -14,10 +14,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from conftest import tree_digest
 
 from replay.cli import main
-
-from conftest import tree_digest
 
 REPO = Path(__file__).resolve().parents[1]
 LOG = REPO / "traces" / "sample-log" / "requests.jsonl"

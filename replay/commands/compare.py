@@ -39,9 +39,7 @@ Example:
 @user_errors
 def compare(run_a, run_b, out, label, limit, force):
     """Compare run RUN_B with run RUN_A of the same trace, config by config."""
-    from .. import analysis
-
-    from .. import rundir
+    from .. import analysis, rundir
 
     rundir.guard([(out, "compare")], inputs=[run_a, run_b], force=force)  # refuse before any work
     cmp = analysis.compare_runs(run_a, run_b, label=label)
