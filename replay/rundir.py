@@ -548,7 +548,10 @@ def _parent_lock(parent: Path) -> Iterator[None]:
     there, so two runs into one output never interleave their renames."""
     fd = os.open(parent, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:     # a file system without flock on folders: the exchange is still atomic
+            pass
         yield
     finally:
         os.close(fd)
@@ -574,11 +577,16 @@ def _debris(out: Path) -> list[tuple[Path, str, int | None]]:
 def _dead(path: Path, pid: int | None, now: float) -> bool:
     if pid is not None:
         return pid != os.getpid() and not _pid_alive(pid)
-    # another host's, or written by a version without pids in the name: dead when untouched for an hour
+    # another host's, or written by a version without pids in the name: dead when nothing in it
+    # changed for an hour (a live run appends to its decisions files)
     try:
-        return now - path.stat().st_mtime > 3600
+        newest = path.stat().st_mtime
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                newest = max(newest, os.stat(os.path.join(root, f)).st_mtime)
     except OSError:
         return False
+    return now - newest > 3600
 
 
 def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None) -> list[str]:

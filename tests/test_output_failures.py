@@ -301,3 +301,20 @@ def test_report_refuses_a_bound_that_is_not_a_number(run_dir, tmp_path, value):
             "--max-p99-waiting must be a finite number")
     refused(invoke("recommend", run_dir, "--max-p99-waiting", value), "--max-p99-waiting must be a finite")
     assert os.listdir(tmp_path) == []
+
+
+def test_debris_without_a_checkable_pid_goes_after_an_hour_untouched(gen_trace, tmp_path):
+    """A partial folder of an older version (no pid in its name) or of another host: removed when
+    nothing in it changed for an hour, kept while something did (a live run appends to it)."""
+    old = tmp_path / ".run.partial-k2j4h5g6"
+    old.mkdir()
+    (old / "decisions.parquet").write_bytes(b"x")
+    recent = tmp_path / ".run.partial-9@abcdef-zzz"          # another host's, still written to
+    recent.mkdir()
+    (recent / "decisions.parquet").write_bytes(b"x")
+    hour_ago = time.time() - 3700
+    for p in (old, old / "decisions.parquet", recent):
+        os.utime(p, (hour_ago, hour_ago))
+    res = ok(invoke("sweep", gen_trace, "--out", tmp_path / "run", "--worker-queue-limit", "2", "--no-report"))
+    assert "removed 1 unfinished folder(s) left by killed runs (.run.partial-k2j4h5g6)" in res.stderr
+    assert hidden(tmp_path) == [recent.name]

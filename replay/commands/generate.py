@@ -50,7 +50,7 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
     try:
         with rundir.writing(out_dir):
             if partition_s is not None:
-                _generate_set(tmp, out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                info = _generate_set(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
                               sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
                               rate_per_s=rate_per_s, partition_s=partition_s,
                               router_inflight=not no_router_inflight)
@@ -63,13 +63,17 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
     finally:
         rundir.discard(tmp)
     if partition_s is not None:
+        click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
+                   f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
+                   f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
+                   f"{info['span_s']} s")
         return
     click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows, "
                f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
                f"{info['span_s']} s")
 
 
-def _generate_set(tmp, out_dir, **kwargs) -> None:
+def _generate_set(tmp, **kwargs) -> dict:
     from ..generate import generate_trace_set, plan_trace_set
 
     bar = None
@@ -84,14 +88,10 @@ def _generate_set(tmp, out_dir, **kwargs) -> None:
             bar.update(k - bar.pos)
 
     try:
-        info = generate_trace_set(tmp, progress=progress, **kwargs)
+        return generate_trace_set(tmp, progress=progress, **kwargs)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
-               f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
-               f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
-               f"{info['span_s']} s")
 
 
 COMMANDS = [generate]
