@@ -43,6 +43,7 @@ from .metrics import (
     METRICS,
     RECOMMEND_EVIDENCE,
     Metric,
+    knob_text,
     metric,
     metric_table,
 )
@@ -77,17 +78,9 @@ def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
     return "trace files differ"  # pragma: no cover
 
 
-def _fmt_knob(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
 def config_label(row: Mapping[str, Any], knobs: Sequence[str]) -> str:
     """``limit=2 floor=none`` style label of a config from the given knob columns."""
-    return " ".join(f"{_SHORT.get(k, k)}={_fmt_knob(row.get(k))}" for k in knobs)
+    return " ".join(f"{_SHORT.get(k, k)}={knob_text(row.get(k))}" for k in knobs)
 
 
 def varying_knobs(*tables: pl.DataFrame | Sequence[Mapping[str, Any]]) -> list[str]:
@@ -890,7 +883,7 @@ class Recommendation:
                 if v is False:
                     parts.append(spec.flag)
             else:
-                parts.append(f"{spec.flag} {_fmt_knob(v)}")
+                parts.append(f"{spec.flag} {knob_text(v)}")
         return " ".join(parts) if parts else "(router defaults: no gate)"
 
 
@@ -965,8 +958,8 @@ def format_recommendations(recs: Sequence[Recommendation], run: Run, *, width: i
         b = rec.best
         per_rank = ""
         if rec.dp_size is not None and "per_rank_limit" in b:
-            per_rank = (f" (per rank: limit {_fmt_knob(b.get('per_rank_limit'))}, "
-                        f"floor {_fmt_knob(b.get('per_rank_floor'))})")
+            per_rank = (f" (per rank: limit {knob_text(b.get('per_rank_limit'))}, "
+                        f"floor {knob_text(b.get('per_rank_floor'))})")
         lines.append(f"{head}: recommended {b['config']} (config {b['config_id']}){per_rank}")
         lines.append(f"  router flags: {rec.flags()}")
         lines.append(f"  hit rate {fmt_value('hit_rate', b['hit_rate'])} with p99 waiting "

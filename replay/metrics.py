@@ -154,6 +154,29 @@ DERIVED = ("pinned_share", "share_all_queued", "diverted_share", "fell_back_shar
 """The shares the report adds to the summary table it draws from."""
 
 
+def knob_text(v: Any) -> str:
+    """A knob value (or a bound) as every table and label writes it: ``none``, a whole
+    number without its ``.0``, else the value as Python reads it back (exact)."""
+    if v is None:
+        return "none"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def flag_text(knob: str, v: Any) -> str:
+    """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts
+    ``pressure_guard``; booleans as ``true``/``false``)."""
+    from .config import KNOBS
+
+    spec = KNOBS.get(knob)
+    if spec is not None and spec.inverted and isinstance(v, bool):
+        return "true" if not v else "false"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return knob_text(v)
+
+
 def metric(name: str) -> Metric:
     """The :class:`Metric` called ``name`` (or an old name of it); one-line :class:`ReplayError` if unknown."""
     try:
