@@ -59,6 +59,7 @@ class Metric:
         cols = set(cols)
         if self.column is not None:
             return pl.col(self.column).cast(pl.Float64) if self.column in cols else None
+        assert self.share is not None, self.name      # a metric is a column or a share
         num, den = self.share
         if num not in cols or den not in cols:
             return None

@@ -560,7 +560,7 @@ def _parent_lock(parent: Path) -> Iterator[None]:
 def _debris(out: Path) -> list[tuple[Path, str, int | None]]:
     """(path, "partial"|"old", pid or None) of every sibling a run on ``out`` leaves while it
     works; the pid is None where it cannot be checked (another host, an older version)."""
-    found = []
+    found: list[tuple[Path, str, int | None]] = []
     try:
         entries = os.listdir(out.parent)
     except OSError:
