@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from . import executors, rundir, traceset
 from . import fleet as fleet_mod
 from .config import Grid
-from .errors import ConfigError, ReplayError
+from .errors import ConfigError, ParamError, ReplayError
 from .executors import shard_window  # noqa: F401  (its home was here)
 from .kernels import accumulate as kacc
 from .results import Accumulator
@@ -139,10 +139,10 @@ def run_sweep(
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
-        raise ReplayError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
+        raise ParamError("seed", f"must be in 0..{MAX_SEED}, got {seed}")
     if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
-        raise ReplayError(f"--freshness-ms must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
-                          f"64 bits), got {freshness_ms}")
+        raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
+                         f"64 bits), got {freshness_ms}")
     if not isinstance(grid, Grid):
         grid = Grid(grid or {}, per_dp_rank=per_dp_rank)
     elif per_dp_rank and not grid.per_dp_rank:

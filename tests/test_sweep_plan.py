@@ -54,7 +54,7 @@ def test_a_footer_the_plan_cannot_read_is_named_by_the_index_pass(gen_trace, tmp
 def test_the_executor_interface(gen_trace):
     with pytest.raises(ReplayError, match="executor must be one of local, ray, got 'dask'"):
         executors.executor("dask")
-    with pytest.raises(ReplayError, match="retries apply to the ray executor, not local"):
+    with pytest.raises(ReplayError, match="retries applies to the ray executor, not local"):
         executors.executor("local", retries=3)
     with pytest.raises(ReplayError, match="configs_per_task must be >= 1"):
         executors.executor("ray", configs_per_task=0)
@@ -81,3 +81,24 @@ def test_the_grid_resolves_per_dp_rank_itself(gen_trace):
     assert res.grid.dp_size == 2 and res.run["per_dp_rank"] is True
     assert res.summary["worker_queue_limit"].to_list() == [2, 2, 4, 4]
     assert res.summary["per_rank_limit"].to_list() == [1, 1, 2, 2]
+
+
+def test_library_errors_name_parameters_and_the_cli_names_flags(gen_trace, tmp_path):
+    """run_sweep says ``seed``/``freshness_ms`` (its parameters); the CLI says ``--seed`` /
+    ``--freshness-ms`` for the same mistake."""
+    from click.testing import CliRunner
+
+    from replay.cli import main
+    from replay.errors import ParamError
+
+    with pytest.raises(ParamError, match=r"^seed must be in 0\.\.") as err:
+        run_sweep(gen_trace, GRID, seed=-1)
+    assert err.value.param == "seed" and err.value.flag == "--seed"
+    with pytest.raises(ParamError, match=r"^freshness_ms must be in 0\.\."):
+        run_sweep(gen_trace, GRID, freshness_ms=2**62)
+    with pytest.raises(ParamError, match=r"^retries applies to the ray executor") as err:
+        run_sweep(gen_trace, GRID, ray_retries=1)
+    assert err.value.flag == "--ray-retries"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(tmp_path / "r"),
+                                    "--freshness-ms", str(2**62), "-q"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: --freshness-ms must be in 0..")
