@@ -35,12 +35,9 @@ from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
 from .metrics import flag_text, knob_text
-from .rundir import Run, load_run
+from .rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401  (names of the run's files)
 from .rundir import unreadable as _unreadable
 
-REPORT = "report.html"
-CLOSED_LOOP = "closed_loop_summary.parquet"
-FLEET = "fleet.parquet"
 LIMIT = "worker_queue_limit"
 FLOOR = "saturation_queue_floor"
 TOP_N = 5
