@@ -685,7 +685,12 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
                 return
             old = out.parent / f".{out.name}.old-{_tag()}-{os.urandom(3).hex()}"
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:       # an error or a signal between the renames: the old run goes back
+                if not out.exists():
+                    old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             if out.is_dir():
