@@ -9,7 +9,7 @@ import pytest
 from replay import executors, rundir
 from replay.generate import generate_trace_set
 from replay.sweep import plan
-from replay.traceset import TraceSet
+from replay.trace import TraceSet
 
 
 @pytest.fixture(scope="module")

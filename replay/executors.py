@@ -21,13 +21,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from . import engine
-from . import fleet as fleet_mod
+from . import readings as fleet_mod
 from .config import Grid
 from .errors import ParamError
 from .results import DecisionWriter
 from .rundir import DECISIONS, FLEET
-from .trace import Trace
-from .traceset import NS, TraceSet
+from .trace import NS, Trace, TraceSet
 
 
 class Background:

@@ -41,13 +41,12 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from . import engine
-from . import fleet as fleet_mod
+from . import readings as fleet_mod
 from .errors import ReplayError
 from .executors import Done, Job
 from .results import DecisionWriter
 from .rundir import DECISIONS_DIR, FLEET_PARTS
-from .trace import TraceError
-from .traceset import NS, TraceSet
+from .trace import NS, TraceError, TraceSet
 
 FAULT_ENV = "ROUTER_REPLAY_FAULT_SHARDS"
 

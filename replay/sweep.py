@@ -3,7 +3,7 @@
 A run directory holds ``summary.parquet`` / ``summary.csv`` (one row per
 config), ``decisions.parquet`` (one row per request and config, optional),
 ``fleet.parquet`` (one row per request: time and the fleet's smallest fresh
-queue reading, see ``replay/fleet.py``), ``run.json`` (provenance) and
+queue reading, see ``replay/readings.py``), ``run.json`` (provenance) and
 ``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
 a run that looks finished (``replay/rundir.py`` owns the directory and its rule).
@@ -25,10 +25,9 @@ from typing import Any
 
 import numba
 import polars as pl
-import pyarrow.parquet as pq
 
-from . import executors, rundir, traceset
-from . import fleet as fleet_mod
+from . import executors, rundir
+from . import readings as fleet_mod
 from .config import Grid
 from .errors import ConfigError, ParamError, ReplayError
 from .executors import shard_window  # noqa: F401  (its home was here)
@@ -43,8 +42,18 @@ from .rundir import (  # noqa: F401
     SUMMARY_CSV,
     decision_files,
 )
-from .trace import REQUESTS, Trace, load_trace
-from .traceset import NS, TraceSet, auto_window, format_window, list_parts, parse_window
+from .trace import (
+    NS,
+    REQUESTS,
+    Trace,
+    TraceSet,
+    auto_window,
+    format_window,
+    load_trace,
+    parse_window,
+    row_counts,
+)
+from .trace import windows as trace_windows
 
 MAX_SEED = 2**63 - 1
 MAX_INT_KNOB = 2**63 - 1
@@ -254,15 +263,10 @@ def _row_counts(trace_dir) -> tuple[int, int] | None:
     """(request rows, load rows) from the Parquet footers alone; None where a file cannot be
     listed or opened (the index pass then names the problem)."""
     try:
-        counts = []
-        for kind in ("requests", "loads"):
-            parts = list_parts(os.fspath(trace_dir), kind)
-            if not parts:
-                return None
-            counts.append(sum(pq.ParquetFile(p.path).metadata.num_rows for p in parts))
-        return counts[0], counts[1]
-    except Exception:  # noqa: BLE001 - any listing or footer problem: let the index pass report it
+        counts = row_counts(trace_dir)
+    except ReplayError:
         return None
+    return counts["requests"], counts["loads"]
 
 
 def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executor, *,
@@ -283,8 +287,8 @@ def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executo
             return Plan(0, None, "--window none")
         if window is None:
             counts = _row_counts(trace_dir)
-            if (counts and counts[0] <= traceset.AUTO_IN_MEMORY_REQUESTS
-                    and counts[1] <= traceset.AUTO_IN_MEMORY_LOAD_ROWS):
+            if (counts and counts[0] <= trace_windows.AUTO_IN_MEMORY_REQUESTS
+                    and counts[1] <= trace_windows.AUTO_IN_MEMORY_LOAD_ROWS):
                 return Plan(0, None, f"{counts[0]:,} requests and {counts[1]:,} load rows fit in memory")
     if status is not None:
         status(f"indexing {trace_dir}")

@@ -8,11 +8,12 @@ import shutil
 import pytest
 from polars.testing import assert_frame_equal
 
-from replay import executors, traceset
+from replay import executors
 from replay.config import ConfigError, Grid
 from replay.errors import ReplayError
 from replay.sweep import plan, run_sweep
-from replay.traceset import NS
+from replay.trace import NS
+from replay.trace import windows as trace_windows
 
 GRID = {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"}
 
@@ -25,8 +26,8 @@ def test_a_small_trace_replays_in_memory_without_an_index(gen_trace):
 
 
 def test_a_trace_over_the_metadata_limit_is_indexed_and_windowed(gen_trace, monkeypatch):
-    monkeypatch.setattr(traceset, "AUTO_IN_MEMORY_REQUESTS", 1000)
-    monkeypatch.setattr(traceset, "AUTO_WINDOW_REQUESTS", 300)
+    monkeypatch.setattr(trace_windows, "AUTO_IN_MEMORY_REQUESTS", 1000)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_REQUESTS", 300)
     p = plan(gen_trace, None, executors.LocalExecutor())
     assert p.tset is not None and p.window_ns >= NS and p.window_ns % NS == 0
     assert p.tset.n_requests == 1500

@@ -31,6 +31,13 @@ def _knob_options(fn):
                 metavar="[BOOL,...]",
                 help="Disable the pressure guard; `true,false` sweeps both (router default: enabled).",
             )(fn)
+        elif not spec.router:
+            fn = click.option(
+                spec.flag, f"knob_{name}", default=None, metavar="|".join(spec.choices),
+                help=(f"Replay-only policy variant, not a router flag: {' or '.join(spec.choices)}; "
+                      f"a comma list sweeps both (default: {spec.choices[0]}, the router's behaviour; "
+                      "docs/replay-model.md)."),
+            )(fn)
         else:
             default = getattr(__import__("replay.config", fromlist=["RouterConfig"]).RouterConfig(), name)
             fn = click.option(
@@ -80,7 +87,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     from .. import rundir
     from ..errors import ReplayError
     from ..sweep import check_grid, run_sweep
-    from ..traceset import NS, format_window, parse_window
+    from ..trace import NS, format_window, parse_window
 
     rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
     try:
