@@ -643,6 +643,9 @@ def _bad_knob(name: str, v: Any) -> str | None:
         return None if KNOBS[name].nullable else "is null"
     if kind == "bool":
         return None if isinstance(v, bool) else f"is {json.dumps(v)[:40]}, not true or false"
+    if kind == "choice":
+        choices = KNOBS[name].choices
+        return None if v in choices and isinstance(v, str) else f"is {json.dumps(v)[:40]}, not one of {', '.join(choices)}"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind == "int" and not isinstance(v, int)):
         return f"is {json.dumps(v)[:40]}, not {'an integer' if kind == 'int' else 'a number'}"
     if kind == "int" and not 0 <= v < 2**64:
