@@ -31,7 +31,7 @@ from . import readings as fleet_mod
 from .config import Grid
 from .errors import ConfigError, ParamError, ReplayError
 from .executors import shard_window  # noqa: F401  (its home was here)
-from .kernels import accumulate as kacc
+from .kernels import layout as kacc
 from .results import Accumulator
 from .rundir import (  # noqa: F401
     DECISIONS,
