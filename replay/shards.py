@@ -44,8 +44,7 @@ from . import engine
 from . import readings as fleet_mod
 from .errors import ReplayError
 from .results import DecisionWriter
-from .trace import TraceError
-from .traceset import NS, TraceSet
+from .trace import NS, TraceError, TraceSet
 
 DECISIONS_DIR = "decisions"
 FLEET_PARTS = "fleet-parts"

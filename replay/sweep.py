@@ -36,7 +36,7 @@ from .errors import ReplayError
 from .outdir import move_into_place, partial_beside, refuse_existing
 from .results import Accumulator, DecisionWriter
 from .trace import REQUESTS, Trace, load_trace
-from .traceset import NS, TraceSet, auto_window, format_window, parse_window
+from .trace import NS, TraceSet, auto_window, format_window, parse_window
 
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"

@@ -86,7 +86,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from ..errors import ReplayError
     from ..sweep import check_run_dir, run_sweep
-    from ..traceset import NS, format_window, parse_window
+    from ..trace import NS, format_window, parse_window
 
     check_run_dir(Path(out), force)
     try:
