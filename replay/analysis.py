@@ -1100,7 +1100,11 @@ class Recommendation:
                     parts.append(spec.flag)
             else:
                 parts.append(f"{spec.flag} {_fmt_knob(v)}")
-        return " ".join(parts) if parts else "(router defaults: no gate)"
+        text = " ".join(parts) if parts else "(router defaults: no gate)"
+        variants = [f"{KNOBS[k].flag} {v}" for k, v in cfg.variants().items()]
+        if variants:  # not deployable: say so instead of printing a router command line that omits it
+            text += f" [needs the replay-only policy variant {', '.join(variants)}: not a router flag]"
+        return text
 
 
 def _rank_key(r: dict) -> tuple:

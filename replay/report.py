@@ -272,7 +272,10 @@ class Analysis:
                 self.slice = {k: pick[k] for k in self.other_varying}
                 why = "the best config's values"
             vals = ", ".join(f"{KNOBS[k].flag} {_flag_value(k, v)}" for k, v in self.slice.items())
-            self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
+            listed = ", ".join(KNOBS[k].flag + ("" if KNOBS[k].router else " (a replay-only policy variant, "
+                                                                         "not a router flag)")
+                               for k in self.other_varying)
+            self.slice_note = (f"Other knobs vary in this grid ({listed}); "
                                f"the grid figures show the slice {vals} ({why}). "
                                "The trade-off plot shows every config.")
         else:

@@ -217,3 +217,21 @@ def test_compare_a_variant_against_the_router(gen_trace, tmp_path):
     res = CliRunner().invoke(main, ["compare", str(tmp_path / "router"), str(tmp_path / "locality")])
     assert res.exit_code == 0, res.output
     assert "locality waterfall terms that changed" in res.output and " pin -" in res.output
+
+
+
+def test_report_and_recommend_say_a_variant_is_not_a_router_flag(gen_trace, tmp_path):
+    run = tmp_path / "run"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(run), "-q",
+                                    "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",
+                                    "--pin-order", "pressure,locality"])
+    assert res.exit_code == 0, res.output
+    assert "--pin-order (a replay-only policy variant, not a router flag)" in (run / "report.html").read_text()
+    only = tmp_path / "only"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(only), "-q",
+                                    "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",
+                                    "--pin-order", "locality"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["recommend", str(only), "--max-p99-waiting", "1000"])
+    assert res.exit_code == 0, res.output
+    assert "needs the replay-only policy variant --pin-order locality: not a router flag" in res.output
