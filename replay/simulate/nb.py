@@ -218,7 +218,7 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
         ev.append(t + lag)
         ev.append(w)
         ev.append(b)
-        ev.append(-1)
+        ev.append(-1 - rs[r, RS_LOCAL])   # sign: evicted; magnitude: local rank + 1
         p = parent[b]
         if p >= 0:
             nchild[r, p] -= 1
@@ -288,7 +288,7 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
         ev.append(t + lag)
         ev.append(w)
         ev.append(b)
-        ev.append(1)
+        ev.append(1 + rs[r, RS_LOCAL])    # sign: stored; magnitude: local rank + 1
     rs[r, RS_USED] += st[i, ST_PRIVATE]
     if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
         rs[r, RS_MAX_USED] = rs[r, RS_USED]
@@ -428,7 +428,7 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
 def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
                 rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
-                lag_ns, heap_cap):
+                lag_ns, heap_cap, cache_log=None):
     """Run one closed-loop simulation.
 
     Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
@@ -439,6 +439,11 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     ``kernels.layout.KnobArrays`` of one config (``replay.engine.encode_configs``).
 
     Returns ``(rq, m_off, m_worker, m_blocks, loads, n_loads, stats, rs)``.
+
+    ``cache_log`` (optional, a typed list of int64): every cache store and
+    eviction is appended as four values ``(ts + index lag, worker, block,
+    +/-(local rank + 1))``, + for a store, - for an eviction, in the order the
+    KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
     N = req_ts.shape[0]
     R = rank_off[n_workers]
@@ -573,7 +578,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = len(ev)
             while ev_head < ne and ev[ev_head] <= t:
-                idx[ev[ev_head + 1], ev[ev_head + 2]] += ev[ev_head + 3]
+                idx[ev[ev_head + 1], ev[ev_head + 2]] += 1 if ev[ev_head + 3] > 0 else -1
+                if cache_log is not None:
+                    for x in range(4):
+                        cache_log.append(ev[ev_head + x])
                 ev_head += 4
                 stats[SS_INDEX_EVENTS] += 1
             if ev_head == ne and ne > 0:
@@ -667,4 +675,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
             else:
                 _cut_decode(r, t, rs)
+    if cache_log is not None:
+        for x in range(ev_head, len(ev)):
+            cache_log.append(ev[x])
     return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], nl, stats, rs

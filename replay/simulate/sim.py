@@ -110,7 +110,8 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 publish_ns=publish_ns, heap_cap=int(heap_cap))
 
 
-def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int):
+def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
+                cache_log=None):
     enc = encode_configs([config])
     k = inputs
     return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["h_off"],
@@ -118,7 +119,8 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
                           k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
                           k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
                           enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
-                          int(index_lag_ms) * 1_000_000, k["heap_cap"])
+                          int(index_lag_ms) * 1_000_000, k["heap_cap"],
+                          cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
@@ -249,13 +251,15 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
 def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
              out_dir: str | os.PathLike | None = None, *, seed: int = 0,
              publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
-             force: bool = False, _inputs: dict | None = None) -> SimResult:
+             force: bool = False, _inputs: dict | None = None, cache_log: bool = False) -> SimResult:
     """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
 
     With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
     ``workers.parquet`` (the trace ``sweep`` reads), ``outcomes.parquet`` and
     ``sim.json`` (parameters, summary, statistics), atomically.  The result
-    is a pure function of the arguments.
+    is a pure function of the arguments.  ``cache_log=True`` keeps every
+    cache store and eviction per rank in ``result.extra["cache_log"]``
+    (int64 rows ``(ts + index lag, worker, block, +/-(rank + 1))``).
     """
     config = config or RouterConfig()
     config.validate()
@@ -268,8 +272,14 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
         _check_out(out, force)
     t0 = time.perf_counter()
     inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    log_list = None
+    if cache_log:
+        from numba import types
+        from numba.typed import List
+
+        log_list = List.empty_list(types.int64)
     rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
-                                                             index_lag_ms)
+                                                             index_lag_ms, log_list)
     seconds = time.perf_counter() - t0
     req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
     stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
@@ -280,6 +290,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     summary = _summary(log, rq, out_t, stats)
     res = SimResult(config, pl.from_arrow(req_t), pl.from_arrow(loads_t), pl.from_arrow(workers_t),
                     pl.from_arrow(out_t), summary, stat, out, seconds)
+    if log_list is not None:
+        res.extra["cache_log"] = np.asarray(log_list, dtype=np.int64).reshape(-1, 4)
     if out is not None:
         meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),
