@@ -20,12 +20,23 @@ T0 = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z
 MATCH_T = pl.List(pl.Struct({"worker": pl.String, "blocks": pl.Int64}))
 
 
+NO_BROWSER_LINE = "browser: NONE - the report's browser tests SKIP; run .ci/browser to bring chromium"
+
+
+def _browser() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
 def pytest_report_header(config):
     """Say at the top of every run whether the report's browser tests can run."""
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe:
-        return f"browser: {exe}"
-    return "browser: NONE - the report's browser tests will SKIP; run .ci/browser to bring chromium"
+    exe = _browser()
+    return f"browser: {exe}" if exe else NO_BROWSER_LINE
+
+
+def pytest_terminal_summary(terminalreporter):
+    """And again at the end, where a quiet (-q) run still shows it."""
+    if _browser() is None:
+        terminalreporter.write_line(NO_BROWSER_LINE, yellow=True, bold=True)
 
 
 def tree_digest(d) -> dict[str, tuple[int, str]]:
