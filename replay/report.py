@@ -21,20 +21,21 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
-import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from . import __version__, labels
+from . import __version__, labels, rundir
+from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
-from .sweep import decision_files
+from .rundir import Run, load_run
+from .rundir import unreadable as _unreadable
 
 REPORT = "report.html"
 CLOSED_LOOP = "closed_loop_summary.parquet"
@@ -62,41 +63,23 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 
 @dataclass(frozen=True)
 class Metric:
+    """A metric as the page shows it: its key, label and format (from replay/metrics.py)."""
+
     key: str
     label: str
     fmt: str          # "pct", "int", "f2", "si"
-    better: str       # "high" or "low"
+    better: str       # "high" or "low": the heatmap's colour direction
+
+
+def _shown(name: str, hover: bool = False) -> Metric:
+    m = metrics_mod.METRICS[name]
+    return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
 
 
 # the heatmap metrics (issue 4, section 2), in page order
-HEATMAP_METRICS = (
-    Metric("hit_rate", "hit rate", "pct", "high"),
-    Metric("owner_rate", "owner rate", "pct", "high"),
-    Metric("pin_share", "pin share", "pct", "low"),
-    Metric("all_queued_share", "all_queued share", "pct", "low"),
-    Metric("diverted_share", "diverted share", "pct", "low"),
-    Metric("selected_waiting_p99", "p99 waiting at chosen worker", "int", "low"),
-    Metric("selected_waiting_mean", "mean waiting at chosen worker", "f2", "low"),
-    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
-)
+HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
 # everything a hover shows about one config
-HOVER_METRICS = (
-    Metric("hit_rate", "hit rate", "pct", "high"),
-    Metric("matched_rate", "matched rate (ceiling)", "pct", "high"),
-    Metric("owner_rate", "owner rate", "pct", "high"),
-    Metric("pin_share", "pin share", "pct", "low"),
-    Metric("all_queued_share", "all_queued share", "pct", "low"),
-    Metric("diverted_share", "diverted share", "pct", "low"),
-    Metric("fell_back_share", "fell-back share", "pct", "low"),
-    Metric("failed_share", "failed share", "pct", "low"),
-    Metric("selected_waiting_p50", "p50 waiting", "int", "low"),
-    Metric("selected_waiting_p99", "p99 waiting", "int", "low"),
-    Metric("selected_waiting_mean", "mean waiting", "f2", "low"),
-    Metric("selected_waiting_uncached_mean", "mean waiting uncached tokens", "si", "low"),
-    Metric("selected_queue_ms_mean", "mean est. queue ms", "f2", "low"),
-    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
-    Metric("agreement", "agreement with production", "pct", "high"),
-)
+HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
 
 
 def _fmt(v: Any, fmt: str) -> str:
@@ -141,94 +124,20 @@ def _num_key(v: Any) -> tuple:
 
 
 # ---------------------------------------------------------------------------
-# loading
-@dataclass
-class RunData:
-    """A run directory read back: provenance, summary and the optional parts."""
-
-    path: Path
-    run: dict
-    summary: pl.DataFrame
-    decisions: list[Path] | None   # one file, or one per shard
-    # fleet.parquet, scanned lazily (one row per request: never read whole); a
-    # DataFrame works too.  ``.collect()`` it to get the table.
-    fleet: pl.LazyFrame | pl.DataFrame | None
-    closed_loop: pl.DataFrame | None
-    notes: list[str] = field(default_factory=list)
-
-
-def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Read a run directory written by ``router-replay sweep`` (ReplayError on anything else)."""
-    p = Path(run_dir)
-    if not p.exists():
-        raise ReplayError(f"{p}: run directory not found")
-    if not p.is_dir():
-        raise ReplayError(f"{p}: not a directory (expected a run directory written by router-replay sweep)")
-    rj, sm = p / "run.json", p / "summary.parquet"
-    if not rj.is_file() or not sm.is_file():
-        raise ReplayError(f"{p}: not a run directory (no run.json and summary.parquet; "
-                          "write one with router-replay sweep)")
-    try:
-        run = json.loads(rj.read_text())
-    except (OSError, ValueError) as err:
-        raise ReplayError(f"{rj}: unreadable run record ({type(err).__name__})") from None
-    if not isinstance(run, dict) or run.get("tool") != "router-replay":
-        raise ReplayError(f"{rj}: not a router-replay run record")
-    summary = _read_parquet(sm)
-    for col in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99"):
-        if col not in summary.columns:
-            raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
-    dec = decision_files(p, run)
-    fleet_path = p / FLEET
-    fleet = _scan_parquet(fleet_path) if fleet_path.is_file() else None
-    cl_path = p / CLOSED_LOOP
-    closed = _read_parquet(cl_path) if cl_path.is_file() else None
-    return RunData(p, run, summary, dec, fleet, closed)
-
-
-def _unreadable(path: Path, err: Exception) -> ReplayError:
-    msg = " ".join(str(err).split())[:200]
-    return ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})")
-
-
-def _read_parquet(path: Path) -> pl.DataFrame:
-    try:
-        return pl.read_parquet(path)
-    except Exception as err:  # polars / arrow raise many kinds
-        raise _unreadable(path, err) from None
-
-
-def _scan_parquet(path: Path) -> pl.LazyFrame:
-    """A lazy scan of a (possibly request-sized) table; its footer is read now, so a file
-    that is not Parquet fails here rather than halfway through the page."""
-    try:
-        lf = pl.scan_parquet(path)
-        lf.collect_schema()
-    except Exception as err:  # polars / arrow raise many kinds
-        raise _unreadable(path, err) from None
-    return lf
-
+# loading: one reader of run directories, replay/rundir.py
 
 # ---------------------------------------------------------------------------
 # the analysis shared by figures, headline and page
-class Analysis:
+class ReportView:
     """Derived columns, the slice shown in the grid figures, the best configs and baselines."""
 
-    def __init__(self, data: RunData, *, config_id: int | None = None,
+    def __init__(self, data: Run, *, config_id: int | None = None,
                  max_p99_waiting: float | None = None):
         self.data = data
-        self.run = data.run
+        self.meta = data.meta
         s = data.summary
-        routed = pl.col("routed").cast(pl.Float64)
-        share = lambda c: pl.when(routed > 0).then(pl.col(c) / routed).otherwise(None)  # noqa: E731
-        s = s.with_columns(
-            pin_share=share("pinned"),
-            all_queued_share=share("all_queued"),
-            diverted_share=share("diverted"),
-            fell_back_share=share("fell_back"),
-            failed_share=pl.when(pl.col("requests") > 0)
-            .then(pl.col("failed") / pl.col("requests").cast(pl.Float64)).otherwise(None),
-        )
+        s = s.with_columns(metrics_mod.METRICS[n].expr(s.columns).alias(n) for n in metrics_mod.DERIVED
+                           if metrics_mod.METRICS[n].expr(s.columns) is not None)
         if "agreement" not in s.columns:
             s = s.with_columns(agreement=pl.lit(None, dtype=pl.Float64))
         self.per_rank = "per_rank_floor" in s.columns
@@ -240,6 +149,8 @@ class Analysis:
         # the pressure bound and the best configs under it
         p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
         if max_p99_waiting is not None:
+            if not math.isfinite(float(max_p99_waiting)):
+                raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
             self.bound_note = f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} (given)"
         elif p99:
@@ -360,7 +271,7 @@ def _base_layout(fig, *, height: int, title: str | None = None, **kw) -> None:
         fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font_size=15))
 
 
-def fig_heatmaps(a: Analysis):
+def fig_heatmaps(a: ReportView):
     """One heatmap per metric over floor (x) x limit (y); ``none`` is its own row/column."""
     go = _go()
     rows = a.slice_rows
@@ -411,11 +322,11 @@ def _int_axis(values) -> dict:
     return dict(tickformat=",d", dtick=max(1, math.ceil(span / 6)))
 
 
-def _ordered_configs(a: Analysis) -> list[dict]:
+def _ordered_configs(a: ReportView) -> list[dict]:
     return sorted(a.slice_rows, key=lambda r: (_num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
 
 
-def fig_mix(a: Analysis, kind: str):
+def fig_mix(a: ReportView, kind: str):
     """Stacked shares per config: decision labels (``kind="decision"``) or policy reasons."""
     go = _go()
     rows = _ordered_configs(a)
@@ -661,7 +572,7 @@ def decision_counts(files: list[Path], ids: list[int], fleet: pl.LazyFrame | pl.
     return _add_counts(parts)
 
 
-def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFrame]:
+def over_time_frames(a: ReportView, config_ids: list[int]) -> dict[int, pl.DataFrame]:
     """Per config and interval: label shares, pin and gate counts, the fleet's readings."""
     data = a.data
     if data.decisions is None or data.fleet is None:
@@ -684,7 +595,7 @@ def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFra
     return out
 
 
-def over_time_configs(a: Analysis) -> list[int]:
+def over_time_configs(a: ReportView) -> list[int]:
     """Configs offered over time: the chosen one first, then the best under the bound, the
     best with a floor set, and the chosen config's no-gate baseline (at most six)."""
     ids = [a.chosen["config_id"]] + [r["config_id"] for r in a.best_rows]
@@ -708,7 +619,7 @@ def over_time_configs(a: Analysis) -> list[int]:
     return head + (others[: 6 - 1 - len(keep_floor) - len(keep_base)]) + keep_floor + keep_base
 
 
-def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
+def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
     """Label shares per interval, pin and gate shares, and the fleet's smallest fresh queue
     reading beside the floor; a dropdown switches between ``config_ids`` (first shown)."""
     go = _go()
@@ -796,7 +707,7 @@ def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
     return fig
 
 
-def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
+def _dp_lines(a: ReportView) -> tuple[list[dict], str]:
     """Points for the floor-vs-dp figure and the note on where dp_size came from."""
     rows = [r for r in a.slice_rows if r[FLOOR] is not None and r[LIMIT] is not None]
     pts = []
@@ -807,7 +718,7 @@ def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
         sizes = sorted({p["dp"] for p in pts})
         src = "per-rank values from this --per-dp-rank run"
     else:
-        dps = (a.run.get("trace", {}).get("facts", {}) or {}).get("dp_sizes") or {}
+        dps = (a.meta.get("trace", {}).get("facts", {}) or {}).get("dp_sizes") or {}
         sizes = sorted(int(k) for k in dps if int(k) > 0) or [1]
         for dp in sizes:
             for r in rows:
@@ -824,7 +735,7 @@ def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
     return pts, note
 
 
-def fig_floor_vs_dp(a: Analysis):
+def fig_floor_vs_dp(a: ReportView):
     """Metrics against the per-rank floor, one line per (dp_size, limit)."""
     go = _go()
     pts, _note = _dp_lines(a)
@@ -869,7 +780,7 @@ def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
     return front
 
 
-def fig_tradeoff(a: Analysis):
+def fig_tradeoff(a: ReportView):
     """Hit rate against pressure (p99 and mean waiting), every config; Pareto fronts highlighted."""
     go = _go()
     rows = [r for r in a.rows.values() if r["hit_rate"] is not None]
@@ -917,7 +828,7 @@ def fig_tradeoff(a: Analysis):
     return fig
 
 
-def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
+def _closed_loop_join(a: ReportView) -> tuple[pl.DataFrame | None, str]:
     """The closed-loop table with this run's open-loop estimate of the same configs.
 
     Configs are matched on the knob columns both tables have (config ids are
@@ -956,7 +867,7 @@ def _closed_hit_col(df: pl.DataFrame) -> str | None:
     return None
 
 
-def fig_closed_loop(a: Analysis):
+def fig_closed_loop(a: ReportView):
     """Closed-loop hit rate and TTFT beside the open-loop estimate, per config."""
     go = _go()
     df, note = _closed_loop_join(a)
@@ -991,7 +902,7 @@ def fig_closed_loop(a: Analysis):
 
 
 # ---------------------------------------------------------------------------
-def figures(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
             max_p99_waiting: float | None = None) -> dict[str, Any]:
     """The report's plotly figures for a run directory, by name.
 
@@ -1001,11 +912,11 @@ def figures(run_dir: str | os.PathLike | RunData, *, config_id: int | None = Non
     config shown over time (default: the best under the pressure bound);
     ``max_p99_waiting`` sets that bound (default: the median p99 of the grid).
     """
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    return _figures(Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    return _figures(ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
 
 
-def _figures(a: Analysis) -> dict[str, Any]:
+def _figures(a: ReportView) -> dict[str, Any]:
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
            "reason_mix": fig_mix(a, "policy")}
     if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
@@ -1017,15 +928,15 @@ def _figures(a: Analysis) -> dict[str, Any]:
     return out
 
 
-def headline(run_dir: str | os.PathLike | RunData, *, max_p99_waiting: float | None = None) -> dict:
+def headline(run_dir: str | os.PathLike | Run, *, max_p99_waiting: float | None = None) -> dict:
     """Trace facts, the pressure bound and the best configs (with deltas vs the no-gate baseline)."""
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    a = Analysis(data, max_p99_waiting=max_p99_waiting)
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    a = ReportView(data, max_p99_waiting=max_p99_waiting)
     return {"facts": _facts(a), "bound": a.bound, "bound_note": a.bound_note, "best": _best_table(a)}
 
 
-def _facts(a: Analysis) -> dict:
-    tr = a.run.get("trace", {})
+def _facts(a: ReportView) -> dict:
+    tr = a.meta.get("trace", {})
     f = tr.get("facts") or {}
     return {
         "requests": f.get("requests", tr.get("requests")),
@@ -1041,12 +952,12 @@ def _facts(a: Analysis) -> dict:
     }
 
 
-DELTA_METRICS = (("hit_rate", "pts"), ("owner_rate", "pts"), ("pin_share", "pts"),
+DELTA_METRICS = (("hit_rate", "pts"), ("owner_rate", "pts"), ("pinned_share", "pts"),
                  ("selected_waiting_p99", "abs"), ("selected_waiting_mean", "abs"),
                  ("cold_prefill_tokens", "rel"))
 
 
-def _best_table(a: Analysis) -> pl.DataFrame:
+def _best_table(a: ReportView) -> pl.DataFrame:
     recs = []
     for rank, r in enumerate(a.best_rows, 1):
         b = a.baseline_for(r)
@@ -1120,7 +1031,7 @@ def _delta_html(v: float | None, unit: str, better: str) -> str:
     return f' <span class="{"pos" if good else "neg"}">({_e(txt)})</span>'
 
 
-def _headline_html(a: Analysis) -> str:
+def _headline_html(a: ReportView) -> str:
     f = _facts(a)
     cards = []
 
@@ -1188,7 +1099,7 @@ def _headline_html(a: Analysis) -> str:
             f"<td>{_e(_knob_text(r[LIMIT]))}</td>", f"<td>{_e(_knob_text(r[FLOOR]))}</td>",
             f"<td>{_fmt(r['hit_rate'], 'pct')}{_delta_html(pct('hit_rate'), ' pts', 'high')}</td>",
             f"<td>{_fmt(r['owner_rate'], 'pct')}{_delta_html(pct('owner_rate'), ' pts', 'high')}</td>",
-            f"<td>{_fmt(r['pin_share'], 'pct')}</td>",
+            f"<td>{_fmt(r['pinned_share'], 'pct')}</td>",
             f"<td>{_fmt(r['selected_waiting_p99'], 'int')}{_delta_html(d('selected_waiting_p99'), '', 'low')}</td>",
             f"<td>{_fmt(r['selected_waiting_mean'], 'f2')}{_delta_html(d('selected_waiting_mean'), '', 'low')}</td>",
             f"<td>{_fmt(r['cold_prefill_tokens'], 'si')}{_delta_html(rel, '%', 'low')}</td>",
@@ -1209,8 +1120,8 @@ def _duration(s: float) -> str:
     return f"{s:.1f} s"
 
 
-def _provenance_html(a: Analysis) -> str:
-    run = a.run
+def _provenance_html(a: ReportView) -> str:
+    run = a.meta
     tr = run.get("trace", {})
     rows = [("tool", f"{run.get('tool', '')} {run.get('version', '')}"),
             ("report built by", f"router-replay {__version__}"),
@@ -1255,7 +1166,7 @@ def _provenance_html(a: Analysis) -> str:
     return "\n".join(out)
 
 
-def _closed_loop_html(a: Analysis) -> tuple[str, bool]:
+def _closed_loop_html(a: ReportView) -> tuple[str, bool]:
     df, note = _closed_loop_join(a)
     if df is None:
         return f'<p class="note">No closed-loop results: {_e(note)}.</p>', False
@@ -1297,15 +1208,15 @@ def _fig_html(fig, key: str) -> str:
 FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "closed_loop")
 
 
-def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
                 max_p99_waiting: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline)."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
 
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    a = Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    a = ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
     figs = _figures(a)
-    run = a.run
+    run = a.meta
     title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
     sec: list[str] = []
     sec.append(f'<section id="s1"><h2>1. Headline</h2>{_headline_html(a)}</section>')
@@ -1376,12 +1287,5 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.partial"
-    try:
-        with open(tmp, "x", encoding="utf-8") as fh:  # ordinary file mode (umask), unlike mkstemp
-            fh.write(page)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    rundir.write_text_atomic(target, page)
     return target

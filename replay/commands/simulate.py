@@ -56,9 +56,12 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
-    from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
+    from .. import rundir
+    from ..simulate import load_fleet, read_log, simulate_grid
+    from ..simulate import simulate as run_one
     from ..simulate.sim import _check_out
 
+    rundir.guard([(out, "sim")], inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
