@@ -63,6 +63,7 @@ class RequestLog:
     source: str = ""
     block_parent: np.ndarray = field(default=None)  # type: ignore[assignment]
     block_tokens: np.ndarray = field(default=None)  # type: ignore[assignment]
+    block_key: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = self.ts_ns.shape[0]
@@ -124,16 +125,16 @@ class RequestLog:
         btok = np.zeros(nb, dtype=np.int64)
         np.maximum.at(btok, dense, tok)
         self.hash_ids = dense
+        self.block_key = uniq.astype(np.int64)
         self.block_parent = parent
         self.block_tokens = btok
 
     def head(self, n: int) -> "RequestLog":
         """The first ``n`` requests (arrival order)."""
         n = min(int(n), self.n_requests)
-        # original ids are gone after densifying; dense ids are valid ids too
         return RequestLog(self.ts_ns[:n].copy(), self.input_tokens[:n].copy(),
                           self.output_tokens[:n].copy(), self.hash_off[:n + 1].copy(),
-                          self.hash_ids[:self.hash_off[n]].copy(), self.request_id[:n].copy(),
+                          self.block_key[self.hash_ids[:self.hash_off[n]]], self.request_id[:n].copy(),
                           self.block_size, self.source)
 
 

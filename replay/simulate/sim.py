@@ -38,6 +38,9 @@ START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of w
 SUMMARY = "closed_loop_summary.parquet"
 OUTCOMES = "outcomes.parquet"
 SIM_JSON = "sim.json"
+TRACE_JSON = "trace.json"
+PUBLISH_DELAY_NS = 1_000_000
+MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
 
 
 @dataclass
@@ -94,6 +97,17 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
         raise ReplayError(f"request {i} needs {int(need[i])} KV tokens (input + output), more than "
                           f"max_total_num_tokens {min_cap} of some rank; raise the capacity")
     heap_cap = min(log.n_blocks, log.n_requests) + 4096
+    slope = np.array([max(0, round(workers[w].decode_step_ms_per_request * 1e6)) for w in rw],
+                     dtype=np.int64)
+    chunk = np.array([workers[w].chunked_prefill_size for w in rw], dtype=np.int64)
+    policy = np.array([nb.POLICY_LPM if workers[w].schedule_policy == "lpm" else nb.POLICY_FCFS
+                       for w in rw], dtype=np.int64)
+    on_change = fleet.spec.publish_policy == "on_change"
+    # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
+    # throttles to every few scheduler steps; a recorder stamps receive time),
+    # so a sample never shares its stamp with the arrival that caused it.
+    pub_delay = PUBLISH_DELAY_NS if on_change else 0
+    pub_idle = int(fleet.spec.idle_publish_ms) * 1_000_000
     # the router's snapshot uses dp_size 1 for decode peers (no samples, never fleet)
     dp_view = np.where(dp > 0, dp, 1).astype(np.int64)
     return dict(req_ts=np.ascontiguousarray(log.ts_ns + START_NS, dtype=np.int64),
@@ -107,24 +121,36 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 n_workers=nw, fleet=fleet_ids, in_fleet=in_fleet, dp_size=dp_view,
                 rank_off=rank_off, prefill_tps=prefill_tps, rank_decode_ns=decode_ns,
                 rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
-                publish_ns=publish_ns, heap_cap=int(heap_cap))
+                publish_ns=publish_ns, heap_cap=int(heap_cap), rank_decode_slope=slope,
+                rank_chunk=chunk, rank_policy=policy, pub_delay=int(pub_delay),
+                pub_idle=int(pub_idle))
 
 
-def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int):
+def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
+                forced: np.ndarray | None = None):
     enc = encode_configs([config])
     k = inputs
+    if forced is None:
+        forced = np.full(k["req_ts"].shape[0], -1, dtype=np.int64)
     return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["h_off"],
                           k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
                           k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
                           k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
                           np.ascontiguousarray(enc.cfg_i[0]), np.ascontiguousarray(enc.cfg_f[0]),
                           int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
-                          int(index_lag_ms) * 1_000_000, k["heap_cap"])
+                          int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
+                          k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
+                          np.ascontiguousarray(forced, dtype=np.int64))
 
 
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
     urls = np.array(fleet.urls, dtype=object)
     n = log.n_requests
+
+    def ms(a, b):
+        ok = (a >= 0) & (b >= 0)
+        return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
+
     ts = inputs["req_ts"]
     qb = np.diff(log.hash_off)
     sel = rq[:, nb.RQ_WORKER]
@@ -142,6 +168,14 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
         "matches": matches,
         "best_prefix_blocks": pa.array(rq[:, nb.RQ_BEST]),
         "selected_worker": sel_names,
+        # the optional closed-loop columns (traces/README.md), so a simulated trace
+        # can be calibrated and simulated again
+        "hash_ids": pa.ListArray.from_arrays(pa.array(log.hash_off, type=pa.int32()),
+                                             pa.array(log.block_key[log.hash_ids], type=pa.int64())),
+        "output_tokens": pa.array(log.output_tokens.astype(np.int64)),
+        "cached_tokens": pa.array(rq[:, nb.RQ_CACHED_TOKENS], mask=sel < 0, type=pa.int64()),
+        "ttft_ms": ms(rq[:, nb.RQ_FIRST], ts),
+        "latency_ms": ms(np.where(sel >= 0, rq[:, nb.RQ_DONE], -1), ts),
     })
     lw = loads[nb.LD_WORKER]
     loads_t = pa.table({
@@ -167,11 +201,8 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
         "model": pa.array([w.model for w in fleet.workers], type=pa.string()),
         "role": pa.array([w.role for w in fleet.workers], type=pa.string()),
         "dp_size": pa.array([w.dp_size for w in fleet.workers], type=pa.int64()),
+        "page_size": pa.array([log.block_size] * len(fleet.workers), type=pa.int64()),
     })
-
-    def ms(a, b):
-        ok = (a >= 0) & (b >= 0)
-        return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
 
     arrive = ts
     outcomes = pa.table({
@@ -247,30 +278,55 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
+def _check_ms(name: str, v: int, lo: int) -> None:
+    if not lo <= v <= MAX_MS:
+        raise ReplayError(f"{name} must be in {lo}..{MAX_MS} (ms), got {v}")
+
+
 def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
              out_dir: str | os.PathLike | None = None, *, seed: int = 0,
-             publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
-             force: bool = False, _inputs: dict | None = None) -> SimResult:
+             publish_interval_ms: int | None = None, index_lag_ms: int = 0,
+             freshness_ms: int = 5000, force: bool = False, placement: np.ndarray | None = None,
+             _inputs: dict | None = None) -> SimResult:
     """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
 
     With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
-    ``workers.parquet`` (the trace ``sweep`` reads), ``outcomes.parquet`` and
-    ``sim.json`` (parameters, summary, statistics), atomically.  The result
-    is a pure function of the arguments.
+    ``workers.parquet`` (the trace ``sweep`` reads, with the optional
+    closed-loop columns), ``outcomes.parquet``, ``trace.json`` (the router
+    flags) and ``sim.json`` (parameters, summary, statistics), atomically.
+    ``publish_interval_ms`` None takes the fleet's (default 100).
+    ``placement`` (one fleet worker index per request, -1 = let the router
+    decide) forces where requests go: validation against a recording.  The
+    result is a pure function of the arguments.
     """
     config = config or RouterConfig()
     config.validate()
-    if publish_interval_ms < 1:
-        raise ReplayError(f"--publish-interval-ms must be >= 1, got {publish_interval_ms}")
-    if index_lag_ms < 0 or freshness_ms < 0:
-        raise ReplayError("--index-lag-ms and --freshness-ms must be >= 0")
+    if publish_interval_ms is None:
+        publish_interval_ms = fleet.publish_interval_ms
+    _check_ms("--publish-interval-ms", publish_interval_ms, 1)
+    _check_ms("--index-lag-ms", index_lag_ms, 0)
+    _check_ms("--freshness-ms", freshness_ms, 0)
+    if not 0 <= seed < 2**63:
+        raise ReplayError(f"--seed must be in 0..2**63-1, got {seed}")
+    forced = None
+    if placement is not None:
+        forced = np.ascontiguousarray(placement, dtype=np.int64)
+        if forced.shape != (log.n_requests,):
+            raise ReplayError(f"placement has {forced.shape[0]} entries for {log.n_requests} requests")
+        ok = (forced == -1) | np.isin(forced, np.array(fleet.prefill, dtype=np.int64))
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise ReplayError(f"placement of request {i}: worker {int(forced[i])} is not a prefill "
+                              f"worker of the fleet (0..{len(fleet.workers) - 1})")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _check_out(out, force)
     t0 = time.perf_counter()
     inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    if not log.n_requests:
+        raise ReplayError(f"{log.source}: the log has no request")
     rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
-                                                             index_lag_ms)
+                                                             index_lag_ms, forced)
     seconds = time.perf_counter() - t0
     req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
     stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
@@ -287,16 +343,26 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                 "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
                 "freshness_ms": int(freshness_ms), "config": config.as_dict(),
                 "fleet": fleet.describe(), "summary": summary, "stats": stat}
+        trace_info = {"source": f"router-replay simulate {log.source}", "page_size": int(log.block_size),
+                      "router": config.given_flags(),
+                      "extra": {"seed": int(seed), "freshness_ms": int(freshness_ms),
+                                "publish_policy": fleet.spec.publish_policy,
+                                "publish_interval_ms": int(publish_interval_ms),
+                                "forced_placement": forced is not None}}
         _write_dir(out, {"requests.parquet": req_t, "loads.parquet": loads_t,
-                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta)
+                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
+                   {TRACE_JSON: trace_info})
     return res
 
 
-def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
+def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict,
+               extra_json: Mapping[str, dict] | None = None) -> None:
     tmp = partial_beside(out)
     try:
         for name, t in tables.items():
             _write_parquet(t, tmp / name)
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
         move_into_place(tmp, out)
     finally:
@@ -316,8 +382,9 @@ def _json(v):
 
 def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                   out_dir: str | os.PathLike | None = None, *, seed: int = 0,
-                  publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
-                  force: bool = False, threads: int | None = None) -> pl.DataFrame:
+                  publish_interval_ms: int | None = None, index_lag_ms: int = 0,
+                  freshness_ms: int = 5000, force: bool = False,
+                  threads: int | None = None) -> pl.DataFrame:
     """One closed-loop simulation per config of ``grid``; returns the summary table.
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
@@ -330,6 +397,8 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _check_out(out, force)
+    if publish_interval_ms is None:
+        publish_interval_ms = fleet.publish_interval_ms
     inputs = _kernel_inputs(log, fleet, publish_interval_ms, seed)
     ids = list(grid.config_ids)
     rows_by_id = {r["config_id"]: r for r in grid.rows()}
