@@ -10,7 +10,11 @@ from .sweep import _knob_options
 
 _EXAMPLE = """
 LOG is a Mooncake request log (JSONL or Parquet: timestamp ms, input_length,
-output_length, hash_ids) or an Azure LLM CSV (synthetic prefixes, seeded).
+output_length, hash_ids), an Azure LLM CSV (synthetic prefixes, seeded), or a
+trace directory with requests.parquet hash_ids and output_tokens (arrivals,
+lengths and block hashes; the block size is the trace's page_size).
+--forced-placement sends each request of a trace directory to the worker that
+production chose (selected_worker) instead of asking the router.
 Router knobs take the values `sweep` takes; one config writes the trace into
 DIR, a grid writes DIR/config-<id>/ per config and DIR/closed_loop_summary.parquet.
 
@@ -23,7 +27,7 @@ Example:
 
 
 @click.command(epilog=_EXAMPLE)
-@click.argument("log", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("log", type=click.Path(path_type=str))
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Fleet file (TOML, or JSON by suffix); flags below override it.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=str),
@@ -38,10 +42,14 @@ Example:
 @click.option("--decode-peers", type=int, default=None, help="Decode workers listed in workers.parquet.")
 @click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "azure"]), default="auto",
               show_default=True, help="Log format (auto: .csv is azure, else mooncake).")
-@click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per hash_ids block (default 512; a trace directory's page_size).")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Simulate only the first N requests of the log.")
-@click.option("--publish-interval-ms", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--publish-interval-ms", type=click.IntRange(min=1), default=None,
+              help="Interval publishing: ms between samples (default: the fleet's, else 100).")
+@click.option("--forced-placement", is_flag=True,
+              help="Trace directory LOG only: place requests where production did.")
 @click.option("--index-lag-ms", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--freshness-ms", type=click.IntRange(min=0), default=5000, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
@@ -52,12 +60,17 @@ Example:
 @user_errors
 def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
-             publish_interval_ms, index_lag_ms, freshness_ms, seed, threads, force, quiet, **knobs):
+             publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, threads, force,
+             quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
+    import numpy as np
+
+    from ..errors import ReplayError
     from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
     from ..simulate.sim import _check_out
+    from ..simulate.tracelog import is_trace_dir, read_trace_log
 
     _check_out(Path(out), force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
@@ -69,11 +82,25 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
                        decode_tokens_per_s=decode_tokens_per_s,
                        max_running_requests=max_running_requests,
                        max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
-    req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size, limit=limit)
+    placement = None
+    if is_trace_dir(log):
+        rec = read_trace_log(log, block_size=block_size, limit=limit)
+        req_log = rec.log
+        if forced_placement:
+            if len(rec.urls) != len(fleet.prefill):
+                raise ReplayError(f"--forced-placement: the trace has {len(rec.urls)} prefill "
+                                  f"workers, the fleet {len(fleet.prefill)}")
+            if not (rec.placement >= 0).any():
+                raise ReplayError(f"{log}: no selected_worker recorded; --forced-placement needs it")
+            placement = np.where(rec.placement >= 0, np.array(fleet.prefill)[rec.placement], -1)
+    elif forced_placement:
+        raise ReplayError("--forced-placement needs a trace directory as LOG")
+    else:
+        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
     if len(grid.configs) == 1:
-        r = run_one(req_log, fleet, grid.configs[0], out, **kw)
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, **kw)
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
@@ -81,6 +108,8 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
             click.echo(f"true hit rate {s['true_hit_rate']:.4f}, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
                        f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
         return
+    if placement is not None:
+        raise ReplayError("--forced-placement runs one config, not a grid")
     table = simulate_grid(req_log, fleet, grid, out, threads=threads, **kw)
     if not quiet:
         click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs -> {out}")
