@@ -144,9 +144,14 @@ class _Rank:
     pbusy: np.ndarray | None
     cum_run: np.ndarray    # integral of running over time up to each sample (ns * requests)
 
-    def at(self, a: np.ndarray, x: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(self.ts, x + LOOKAHEAD_NS, side="right") - 1
-        return np.where(k >= 0, a[np.maximum(k, 0)], 0)
+    def at(self, a: np.ndarray, x: np.ndarray, interpolate: bool = False) -> np.ndarray:
+        """Counter ``a`` at times ``x``: the latest sample (on-change publishing: the value
+        holds until the next sample), or linear between the two samples around ``x``
+        (interval publishing: the counter moved somewhere in between)."""
+        if not interpolate:
+            k = np.searchsorted(self.ts, x + LOOKAHEAD_NS, side="right") - 1
+            return np.where(k >= 0, a[np.maximum(k, 0)], 0)
+        return np.interp(x.astype(np.float64), self.ts.astype(np.float64), a.astype(np.float64))
 
     def run_integral(self, x: np.ndarray) -> np.ndarray:
         k = np.searchsorted(self.ts, x, side="right") - 1
@@ -284,15 +289,15 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
             fitted.append(Fitted("prefill_tokens_per_s", k, per[k]["prefill_tokens_per_s"], 0, None,
                                  False, "no native prefill counters"))
 
-    _fit_decode(rec, ranks, per, fitted, decode_model)
     publish, pf = _publish(ranks)
+    _fit_decode(rec, ranks, per, fitted, decode_model, publish["publish_policy"] == "interval")
     fitted.extend(pf)
     model = "default"
     return Calibration(list(rec.urls), list(rec.dp_sizes), rec.decode_peers, model, per, publish,
                        fitted)
 
 
-def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str) -> None:
+def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, interpolate: bool) -> None:
     log = rec.log
     ts = log.ts_ns
     out = log.output_tokens
@@ -310,7 +315,8 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str) -> No
             batch = np.empty((dp, sel.size))
             hit = np.zeros((dp, sel.size), dtype=bool)
             for r, rk in enumerate(rks):
-                busy = (rk.at(rk.pbusy, done) - rk.at(rk.pbusy, first)) * 1000.0
+                busy = (rk.at(rk.pbusy, done, interpolate)
+                        - rk.at(rk.pbusy, first, interpolate)) * 1000.0
                 cand[r] = (span - busy) / ntok / NS_PER_MS
                 dur = np.maximum(done - first, 1).astype(np.float64)
                 batch[r] = (rk.run_integral(done) - rk.run_integral(first)) / dur
@@ -332,19 +338,19 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str) -> No
             y = cand[pick, cols]
             x = batch[pick, cols] - 1.0
             good = np.isfinite(y) & (y > 0)
-            y, x = y[good], x[good]
+            # a request's error is the prefill time misread at its two ends, spread over
+            # its tokens: weigh by tokens (exact counters make every weight moot)
+            y, x, wt = y[good], x[good], ntok[good]
             if y.size >= MIN_DECODE_SAMPLES:
                 slope = 0.0
                 if decode_model != "constant" and np.ptp(x) > 0:
-                    A = np.vstack([np.ones_like(x), x]).T
-                    (d1, s), *_ = np.linalg.lstsq(A, y, rcond=None)
+                    sw = np.sqrt(wt)
+                    A = np.vstack([np.ones_like(x), x]).T * sw[:, None]
+                    (d1, s), *_ = np.linalg.lstsq(A, y * sw, rcond=None)
                     effect = s * float(np.percentile(x, 90)) / d1 if d1 > 0 else 0.0
                     if d1 > 0 and s > 0 and (decode_model == "linear" or effect >= SLOPE_MIN_EFFECT):
                         slope = float(s)
-                if slope > 0:
-                    d1 = float(np.median(y - slope * x))
-                else:
-                    d1 = float(np.median(y))
+                d1 = _wmedian(y - slope * x, wt)
                 pred = d1 + slope * x
                 resid = float(np.sqrt(np.mean(((y - pred) / pred) ** 2)))
                 per[k]["decode_tokens_per_s"] = 1000.0 / d1
@@ -378,6 +384,12 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str) -> No
                              "no latencies and no running counts"))
         fitted.append(Fitted("decode_step_ms_per_request", k, 0.0, 0, None, False,
                              "needs ttft_ms and latency_ms"))
+
+
+def _wmedian(v: np.ndarray, w: np.ndarray) -> float:
+    o = np.argsort(v, kind="stable")
+    c = np.cumsum(w[o])
+    return float(v[o][np.searchsorted(c, c[-1] / 2)])
 
 
 def write_fleet(cal: Calibration, path: str | Path, source: str = "") -> None:

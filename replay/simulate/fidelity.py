@@ -1,0 +1,276 @@
+"""Does a fleet model reproduce a recording?  (issue 10, section 4)
+
+:func:`validate` replays the recorded requests through a fleet twice:
+
+* **forced placement**: every request goes to the worker production chose
+  (``selected_worker``), which isolates the engine model from the router;
+* **router in the loop** under the production router flags (``trace.json``),
+
+and compares with the recording.  Each *part* has a value, a threshold and a
+verdict; the fidelity score is the share of parts that pass, and the model is
+``good`` only when every part computed passes.  A part whose inputs the trace
+lacks is listed as not computed, with the reason.
+
+Parts (see docs/calibration.md):
+
+``waiting_mae``   largest per-rank mean absolute error of ``num_waiting_reqs``
+                  (forced run against the recorded samples, both read as step
+                  functions on a 100 ms grid) <= max(0.5, 10% of the mean
+                  recorded waiting count)
+``waiting_corr``  smallest per-rank correlation of those series >= 0.8 (ranks
+                  whose recorded series varies)
+``waiting_p99``   per-rank p99 ratio (simulated / recorded, +1 each) in
+                  [0.8, 1.25]
+``hit_rate``      served hit rate (sum of cached tokens over input tokens)
+                  within 1 point of the recorded ``cached_tokens``
+``ttft``          forced TTFT p50 and p99 within 15% of the recorded ones
+``latency``       the same for end-to-end latency
+``agreement``     router in the loop picks production's worker for >= 95% of
+                  the requests
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from ..config import RouterConfig
+from ..errors import ReplayError
+from .fleet import Fleet
+from .sim import START_NS, SimResult, _json, simulate
+from .tracelog import RecordedTrace
+
+GRID_NS = 100_000_000
+FIDELITY_JSON = "fidelity.json"
+
+
+@dataclass
+class Part:
+    name: str
+    value: float | None
+    threshold: str
+    passed: bool | None           # None: not computed
+    detail: str = ""
+
+    def line(self) -> str:
+        if self.passed is None:
+            return f"  {self.name:<13} not computed: {self.detail}"
+        verdict = "ok  " if self.passed else "FAIL"
+        return f"  {verdict} {self.name:<13} {_fmt(self.value):>10}  (want {self.threshold}) {self.detail}"
+
+
+def _fmt(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:.4g}"
+
+
+@dataclass
+class Fidelity:
+    parts: list[Part]
+    config: dict[str, Any]
+    seed: int
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    runs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def computed(self) -> list[Part]:
+        return [p for p in self.parts if p.passed is not None]
+
+    @property
+    def failing(self) -> list[str]:
+        return [p.name for p in self.computed if not p.passed]
+
+    @property
+    def score(self) -> float:
+        c = self.computed
+        return sum(1 for p in c if p.passed) / len(c) if c else 0.0
+
+    @property
+    def good(self) -> bool:
+        return bool(self.computed) and not self.failing
+
+    def verdict(self) -> str:
+        if self.good:
+            return f"fidelity GOOD: score {self.score:.2f}, every part passes"
+        if not self.computed:
+            return "fidelity UNKNOWN: the trace has nothing to compare with"
+        return (f"fidelity POOR: score {self.score:.2f}; failing: {', '.join(self.failing)} "
+                "(predictions from this model are not trustworthy)")
+
+    def lines(self) -> list[str]:
+        return [self.verdict()] + [p.line() for p in self.parts]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"good": self.good, "score": self.score, "failing": self.failing,
+                "verdict": self.verdict(), "config": self.config, "seed": self.seed,
+                "parts": [{"name": p.name, "value": _clean(p.value), "threshold": p.threshold,
+                           "passed": None if p.passed is None else bool(p.passed),
+                           "detail": p.detail} for p in self.parts],
+                "per_rank": self.per_rank, "runs": self.runs}
+
+    def write(self, out_dir: Path) -> Path:
+        p = Path(out_dir) / FIDELITY_JSON
+        p.write_text(json.dumps(self.as_dict(), indent=2, allow_nan=False, default=_json) + "\n")
+        return p
+
+
+def _clean(v):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    return float(v)
+
+
+def production_config(rec: RecordedTrace) -> RouterConfig:
+    """The router config of ``trace.json`` (the router's defaults without one); one line if bad."""
+    flags = rec.router_flags
+    try:
+        cfg = RouterConfig(**flags)
+    except TypeError:
+        known = set(RouterConfig().as_dict())
+        bad = sorted(set(flags) - known)
+        raise ReplayError(f"{rec.path / 'trace.json'}: key 'router.{bad[0]}': not a router knob") from None
+    return cfg.validate()
+
+
+def _series(ts: np.ndarray, val: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    k = np.searchsorted(ts, grid, side="right") - 1
+    return np.where(k >= 0, val[np.maximum(k, 0)], 0).astype(np.float64)
+
+
+def _rank_series(loads: pl.DataFrame, urls: list[str], zero_ns: int, grid: np.ndarray
+                 ) -> dict[tuple[int, int], np.ndarray]:
+    index = {u: k for k, u in enumerate(urls)}
+    out = {}
+    df = loads.select("ts", "worker", "dp_rank", "num_waiting_reqs").sort("ts", maintain_order=True)
+    for (u, r), g in df.group_by("worker", "dp_rank", maintain_order=True):
+        k = index.get(u)
+        if k is None:
+            continue
+        out[(k, int(r))] = _series(g["ts"].to_numpy().astype(np.int64) - zero_ns,
+                                   g["num_waiting_reqs"].fill_null(0).to_numpy(), grid)
+    return out
+
+
+def _ratio_part(name: str, rec: np.ndarray, sim: np.ndarray, tol: float) -> Part:
+    ok = np.isfinite(rec) & np.isfinite(sim)
+    if ok.sum() < 10:
+        return Part(name, None, f"p50, p99 within {tol:.0%}", None, f"{name}_ms not recorded")
+    r50, r99 = np.percentile(rec[ok], [50, 99])
+    s50, s99 = np.percentile(sim[ok], [50, 99])
+    q50 = s50 / r50 if r50 > 0 else float("inf")
+    q99 = s99 / r99 if r99 > 0 else float("inf")
+    worst = max(abs(q50 - 1), abs(q99 - 1))
+    return Part(name, worst, f"|ratio - 1| <= {tol:g}", worst <= tol,
+                f"p50 {s50:.1f} vs {r50:.1f} ms, p99 {s99:.1f} vs {r99:.1f} ms")
+
+
+def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, freshness_ms: int = 5000,
+             out_dir: str | Path | None = None, force: bool = False) -> Fidelity:
+    """Compare ``fleet`` with the recording ``rec`` (forced placement and router in the loop)."""
+    if len(fleet.prefill) != len(rec.urls):
+        raise ReplayError(f"the fleet has {len(fleet.prefill)} prefill workers, the trace "
+                          f"{len(rec.urls)}")
+    cfg = production_config(rec)
+    if seed is None:
+        seed = int((rec.info.get("extra") or {}).get("seed", 0) or 0)
+    pre = np.array(fleet.prefill, dtype=np.int64)
+    placement = np.where(rec.placement >= 0, pre[np.maximum(rec.placement, 0)], -1)
+    out = Path(out_dir) if out_dir is not None else None
+    parts: list[Part] = []
+    per_rank: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    has = rec.has_outcomes
+
+    forced: SimResult | None = None
+    if has["selected_worker"]:
+        forced = simulate(rec.log, fleet, cfg, out / "forced" if out else None, seed=seed,
+                          freshness_ms=freshness_ms, placement=placement, force=force)
+        runs["forced"] = {"seconds": forced.seconds, "summary": forced.summary}
+    loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
+                    freshness_ms=freshness_ms, force=force)
+    runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
+
+    # --- waiting series (forced run)
+    if forced is not None and rec.loads is not None and "num_waiting_reqs" in rec.loads.columns:
+        span = int(rec.log.ts_ns[-1]) if rec.log.n_requests else 0
+        grid = np.arange(0, span + GRID_NS, GRID_NS, dtype=np.int64)
+        got = _rank_series(rec.loads, rec.urls, rec.t0_ns, grid)
+        sim_urls = [fleet.urls[i] for i in fleet.prefill]
+        sim = _rank_series(forced.loads, sim_urls, START_NS, grid)
+        maes, corrs, p99s = [], [], []
+        mean_rec = []
+        for key in sorted(got):
+            a = got[key]
+            b = sim.get(key, np.zeros_like(a))
+            mae = float(np.mean(np.abs(a - b)))
+            corr = (float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else
+                    (1.0 if a.std() == 0 and b.std() == 0 and mae == 0 else float("nan")))
+            p99 = (float(np.percentile(b, 99)) + 1) / (float(np.percentile(a, 99)) + 1)
+            maes.append(mae)
+            mean_rec.append(float(a.mean()))
+            p99s.append(p99)
+            if a.std() > 0:
+                corrs.append(corr if math.isfinite(corr) else 0.0)
+            per_rank.append({"worker": rec.urls[key[0]], "dp_rank": key[1], "waiting_mae": mae,
+                             "waiting_corr": _clean(corr), "waiting_p99_ratio": p99,
+                             "recorded_mean": float(a.mean()), "simulated_mean": float(b.mean())})
+        if maes:
+            i = int(np.argmax(maes))
+            tol = max(0.5, 0.1 * float(np.mean(mean_rec)))
+            parts.append(Part("waiting_mae", maes[i], f"<= {tol:.3g}", maes[i] <= tol,
+                              f"worst rank {rec.urls[sorted(got)[i][0]]} dp {sorted(got)[i][1]}"))
+            if corrs:
+                c = min(corrs)
+                parts.append(Part("waiting_corr", c, ">= 0.8", c >= 0.8, f"{len(corrs)} ranks"))
+            else:
+                parts.append(Part("waiting_corr", None, ">= 0.8", None, "no rank ever queued"))
+            lo, hi = min(p99s), max(p99s)
+            worst = lo if abs(lo - 1) > abs(hi - 1) else hi
+            parts.append(Part("waiting_p99", worst, "in [0.8, 1.25]", 0.8 <= lo and hi <= 1.25,
+                              f"range {lo:.3g}..{hi:.3g}"))
+    else:
+        why = ("no selected_worker" if forced is None else "no load samples")
+        for n in ("waiting_mae", "waiting_corr", "waiting_p99"):
+            parts.append(Part(n, None, "", None, why))
+
+    # --- served hit rate, TTFT, latency (forced run)
+    if forced is not None and has["cached_tokens"]:
+        ok = rec.cached_tokens >= 0
+        L = rec.log.input_tokens[ok].astype(np.float64)
+        rh = float(rec.cached_tokens[ok].sum() / L.sum())
+        sc = forced.outcomes["cached_tokens"].to_numpy()
+        sh = float(sc[ok].sum() / L.sum())
+        d = abs(sh - rh) * 100
+        parts.append(Part("hit_rate", d, "<= 1 point", d <= 1.0,
+                          f"simulated {sh:.2%} vs recorded {rh:.2%}"))
+    else:
+        parts.append(Part("hit_rate", None, "", None,
+                          "no cached_tokens" if forced is not None else "no selected_worker"))
+    for name, recv in (("ttft", rec.ttft_ms), ("latency", rec.latency_ms)):
+        if forced is None:
+            parts.append(Part(name, None, "", None, "no selected_worker"))
+            continue
+        simv = forced.outcomes[f"{name}_ms"].fill_null(float("nan")).to_numpy().astype(np.float64)
+        parts.append(_ratio_part(name, recv, simv, 0.15))
+
+    # --- router in the loop
+    if has["selected_worker"]:
+        sel = loop.outcomes["worker"].to_list()
+        idx = {u: k for k, u in enumerate(fleet.urls[i] for i in fleet.prefill)}
+        got_k = np.array([idx.get(s, -1) if s is not None else -1 for s in sel], dtype=np.int64)
+        known = rec.placement >= 0
+        agree = float((got_k[known] == rec.placement[known]).mean())
+        parts.append(Part("agreement", agree, ">= 0.95", agree >= 0.95,
+                          f"router flags {cfg.given_flags() or 'defaults'}, seed {seed}"
+                          + ("" if rec.info.get("router") is not None else
+                             "; no trace.json: router defaults assumed")))
+    else:
+        parts.append(Part("agreement", None, "", None, "no selected_worker"))
+    return Fidelity(parts, cfg.given_flags(), int(seed), per_rank, runs)
