@@ -18,9 +18,9 @@ Parts (see docs/calibration.md):
                   functions on a 100 ms grid) <= max(0.5, 10% of the mean
                   recorded waiting count)
 ``waiting_corr``  smallest per-rank correlation of those series >= 0.8 (ranks
-                  whose recorded series varies)
-``waiting_p99``   per-rank p99 ratio (simulated / recorded, +1 each) in
-                  [0.8, 1.25]
+                  whose recorded series has a standard deviation >= 0.5)
+``waiting_p99``   per-rank p99 of the series within max(1 request, 25%) of the
+                  recorded one (the ratio, +1 each, is shown)
 ``hit_rate``      served hit rate (sum of cached tokens over input tokens)
                   within 1 point of the recorded ``cached_tokens``
 ``ttft``          forced TTFT p50 and p99 within 15% of the recorded ones
@@ -47,6 +47,7 @@ from .sim import START_NS, SimResult, _json, simulate
 from .tracelog import RecordedTrace
 
 GRID_NS = 100_000_000
+CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
 FIDELITY_JSON = "fidelity.json"
 
 
@@ -212,29 +213,36 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
             mae = float(np.mean(np.abs(a - b)))
             corr = (float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else
                     (1.0 if a.std() == 0 and b.std() == 0 and mae == 0 else float("nan")))
-            p99 = (float(np.percentile(b, 99)) + 1) / (float(np.percentile(a, 99)) + 1)
+            pa_, pb_ = float(np.percentile(a, 99)), float(np.percentile(b, 99))
+            p99 = (pb_ + 1) / (pa_ + 1)
+            p99_ok = abs(pb_ - pa_) <= max(1.0, 0.25 * pa_)
             maes.append(mae)
             mean_rec.append(float(a.mean()))
-            p99s.append(p99)
-            if a.std() > 0:
+            p99s.append((p99, p99_ok))
+            if a.std() >= CORR_MIN_STD:
                 corrs.append(corr if math.isfinite(corr) else 0.0)
             per_rank.append({"worker": rec.urls[key[0]], "dp_rank": key[1], "waiting_mae": mae,
                              "waiting_corr": _clean(corr), "waiting_p99_ratio": p99,
+                             "recorded_p99": pa_, "simulated_p99": pb_,
                              "recorded_mean": float(a.mean()), "simulated_mean": float(b.mean())})
         if maes:
+            keys = sorted(got)
             i = int(np.argmax(maes))
             tol = max(0.5, 0.1 * float(np.mean(mean_rec)))
             parts.append(Part("waiting_mae", maes[i], f"<= {tol:.3g}", maes[i] <= tol,
-                              f"worst rank {rec.urls[sorted(got)[i][0]]} dp {sorted(got)[i][1]}"))
+                              f"worst rank {rec.urls[keys[i][0]]} dp {keys[i][1]}"))
             if corrs:
                 c = min(corrs)
-                parts.append(Part("waiting_corr", c, ">= 0.8", c >= 0.8, f"{len(corrs)} ranks"))
+                parts.append(Part("waiting_corr", c, ">= 0.8", c >= 0.8,
+                                  f"{len(corrs)} ranks whose recorded queue varies"))
             else:
-                parts.append(Part("waiting_corr", None, ">= 0.8", None, "no rank ever queued"))
-            lo, hi = min(p99s), max(p99s)
-            worst = lo if abs(lo - 1) > abs(hi - 1) else hi
-            parts.append(Part("waiting_p99", worst, "in [0.8, 1.25]", 0.8 <= lo and hi <= 1.25,
-                              f"range {lo:.3g}..{hi:.3g}"))
+                parts.append(Part("waiting_corr", None, ">= 0.8", None,
+                                  f"no rank's recorded queue varies (std >= {CORR_MIN_STD})"))
+            bad = [j for j, (_, ok) in enumerate(p99s) if not ok]
+            j = bad[0] if bad else int(np.argmax([abs(r - 1) for r, _ in p99s]))
+            parts.append(Part("waiting_p99", p99s[j][0], "p99 within max(1, 25%)", not bad,
+                              f"rank {rec.urls[keys[j][0]]} dp {keys[j][1]}: "
+                              f"{per_rank[j]['simulated_p99']:.3g} vs {per_rank[j]['recorded_p99']:.3g}"))
     else:
         why = ("no selected_worker" if forced is None else "no load samples")
         for n in ("waiting_mae", "waiting_corr", "waiting_p99"):
