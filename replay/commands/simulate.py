@@ -46,12 +46,12 @@ Example:
               help="Tokens per hash_ids block (default 512; a trace directory's page_size).")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Simulate only the first N requests of the log.")
-@click.option("--publish-interval-ms", type=click.IntRange(min=1), default=None,
+@click.option("--publish-interval-ms", type=int, default=None,
               help="Interval publishing: ms between samples (default: the fleet's, else 100).")
 @click.option("--forced-placement", is_flag=True,
               help="Trace directory LOG only: place requests where production did.")
-@click.option("--index-lag-ms", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--freshness-ms", type=click.IntRange(min=0), default=5000, show_default=True)
+@click.option("--index-lag-ms", type=int, default=0, show_default=True)
+@click.option("--freshness-ms", type=int, default=5000, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for a grid.")

@@ -278,6 +278,16 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
+def _check_knob_range(config: RouterConfig) -> None:
+    """Refuse integer knobs beyond int64 (the kernels take int64 arrays): one line."""
+    for k, v in config.as_dict().items():
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**62:
+            raise ReplayError(f"--{k.replace('_', '-')}: {v} is beyond the simulator's range "
+                              "(< 2**62)")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ReplayError(f"--{k.replace('_', '-')}: must be finite, got {v}")
+
+
 def _check_ms(name: str, v: int, lo: int) -> None:
     if not lo <= v <= MAX_MS:
         raise ReplayError(f"{name} must be in {lo}..{MAX_MS} (ms), got {v}")
@@ -301,6 +311,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     """
     config = config or RouterConfig()
     config.validate()
+    _check_knob_range(config)
     if publish_interval_ms is None:
         publish_interval_ms = fleet.publish_interval_ms
     _check_ms("--publish-interval-ms", publish_interval_ms, 1)
