@@ -9,6 +9,7 @@ grid (threads).  Run with ``python -m pytest benches/test_bench_simulate.py
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from conftest import stat
 
 MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake"
             / "conversation_trace.jsonl")
-pytestmark = pytest.mark.skipif(not MOONCAKE.is_file(), reason="../shared/traces/mooncake absent")
+needs_mooncake = pytest.mark.skipif(not MOONCAKE.is_file(), reason="../shared/traces/mooncake absent")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def mooncake():
     return log, fleet
 
 
+@needs_mooncake
 def test_simulate_one_config(benchmark, report, mooncake):
     from replay.config import RouterConfig
     from replay.simulate import simulate
@@ -49,6 +51,7 @@ def test_simulate_one_config(benchmark, report, mooncake):
            load_rows=res.stats["load_rows"], floor_s_per_config=1.0)
 
 
+@needs_mooncake
 def test_simulate_grid_9(benchmark, report, mooncake):
     from replay.simulate import simulate_grid
 
@@ -60,3 +63,41 @@ def test_simulate_grid_9(benchmark, report, mooncake):
                                rounds=1, iterations=1)
     wall = time.perf_counter() - t0
     report(configs=table.height, wall_s=round(wall, 3), s_per_config=round(wall / table.height, 3))
+
+
+# ---------------------------------------------------------------------------
+# calibrate on a 1M-request trace (issue 10 s.6: under 30 s)
+
+@pytest.fixture(scope="module")
+def calib_trace():
+    """A 1M-request simulated trace (32 workers x dp 2, on-change publishing, about an hour),
+    made once into the bench directory and reused."""
+    import _support as S
+    from replay.config import RouterConfig
+    from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
+
+    n = int(os.environ.get("ROUTER_REPLAY_BENCH_REQUESTS", 1_000_000))
+    d = S.bench_root() / f"calib-{n}"
+    if not (d / "requests.parquet").is_file():
+        log = generate_log(n, seed=1, rate_per_s=n / 3600)
+        fleet = build_fleet(FleetSpec(workers=32, dp_size=2, prefill_tokens_per_s=20_000,
+                                      decode_tokens_per_s=60, max_running_requests=48,
+                                      max_total_num_tokens=400_000, publish_policy="on_change"))
+        simulate(log, fleet, RouterConfig(worker_queue_limit=8), d, force=True)
+    return d, n
+
+
+def test_calibrate_1m(benchmark, report, calib_trace):
+    from replay.simulate.calibrate import calibrate
+    from replay.simulate.tracelog import read_trace_log
+
+    d, n = calib_trace
+
+    def run():
+        return calibrate(read_trace_log(d))
+
+    benchmark.group = "calibrate"
+    cal = benchmark.pedantic(run, rounds=1, iterations=1)
+    best = stat(benchmark, "min")
+    report(requests=n, workers=len(cal.urls), wall_s=round(best, 2) if best else None,
+           target_s=30, fitted=sum(f.fitted for f in cal.fitted), not_fitted=len(cal.not_fitted()))
