@@ -556,3 +556,57 @@ def test_fleet_and_knob_overflow_refused(tmp_path, fleet_text, args, text):
     assert r.exit_code == 2 and text in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------
+# several seeds per config (issue 11 s.1)
+
+def test_grid_seeds_cli(tmp_path):
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    outs = []
+    for threads in ("1", "2"):
+        out = tmp_path / f"g{threads}"
+        r = _run(["simulate", str(log), "--fleet", str(fleet), "--out", str(out), "--requests", "500",
+                  "--worker-queue-limit", "2,4", "--seeds", "3", "--seed", "5", "--threads", threads])
+        assert r.exit_code == 0, r.output
+        assert "stable" in r.output
+        outs.append(pl.read_parquet(out / "closed_loop_summary.parquet"))
+    s = outs[0]
+    assert s.equals(outs[1])   # independent of threads
+    assert s.height == 2 and s["seeds"].to_list() == [[5, 6, 7]] * 2
+    per = pl.read_parquet(tmp_path / "g1" / "closed_loop_seeds.parquet")
+    assert per.height == 6
+    one = simulate(read_mooncake(log, limit=500), load_fleet(fleet), RouterConfig(worker_queue_limit=4),
+                   seed=6)
+    row = per.filter((pl.col("worker_queue_limit") == 4) & (pl.col("seed") == 6)).row(0, named=True)
+    assert row["true_hit_rate"] == one.summary["true_hit_rate"]
+    assert row["ttft_ms_p99"] == one.summary["ttft_ms_p99"]
+    for m in ("true_hit_rate", "ttft_ms_p99", "queue_wait_ms_mean"):
+        vals = per.filter(pl.col("worker_queue_limit") == 2)[m].to_numpy()
+        got = s.filter(pl.col("worker_queue_limit") == 2).row(0, named=True)
+        assert got[m] == pytest.approx(vals.mean())
+        assert got[f"{m}_lo"] <= got[m] <= got[f"{m}_hi"]
+    assert (tmp_path / "g1" / "config-1" / "seed-7" / "loads.parquet").is_file()
+    r = _run(["simulate", str(log), "--out", str(tmp_path / "bad"), "--seeds", "1,1"])
+    assert r.exit_code == 2 and "listed twice" in r.output
+
+
+def test_seed_aggregate_flags_a_meltdown():
+    from replay.simulate.seeds import aggregate
+
+    rows = [{"config_id": 0, "seed": s, "true_hit_rate": h, "ttft_ms_p99": p}
+            for s, h, p in ((0, 0.90, 13_000.0), (1, 0.62, 650_000.0), (2, 0.899, 13_500.0),
+                            (3, 0.901, 12_800.0))]
+    rows += [{"config_id": 1, "seed": s, "true_hit_rate": 0.8 + s * 1e-4, "ttft_ms_p99": 9000.0 + s}
+             for s in range(4)]
+    t = aggregate(rows, [])
+    a, b = t.row(0, named=True), t.row(1, named=True)
+    assert a["stable"] is False and a["unstable_seeds"] == [1]
+    assert b["stable"] is True and b["unstable_seeds"] == []
+    assert a["true_hit_rate"] == pytest.approx((0.90 + 0.62 + 0.899 + 0.901) / 4)
+    h = np.array([0.90, 0.62, 0.899, 0.901])
+    half = 3.182 * h.std(ddof=1) / 2          # Student t, 3 degrees of freedom
+    assert a["true_hit_rate_lo"] == pytest.approx(h.mean() - half)
+    assert a["true_hit_rate_hi"] == pytest.approx(h.mean() + half)
+    assert aggregate(rows[:1], []).row(0, named=True)["stable"] is None   # one seed cannot tell

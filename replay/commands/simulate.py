@@ -53,6 +53,9 @@ Example:
 @click.option("--index-lag-ms", type=int, default=0, show_default=True)
 @click.option("--freshness-ms", type=int, default=5000, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--seeds", "seeds_text", default=None, metavar="N|S1,S2,...",
+              help="Run every config under N seeds (--seed, --seed+1, ...) or the listed ones: "
+                   "means, 95% intervals and a stable verdict per config.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for a grid.")
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
@@ -60,8 +63,8 @@ Example:
 @user_errors
 def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
-             publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, threads, force,
-             quiet, **knobs):
+             publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
+             threads, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
@@ -73,6 +76,11 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
     _check_out(Path(out), force)
+    from ..simulate.seeds import parse_seeds
+    try:
+        seeds = parse_seeds(seeds_text, seed)
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
     if grid.warning_line() and not quiet:
@@ -99,7 +107,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
-    if len(grid.configs) == 1:
+    if len(grid.configs) == 1 and seeds is None:
         r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, **kw)
         if not quiet:
             s = r.summary
@@ -110,11 +118,15 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         return
     if placement is not None:
         raise ReplayError("--forced-placement runs one config, not a grid")
-    table = simulate_grid(req_log, fleet, grid, out, threads=threads, **kw)
+    table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds, **kw)
     if not quiet:
-        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs -> {out}")
+        n_seeds = f" x {len(seeds)} seeds" if seeds else ""
+        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "
+                   f"-> {out}")
         cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor",
-                            "true_hit_rate", "ttft_ms_p50", "ttft_ms_p99", "queue_wait_ms_mean")
+                            "true_hit_rate", "true_hit_rate_lo", "true_hit_rate_hi", "ttft_ms_p50",
+                            "ttft_ms_p99", "ttft_ms_p99_lo", "ttft_ms_p99_hi", "queue_wait_ms_mean",
+                            "stable", "unstable_seeds")
                 if c in table.columns]
         click.echo(str(table.select(cols)))
 

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -36,6 +36,7 @@ from .logs import RequestLog
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = "closed_loop_summary.parquet"
+SEEDS_TABLE = "closed_loop_seeds.parquet"
 OUTCOMES = "outcomes.parquet"
 SIM_JSON = "sim.json"
 TRACE_JSON = "trace.json"
@@ -395,11 +396,15 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                   out_dir: str | os.PathLike | None = None, *, seed: int = 0,
                   publish_interval_ms: int | None = None, index_lag_ms: int = 0,
                   freshness_ms: int = 5000, force: bool = False,
-                  threads: int | None = None) -> pl.DataFrame:
+                  threads: int | None = None, seeds: Sequence[int] | None = None) -> pl.DataFrame:
     """One closed-loop simulation per config of ``grid``; returns the summary table.
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
     the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
+    With ``seeds`` (issue 11), every config runs once per seed (into
+    ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
+    run, and the summary one row per config: means, 95% intervals and the
+    ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
     """
     if not isinstance(grid, Grid):
         grid = Grid(grid)
@@ -410,36 +415,54 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
         _check_out(out, force)
     if publish_interval_ms is None:
         publish_interval_ms = fleet.publish_interval_ms
-    inputs = _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    run_seeds = list(seeds) if seeds is not None else [seed]
+    inputs = {s: _kernel_inputs(log, fleet, publish_interval_ms, s) for s in run_seeds}
     ids = list(grid.config_ids)
     rows_by_id = {r["config_id"]: r for r in grid.rows()}
     tmp = None
     if out is not None:
         tmp = partial_beside(out)
 
-    def one(j: int) -> dict:
+    def one(job: tuple[int, int]) -> dict:
+        j, s = job
         cfg = grid.configs[j]
         sub = (tmp / f"config-{ids[j]}") if tmp is not None else None
-        r = simulate(log, fleet, cfg, sub, seed=seed, publish_interval_ms=publish_interval_ms,
-                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs)
+        if sub is not None and seeds is not None:
+            sub.mkdir(exist_ok=True)
+            sub = sub / f"seed-{s}"
+        r = simulate(log, fleet, cfg, sub, seed=s, publish_interval_ms=publish_interval_ms,
+                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs[s])
         row = {k: v for k, v in rows_by_id[ids[j]].items()}
+        if seeds is not None:
+            row["seed"] = int(s)
         row.update(r.summary)
         return row
 
     try:
+        jobs = [(j, s) for j in range(len(ids)) for s in run_seeds]
         n_threads = threads or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(ids)))) as ex:
-            rows = list(ex.map(one, range(len(ids))))
-        table = pl.DataFrame(rows)
+        with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(jobs)))) as ex:
+            rows = list(ex.map(one, jobs))
+        if seeds is None:
+            table = pl.DataFrame(rows)
+        else:
+            from .seeds import aggregate
+            knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
+            table = aggregate(rows, knob_cols)
         if tmp is not None and out is not None:
             table.write_parquet(tmp / SUMMARY)
-            table.write_csv(tmp / "closed_loop_summary.csv")
-            (tmp / SIM_JSON).write_text(json.dumps({
-                "tool": "router-replay simulate", "version": __version__, "log": log.source,
-                "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
-                "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
-                "freshness_ms": int(freshness_ms), "fleet": fleet.describe()},
-                indent=2, default=_json) + "\n")
+            flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
+                                       for c in ("seeds", "unstable_seeds") if c in table.columns])
+            flat.write_csv(tmp / "closed_loop_summary.csv")
+            if seeds is not None:
+                pl.DataFrame(rows).write_parquet(tmp / SEEDS_TABLE)
+            meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+                    "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
+                    "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
+                    "freshness_ms": int(freshness_ms), "fleet": fleet.describe()}
+            if seeds is not None:
+                meta["seeds"] = [int(s) for s in run_seeds]
+            (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, default=_json) + "\n")
             move_into_place(tmp, out)
             tmp = None
         return table
