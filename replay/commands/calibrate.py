@@ -10,6 +10,7 @@ import click
 
 from ..cli import user_errors
 from ..config import KNOBS, Grid
+from .simulate import grid_progress, grid_table
 from .sweep import _knob_options
 
 _EXAMPLE = """
@@ -100,8 +101,10 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
                 click.echo(line)
         table = None
         if grid is not None:
-            table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
-                                  freshness_ms=freshness_ms, threads=threads)
+            with grid_progress(len(grid.configs), quiet) as progress:
+                table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
+                                      freshness_ms=freshness_ms, threads=threads,
+                                      progress=progress)
         move_into_place(tmp, vdir)
         tmp = None
     finally:
@@ -113,14 +116,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
         if not fid.good:
             click.echo(f"WARNING: {fid.verdict()}; the prediction below comes from that model")
         click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / 'prediction'}")
-        cols = [c for c in ("config_id", *texts_to_names(texts), "true_hit_rate", "ttft_ms_p50",
-                            "ttft_ms_p99", "queue_wait_ms_mean") if c in table.columns]
-        click.echo(str(table.select(cols)))
-
-
-def texts_to_names(texts: dict) -> list[str]:
-    names = {spec.flag: name for name, spec in KNOBS.items()}
-    return [names[f] for f in texts]
+        for line in grid_table(table, grid):
+            click.echo(line)
 
 
 COMMANDS = [calibrate]

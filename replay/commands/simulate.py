@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import click
 
 from ..cli import user_errors
@@ -118,17 +121,53 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         return
     if placement is not None:
         raise ReplayError("--forced-placement runs one config, not a grid")
-    table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds, **kw)
+    n_jobs = len(grid.configs) * (len(seeds) if seeds else 1)
+    with grid_progress(n_jobs, quiet) as progress:
+        table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
+                              progress=progress, **kw)
     if not quiet:
         n_seeds = f" x {len(seeds)} seeds" if seeds else ""
         click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "
                    f"-> {out}")
-        cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor",
-                            "true_hit_rate", "true_hit_rate_lo", "true_hit_rate_hi", "ttft_ms_p50",
-                            "ttft_ms_p99", "ttft_ms_p99_lo", "ttft_ms_p99_hi", "queue_wait_ms_mean",
-                            "stable", "unstable_seeds")
-                if c in table.columns]
-        click.echo(str(table.select(cols)))
+        for line in grid_table(table, grid):
+            click.echo(line)
+
+
+@contextlib.contextmanager
+def grid_progress(n: int, quiet: bool):
+    """A progress bar over ``n`` simulations on a terminal (stderr); nothing when piped."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=n, label="simulating", file=sys.stderr) as bar:
+        yield bar.update
+
+
+def grid_table(table, grid) -> list[str]:
+    """The closed-loop summary as a readable table: knobs, served hit rate (%), TTFT and queue
+    wait (s), with the 95% interval and the stable verdict when several seeds ran."""
+    knobs = [k for k in KNOBS if k in table.columns and len(grid.values[k]) > 1]
+    seeded = "stable" in table.columns
+
+    def cell(v, scale=1.0, digits=1):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    head = ["config"] + knobs + ["true hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
+    if seeded:
+        head += ["hit 95% interval", "p99 95% interval", "stable"]
+    rows = [head]
+    for r in table.iter_rows(named=True):
+        row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
+        row += [cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p50"], 1e-3, 2),
+                cell(r["ttft_ms_p99"], 1e-3, 2), cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        if seeded:
+            row += [f"{cell(r['true_hit_rate_lo'], 100, 2)}..{cell(r['true_hit_rate_hi'], 100, 2)}",
+                    f"{cell(r['ttft_ms_p99_lo'], 1e-3, 2)}..{cell(r['ttft_ms_p99_hi'], 1e-3, 2)}",
+                    "yes" if r["stable"] else ("?" if r["stable"] is None else
+                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
+        rows.append(row)
+    widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
 
 
 COMMANDS = [simulate]

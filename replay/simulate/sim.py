@@ -13,11 +13,12 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -396,7 +397,8 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                   out_dir: str | os.PathLike | None = None, *, seed: int = 0,
                   publish_interval_ms: int | None = None, index_lag_ms: int = 0,
                   freshness_ms: int = 5000, force: bool = False,
-                  threads: int | None = None, seeds: Sequence[int] | None = None) -> pl.DataFrame:
+                  threads: int | None = None, seeds: Sequence[int] | None = None,
+                  progress: Callable[[int], None] | None = None) -> pl.DataFrame:
     """One closed-loop simulation per config of ``grid``; returns the summary table.
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
@@ -405,6 +407,8 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
     run, and the summary one row per config: means, 95% intervals and the
     ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
+    ``progress(1)`` is called after each simulation (from the worker threads,
+    one at a time).
     """
     if not isinstance(grid, Grid):
         grid = Grid(grid)
@@ -436,8 +440,12 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
         if seeds is not None:
             row["seed"] = int(s)
         row.update(r.summary)
+        if progress is not None:
+            with lock:
+                progress(1)
         return row
 
+    lock = threading.Lock()
     try:
         jobs = [(j, s) for j in range(len(ids)) for s in run_seeds]
         n_threads = threads or os.cpu_count() or 1
