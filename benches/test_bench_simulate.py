@@ -35,11 +35,15 @@ def mooncake():
 
 
 @needs_mooncake
-def test_simulate_one_config(benchmark, report, mooncake):
+@pytest.mark.parametrize("publish", ["interval", "on_change"])
+def test_simulate_one_config(benchmark, report, mooncake, publish):
+    from dataclasses import replace
+
     from replay.config import RouterConfig
-    from replay.simulate import simulate
+    from replay.simulate import build_fleet, simulate
 
     log, fleet = mooncake
+    fleet = build_fleet(replace(fleet.spec, publish_policy=publish))
     cfg = RouterConfig(worker_queue_limit=4, saturation_queue_floor=2)
     benchmark.group = "simulate"
     res = benchmark.pedantic(simulate, args=(log, fleet, cfg), rounds=3, iterations=1)
@@ -48,7 +52,7 @@ def test_simulate_one_config(benchmark, report, mooncake):
            kernel_s=round(res.seconds, 3), wall_s=round(best, 3) if best else None,
            requests_per_s=round(log.n_requests / res.seconds),
            events=res.stats["ss_events"], events_per_s=round(res.stats["ss_events"] / res.seconds),
-           load_rows=res.stats["load_rows"], floor_s_per_config=1.0)
+           load_rows=res.stats["load_rows"], target_s_per_config=0.5)
 
 
 @needs_mooncake
