@@ -610,3 +610,40 @@ def test_seed_aggregate_flags_a_meltdown():
     assert a["true_hit_rate_lo"] == pytest.approx(h.mean() - half)
     assert a["true_hit_rate_hi"] == pytest.approx(h.mean() + half)
     assert aggregate(rows[:1], []).row(0, named=True)["stable"] is None   # one seed cannot tell
+
+
+# ---------------------------------------------------------------------------
+# the jitted event loop against the same source run as plain Python
+
+_PLAIN = """
+import sys
+from replay.config import RouterConfig
+from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
+log = generate_log(150, seed=3, rate_per_s=30.0)
+fleet = build_fleet(FleetSpec(workers=3, dp_size=2, prefill_tokens_per_s=6000,
+                              max_running_requests=4, max_total_num_tokens=20_000,
+                              publish_policy=sys.argv[2], chunked_prefill_size=700,
+                              schedule_policy="lpm", decode_step_ms_per_request=0.4))
+r = simulate(log, fleet, RouterConfig(worker_queue_limit=2), sys.argv[1], seed=4, index_lag_ms=30)
+assert r.stats["ss_evictions"] > 0
+"""
+
+
+@pytest.mark.parametrize("publish", ["interval", "on_change"])
+def test_kernel_equals_plain_python(tmp_path, publish):
+    import os
+    import subprocess
+    import sys
+
+    outs = {}
+    for mode in ("jit", "plain"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        if mode == "plain":
+            env["NUMBA_DISABLE_JIT"] = "1"
+        out = tmp_path / mode
+        p = subprocess.run([sys.executable, "-c", _PLAIN, str(out), publish], env=env,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        outs[mode] = out
+    for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
+        assert (outs["jit"] / name).read_bytes() == (outs["plain"] / name).read_bytes(), name
