@@ -647,3 +647,24 @@ def test_kernel_equals_plain_python(tmp_path, publish):
         outs[mode] = out
     for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
         assert (outs["jit"] / name).read_bytes() == (outs["plain"] / name).read_bytes(), name
+
+
+def test_grid_seeds_on_ray_equal_local(tmp_path):
+    """--executor ray (a real local Ray) gives the same closed-loop summary and traces."""
+    pytest.importorskip("ray")
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    common = [str(log), "--fleet", str(fleet), "--requests", "400", "--worker-queue-limit", "2,4",
+              "--seeds", "0,9", "-q"]
+    r = _run(["simulate", *common, "--out", str(tmp_path / "local")])
+    assert r.exit_code == 0, r.output
+    r = _run(["simulate", *common, "--out", str(tmp_path / "ray"), "--executor", "ray",
+              "--ray-cpus", "1"])
+    assert r.exit_code == 0, r.output
+    a = pl.read_parquet(tmp_path / "local" / "closed_loop_summary.parquet")
+    b = pl.read_parquet(tmp_path / "ray" / "closed_loop_summary.parquet")
+    assert a.equals(b)
+    for sub in ("config-0/seed-9", "config-1/seed-0"):
+        for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
+            assert ((tmp_path / "local" / sub / name).read_bytes()
+                    == (tmp_path / "ray" / sub / name).read_bytes()), (sub, name)

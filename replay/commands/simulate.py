@@ -61,13 +61,18 @@ Example:
                    "means, 95% intervals and a stable verdict per config.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for a grid.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run a grid's simulations in local threads or as Ray tasks (same results).")
+@click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
+@click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
+              help="CPUs of the local Ray (default: all).")
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
 def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
-             threads, force, quiet, **knobs):
+             threads, executor, ray_address, ray_cpus, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
@@ -124,7 +129,8 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     n_jobs = len(grid.configs) * (len(seeds) if seeds else 1)
     with grid_progress(n_jobs, quiet) as progress:
         table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
-                              progress=progress, **kw)
+                              progress=progress, executor=executor, ray_address=ray_address,
+                              ray_cpus=ray_cpus, **kw)
     if not quiet:
         n_seeds = f" x {len(seeds)} seeds" if seeds else ""
         click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "

@@ -398,7 +398,9 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                   publish_interval_ms: int | None = None, index_lag_ms: int = 0,
                   freshness_ms: int = 5000, force: bool = False,
                   threads: int | None = None, seeds: Sequence[int] | None = None,
-                  progress: Callable[[int], None] | None = None) -> pl.DataFrame:
+                  progress: Callable[[int], None] | None = None, executor: str = "local",
+                  ray_address: str | None = None, ray_cpus: int | None = None,
+                  ray_retries: int = 2) -> pl.DataFrame:
     """One closed-loop simulation per config of ``grid``; returns the summary table.
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
@@ -408,8 +410,13 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     run, and the summary one row per config: means, 95% intervals and the
     ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
     ``progress(1)`` is called after each simulation (from the worker threads,
-    one at a time).
+    one at a time).  ``executor="ray"`` runs each (config, seed) as a Ray task
+    (``ray_address`` joins a cluster, else a local Ray with ``ray_cpus`` CPUs
+    starts; the output directory must be on storage the tasks share); the
+    results are identical either way.
     """
+    if executor not in ("local", "ray"):
+        raise ReplayError(f"--executor must be local or ray, got {executor!r}")
     if not isinstance(grid, Grid):
         grid = Grid(grid)
     if not grid.configs:
@@ -448,9 +455,15 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     lock = threading.Lock()
     try:
         jobs = [(j, s) for j in range(len(ids)) for s in run_seeds]
-        n_threads = threads or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(jobs)))) as ex:
-            rows = list(ex.map(one, jobs))
+        if executor == "ray":
+            rows = _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeds is not None,
+                             dict(publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
+                                  freshness_ms=freshness_ms),
+                             progress, ray_address, ray_cpus, ray_retries)
+        else:
+            n_threads = threads or os.cpu_count() or 1
+            with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(jobs)))) as ex:
+                rows = list(ex.map(one, jobs))
         if seeds is None:
             table = pl.DataFrame(rows)
         else:
@@ -477,3 +490,66 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | None, seed: int,
+              kw: dict) -> dict[str, Any]:
+    """One (config, seed) of a grid as a Ray task: the summary of :func:`simulate`."""
+    if sub is not None:
+        Path(sub).parent.mkdir(parents=True, exist_ok=True)
+    return simulate(log, fleet, config, sub, seed=seed, **kw).summary
+
+
+def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
+              retries) -> list[dict]:
+    import logging
+
+    from ..shards import require_ray
+
+    ray = require_ray()
+    started = False
+    try:
+        if not ray.is_initialized():
+            opts = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+            if address:
+                ray.init(address=address, **opts)
+            else:
+                ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **opts)
+            started = True
+        task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=True)(grid_task)
+        log_ref, fleet_ref = ray.put(log), ray.put(fleet)
+        refs = []
+        for j, s in jobs:
+            sub = None
+            if tmp is not None:
+                sub = tmp / f"config-{ids[j]}"
+                sub = str(sub / f"seed-{s}") if seeded else str(sub)
+            refs.append(task.remote(log_ref, fleet_ref, grid.configs[j], sub, int(s), kw))
+        summaries: dict[int, dict] = {}
+        pending = list(refs)
+        where = {r: k for k, r in enumerate(refs)}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            k = where[done[0]]
+            try:
+                summaries[k] = ray.get(done[0])
+            except Exception as err:  # Ray wraps the task's exception
+                for other in pending:
+                    ray.cancel(other, force=True)
+                j, s = jobs[k]
+                cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise ReplayError(f"config {ids[j]} seed {s} failed after {retries + 1} attempt(s): "
+                                  f"{cause}") from None
+            if progress is not None:
+                progress(1)
+    finally:
+        if started:
+            ray.shutdown()
+    rows = []
+    for k, (j, s) in enumerate(jobs):
+        row = dict(rows_by_id[ids[j]])
+        if seeded:
+            row["seed"] = int(s)
+        row.update(summaries[k])
+        rows.append(row)
+    return rows
