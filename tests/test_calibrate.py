@@ -244,3 +244,43 @@ def test_calibrate_bad_trace_one_line(tmp_path, prod):
     r = _run(["calibrate", trace, "--out", tmp_path / "keep.toml"])
     assert r.exit_code == 2 and "--force" in r.output
     assert (tmp_path / "keep.toml").read_text() == "workers = 1\n"
+
+
+def _copy_trace(src: Path, dst: Path, drop_requests=(), drop_loads=()) -> Path:
+    dst.mkdir()
+    (dst / "workers.parquet").write_bytes((src / "workers.parquet").read_bytes())
+    (dst / "trace.json").write_bytes((src / "trace.json").read_bytes())
+    pl.read_parquet(src / "requests.parquet").drop(list(drop_requests)).write_parquet(
+        dst / "requests.parquet")
+    pl.read_parquet(src / "loads.parquet").drop(list(drop_loads)).write_parquet(dst / "loads.parquet")
+    return dst
+
+
+def test_decode_from_littles_law_without_latencies(prod, tmp_path):
+    trace, _, truth, _ = prod
+    d = _copy_trace(trace, tmp_path / "t", drop_requests=("ttft_ms", "latency_ms"))
+    r = _run(["calibrate", d, "--out", tmp_path / "f.toml"])
+    assert r.exit_code == 0, r.output
+    got = _worker_values(tmp_path / "f.toml")
+    for i, t in truth.items():
+        assert got[i]["decode_tokens_per_s"] == pytest.approx(t["decode_tokens_per_s"], rel=0.05), i
+    assert "Little's law" in r.output
+    assert "decode_step_ms_per_request = 0  NOT FITTED (needs ttft_ms and latency_ms; default used)" \
+        in r.output
+
+
+def test_missing_native_counters_say_which_default(prod, tmp_path):
+    trace, _, truth, _ = prod
+    d = _copy_trace(trace, tmp_path / "t",
+                    drop_loads=("total_prefill_uncached_tokens", "total_prefill_busy_us"))
+    r = _run(["calibrate", d, "--out", tmp_path / "f.toml"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("prefill_tokens_per_s = 10,000  NOT FITTED (no native prefill counters; "
+                          "default used)") == N_WORKERS
+    assert "not fitted from this trace" in r.output
+    got = _worker_values(tmp_path / "f.toml")
+    assert all(w["prefill_tokens_per_s"] == 10_000.0 for w in got.values())
+    # decode still comes from the latencies: the least-interrupted requests
+    for i, t in truth.items():
+        assert got[i]["decode_tokens_per_s"] == pytest.approx(t["decode_tokens_per_s"], rel=0.05), i
+    assert "5th percentile (no busy counters" in r.output

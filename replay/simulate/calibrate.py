@@ -61,7 +61,7 @@ class Fitted:
 
     def line(self, urls: list[str]) -> str:
         who = "fleet" if self.worker is None else f"worker {self.worker} ({urls[self.worker]})"
-        val = f"{self.value:,.4g}" if isinstance(self.value, float) else f"{self.value}"
+        val = f"{self.value:,.6g}" if isinstance(self.value, float) else f"{self.value}"
         if not self.fitted:
             return f"  {who}: {self.name} = {val}  NOT FITTED ({self.how}; default used)"
         res = "" if self.residual is None else f", residual {self.residual:.3g}"
@@ -306,7 +306,8 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
         sel = np.nonzero(ok_lat & (rec.placement == k))[0]
         dp = rec.dp_sizes[k]
         rks = [ranks.get((k, r)) for r in range(dp)]
-        if sel.size >= MIN_DECODE_SAMPLES and all(rk is not None and rk.pbusy is not None for rk in rks):
+        counters = all(rk is not None and rk.pbusy is not None for rk in rks)
+        if sel.size >= MIN_DECODE_SAMPLES and all(rk is not None for rk in rks):
             first = ts[sel] + np.round(rec.ttft_ms[sel] * NS_PER_MS).astype(np.int64)
             done = ts[sel] + np.round(rec.latency_ms[sel] * NS_PER_MS).astype(np.int64)
             span = (done - first).astype(np.float64)
@@ -315,8 +316,8 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
             batch = np.empty((dp, sel.size))
             hit = np.zeros((dp, sel.size), dtype=bool)
             for r, rk in enumerate(rks):
-                busy = (rk.at(rk.pbusy, done, interpolate)
-                        - rk.at(rk.pbusy, first, interpolate)) * 1000.0
+                busy = ((rk.at(rk.pbusy, done, interpolate)
+                         - rk.at(rk.pbusy, first, interpolate)) * 1000.0 if counters else 0.0)
                 cand[r] = (span - busy) / ntok / NS_PER_MS
                 dur = np.maximum(done - first, 1).astype(np.float64)
                 batch[r] = (rk.run_integral(done) - rk.run_integral(first)) / dur
@@ -324,8 +325,9 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
                 j = np.searchsorted(rk.ts, first, side="left")
                 jj = np.minimum(j, rk.ts.shape[0] - 1)
                 prev = np.maximum(jj - 1, 0)
-                hit[r] = ((j < rk.ts.shape[0]) & (rk.ts[jj] <= first + LOOKAHEAD_NS)
-                          & (rk.ptok[jj] > rk.ptok[prev]))
+                if counters:
+                    hit[r] = ((j < rk.ts.shape[0]) & (rk.ts[jj] <= first + LOOKAHEAD_NS)
+                              & (rk.ptok[jj] > rk.ptok[prev]))
             one = hit.sum(axis=0) == 1
             pick = np.argmax(hit, axis=0)
             if one.any():
@@ -343,6 +345,18 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
             y, x, wt = y[good], x[good], ntok[good]
             if y.size >= MIN_DECODE_SAMPLES:
                 slope = 0.0
+                if not counters:
+                    # REPLAY CHOICE: without busy counters the prefill time inside a request's
+                    # decode span is unknown; it only adds, so the requests that saw the least
+                    # of it (a low quantile) estimate the step time; no batch slope is fitted
+                    d1 = _wquantile(y, wt, 0.05)
+                    per[k]["decode_tokens_per_s"] = 1000.0 / d1
+                    fitted.append(Fitted("decode_tokens_per_s", k, 1000.0 / d1, int(y.size), None,
+                                         True, "first-to-last token time per token, 5th percentile "
+                                         "(no busy counters to subtract prefill time)"))
+                    fitted.append(Fitted("decode_step_ms_per_request", k, 0.0, 0, None, False,
+                                         "needs the native prefill counters"))
+                    continue
                 if decode_model != "constant" and np.ptp(x) > 0:
                     sw = np.sqrt(wt)
                     A = np.vstack([np.ones_like(x), x]).T * sw[:, None]
@@ -386,10 +400,14 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
                              "needs ttft_ms and latency_ms"))
 
 
-def _wmedian(v: np.ndarray, w: np.ndarray) -> float:
+def _wquantile(v: np.ndarray, w: np.ndarray, q: float) -> float:
     o = np.argsort(v, kind="stable")
     c = np.cumsum(w[o])
-    return float(v[o][np.searchsorted(c, c[-1] / 2)])
+    return float(v[o][np.searchsorted(c, c[-1] * q)])
+
+
+def _wmedian(v: np.ndarray, w: np.ndarray) -> float:
+    return _wquantile(v, w, 0.5)
 
 
 def write_fleet(cal: Calibration, path: str | Path, source: str = "") -> None:
