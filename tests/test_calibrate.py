@@ -150,7 +150,7 @@ def test_calibrated_fidelity(calibrated):
 def test_model_mismatch_is_flagged(tmp_path, engine, decode_model, failing):
     trace, *_ = _production(tmp_path, "mismatch", 202, **engine)
     r = _run(["calibrate", trace, "--out", tmp_path / "f.toml", "--decode-model", decode_model,
-              "--validate", tmp_path / "fit", "--worker-queue-limit", "2,4"])
+              "--validate", tmp_path / "fit", "--worker-queue-limit", "2,4", "--seeds", "2"])
     assert r.exit_code == 0, r.output
     fid = json.loads((tmp_path / "fit" / "fidelity.json").read_text())
     assert not fid["good"]
@@ -160,6 +160,8 @@ def test_model_mismatch_is_flagged(tmp_path, engine, decode_model, failing):
     assert out.index("closed-loop prediction") > out.index("WARNING: fidelity POOR") > poor
     for name in failing:
         assert f"FAIL {name}" in out
+    pred = pl.read_parquet(tmp_path / "fit" / "prediction" / "closed_loop_summary.parquet")
+    assert pred.height == 2 and pred["seeds"].to_list() == [[PROD_SEED, PROD_SEED + 1]] * 2
 
 
 def test_batch_slope_recovered_when_modelled(tmp_path):

@@ -47,12 +47,14 @@ Example:
 @click.option("--freshness-ms", type=click.IntRange(0, 10**9), default=5000, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for the prediction grid.")
+@click.option("--seeds", "seeds_text", default=None, metavar="N|S1,S2,...",
+              help="Prediction grid under several seeds: means, 95% intervals, stable verdicts.")
 @_knob_options
 @click.option("--force", is_flag=True, help="Replace an existing FLEET.toml / non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
 def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, freshness_ms, threads,
-              force, quiet, **knobs):
+              seeds_text, force, quiet, **knobs):
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
     import shutil
     from pathlib import Path
@@ -62,6 +64,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
     from ..simulate import load_fleet, simulate_grid
     from ..simulate.calibrate import calibrate as fit, write_fleet
     from ..simulate.fidelity import validate
+    from ..simulate.seeds import parse_seeds
     from ..simulate.tracelog import read_trace_log
 
     fleet_path = Path(out)
@@ -73,6 +76,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
     if texts and validate_dir is None:
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
     grid = Grid.from_texts(texts) if texts else None
+    if seeds_text is not None and grid is None:
+        raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit(rec, decode_model=decode_model)
     fleet_path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,10 +106,15 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
                 click.echo(line)
         table = None
         if grid is not None:
-            with grid_progress(len(grid.configs), quiet) as progress:
+            try:
+                seeds = parse_seeds(seeds_text, fid.seed)
+            except ValueError as err:
+                raise ReplayError(str(err)) from None
+            n = len(grid.configs) * (len(seeds) if seeds else 1)
+            with grid_progress(n, quiet) as progress:
                 table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
                                       freshness_ms=freshness_ms, threads=threads,
-                                      progress=progress)
+                                      progress=progress, seeds=seeds)
         move_into_place(tmp, vdir)
         tmp = None
     finally:

@@ -274,11 +274,23 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         idx = {u: k for k, u in enumerate(fleet.urls[i] for i in fleet.prefill)}
         got_k = np.array([idx.get(s, -1) if s is not None else -1 for s in sel], dtype=np.int64)
         known = rec.placement >= 0
-        agree = float((got_k[known] == rec.placement[known]).mean())
+        same = got_k == rec.placement
+        agree = float(same[known].mean())
+        # where the simulated router sampled (power-of-k), production's own random draws
+        # decide too: shown apart, since no model can reproduce another run's sampler
+        # (the no-cache-candidate pair and the capacity fallback draw with the min-load
+        # sampler: ROUTER_SEMANTICS.md sections 4.2 and ambiguity 3)
+        o = loop.outcomes
+        sampled = ((o["decision"] == "cache_miss") | (o["reason"] == "CapacityFallbackPowerOfTwo")
+                   ).fill_null(False).to_numpy()
+        parts_txt = []
+        for name, m in (("affinity", known & ~sampled), ("sampled", known & sampled)):
+            if m.any():
+                parts_txt.append(f"{name} {float(same[m].mean()):.3f} of {int(m.sum()):,}")
         parts.append(Part("agreement", agree, ">= 0.95", agree >= 0.95,
-                          f"router flags {cfg.given_flags() or 'defaults'}, seed {seed}"
-                          + ("" if rec.info.get("router") is not None else
-                             "; no trace.json: router defaults assumed")))
+                          "; ".join(parts_txt) + f"; router flags {cfg.given_flags() or 'defaults'}, "
+                          f"seed {seed}" + ("" if rec.info.get("router") is not None else
+                                            "; no trace.json: router defaults assumed")))
     else:
         parts.append(Part("agreement", None, "", None, "no selected_worker"))
     return Fidelity(parts, cfg.given_flags(), int(seed), per_rank, runs)

@@ -4,7 +4,8 @@ A closed-loop run depends on its seed (the power-of-k sampler's draws and the
 publishers' phases), and near saturation one seed can melt down while
 another does not.  :func:`aggregate` turns one summary row per (config, seed)
 into one row per config: every numeric metric's mean over the seeds and the
-95% interval of that mean (Student t, ``<metric>_lo`` / ``<metric>_hi``), the
+95% interval of that mean (Student t, ``<metric>_lo`` / ``<metric>_hi``; the
+lower end clipped at 0 for metrics that cannot be negative), the
 seeds run, and a ``stable`` verdict with ``unstable_seeds``: a seed fails
 when its true hit rate is more than ``HIT_POINTS`` points from the seeds'
 median or its TTFT p99 more than a factor ``P99_FACTOR`` away from the
@@ -74,7 +75,10 @@ def aggregate(rows: Sequence[dict[str, Any]], knob_cols: Sequence[str]) -> pl.Da
             half = (_t975(ok.size) * float(ok.std(ddof=1)) / math.sqrt(ok.size)
                     if ok.size >= 2 else 0.0)
             row[k] = mean
-            row[f"{k}_lo"] = None if mean is None else mean - half
+            lo = None if mean is None else mean - half
+            if lo is not None and ok.size and ok.min() >= 0:
+                lo = max(lo, 0.0)  # every metric here is >= 0: so is its interval
+            row[f"{k}_lo"] = lo
             row[f"{k}_hi"] = None if mean is None else mean + half
         hits = np.array([r["true_hit_rate"] or 0.0 for r in runs])
         p99 = np.array([r["ttft_ms_p99"] if r["ttft_ms_p99"] is not None else np.nan for r in runs])
