@@ -286,3 +286,28 @@ def test_missing_native_counters_say_which_default(prod, tmp_path):
     for i, t in truth.items():
         assert got[i]["decode_tokens_per_s"] == pytest.approx(t["decode_tokens_per_s"], rel=0.05), i
     assert "5th percentile (no busy counters" in r.output
+
+
+def test_unpublished_running_limit_is_a_lower_bound(prod, tmp_path):
+    trace, _, truth, _ = prod
+    d = _copy_trace(trace, tmp_path / "t", drop_loads=("max_running_requests",))
+    r = _run(["calibrate", d, "--out", tmp_path / "f.toml"])
+    assert r.exit_code == 0, r.output
+    got = _worker_values(tmp_path / "f.toml")
+    loads = pl.read_parquet(trace / "loads.parquet")
+    urls = sorted(loads["worker"].unique().to_list())
+    for i, t in truth.items():
+        seen = int(loads.filter(pl.col("worker") == urls[i])["num_running_reqs"].max())
+        assert got[i]["max_running_requests"] == seen <= t["max_running_requests"]
+    assert "largest num_running_reqs seen (not published): a lower bound" in r.output
+
+
+def test_two_models_refused(prod, tmp_path):
+    trace, *_ = prod
+    d = _copy_trace(trace, tmp_path / "t")
+    req = pl.read_parquet(d / "requests.parquet")
+    req.with_columns(pl.when(pl.int_range(pl.len()) % 2 == 0).then(pl.lit("a")).otherwise(pl.lit("b"))
+                     .alias("model")).write_parquet(d / "requests.parquet")
+    r = _run(["calibrate", d, "--out", tmp_path / "f.toml"])
+    assert r.exit_code == 2 and "column 'model': 2 models" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1

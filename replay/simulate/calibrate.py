@@ -202,6 +202,12 @@ def _constant(loads: pl.DataFrame, col: str, urls: list[str]) -> dict[int, tuple
     return out
 
 
+def _max_running(ranks: dict[tuple[int, int], _Rank], k: int, dp: int) -> int:
+    vals = [int(ranks[(k, r)].running.max()) for r in range(dp) if (k, r) in ranks
+            and ranks[(k, r)].running.size]
+    return max(vals) if vals else 0
+
+
 def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[Fitted]]:
     gaps = [np.diff(rk.ts) for rk in ranks.values() if rk.ts.shape[0] > 2]
     if not gaps:
@@ -254,6 +260,14 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
                 v, n, bad = got[k]
                 per[k][col] = v
                 fitted.append(Fitted(col, k, v, n, float(bad), True, "published value"))
+            elif col == "max_running_requests" and _max_running(ranks, k, rec.dp_sizes[k]) > 0:
+                # REPLAY CHOICE: an engine that does not publish its limit (no native tail) ran
+                # at least as many requests as it was seen running: that is a lower bound
+                v = _max_running(ranks, k, rec.dp_sizes[k])
+                per[k][col] = v
+                fitted.append(Fitted(col, k, v, sum(len(ranks[(k, r)].ts) for r in range(rec.dp_sizes[k])
+                                                    if (k, r) in ranks), None, True,
+                                     "largest num_running_reqs seen (not published): a lower bound"))
             else:
                 fitted.append(Fitted(col, k, per[k][col], 0, None, False, f"no {col} samples"))
     # a request needs input + output KV on its rank: never fit a capacity below that

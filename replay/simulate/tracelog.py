@@ -137,6 +137,10 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         if c not in req.columns:
             raise LogError(f"{rq_path}: missing column {c!r} (a trace used as a request log needs "
                            f"{', '.join(REQUIRED)})")
+    if "model" in req.columns and req["model"].drop_nulls().n_unique() > 1:
+        names = sorted(req["model"].drop_nulls().unique().to_list())
+        raise LogError(f"{rq_path}: column 'model': {len(names)} models ({', '.join(map(str, names[:3]))}"
+                       f"{', ...' if len(names) > 3 else ''}); the simulator models one fleet of one model")
     if limit is not None:
         req = req.sort("ts", maintain_order=True).head(int(limit))
     workers = _read(wk_path)
