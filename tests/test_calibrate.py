@@ -311,3 +311,16 @@ def test_two_models_refused(prod, tmp_path):
     r = _run(["calibrate", d, "--out", tmp_path / "f.toml"])
     assert r.exit_code == 2 and "column 'model': 2 models" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_forced_replay_exact_with_interval_publishing(tmp_path):
+    """The bundled sample (interval publishing, seeded phases): with its own fleet file and the
+    seed trace.json records, the forced run writes the recorded load samples again."""
+    root = Path(__file__).resolve().parents[1]
+    rec = read_trace_log(root / "traces" / "sample")
+    fid = validate(rec, load_fleet(root / "traces" / "sample-fleet.toml"), out_dir=tmp_path / "v")
+    assert fid.good, fid.lines()
+    assert all(p["waiting_mae"] == 0.0 for p in fid.per_rank)
+    a = pl.read_parquet(root / "traces" / "sample" / "loads.parquet")
+    b = pl.read_parquet(tmp_path / "v" / "forced" / "loads.parquet")
+    assert a.drop("ts").equals(b.drop("ts"))
