@@ -212,7 +212,7 @@ def _evictable_leaf(present, lock, nchild, r, b):
     return present[r, b] == 1 and lock[r, b] == 0 and nchild[r, b] == 0
 
 
-@njit
+@inline
 def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
     """Offer block ``b`` to rank ``r``'s LRU heap; rebuild the heap from the cache when full."""
     if rs[r, RS_HN] >= hk.shape[1]:
@@ -225,7 +225,7 @@ def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
     _heap_push(hk, hb, rs, r, last_use[r, b], b)
 
 
-@njit
+@inline
 def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag, w,
                stats):
     """Evict rank ``r``'s least recently used evictable leaf; False when there is none."""
@@ -450,7 +450,7 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
     stats[SS_STEPS] += 1
 
 
-@njit
+@inline
 def _cut_decode(r, t, rs):
     """A request was queued on rank ``r`` at ``t``: a multi-step decode event ends
     at the first step boundary the one-step-at-a-time model would admit it at
@@ -463,7 +463,7 @@ def _cut_decode(r, t, rs):
             rs[r, RS_END] = rs[r, RS_STEP_START] + m * d
 
 
-@njit
+@inline
 def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
               rinf, stats):
     lo = h_off[i]
