@@ -105,3 +105,35 @@ def test_calibrate_1m(benchmark, report, calib_trace):
     best = stat(benchmark, "min")
     report(requests=n, workers=len(cal.urls), wall_s=round(best, 2) if best else None,
            target_s=30, fitted=sum(f.fitted for f in cal.fitted), not_fitted=len(cal.not_fitted()))
+
+
+def test_idle_time_costs_no_memory(benchmark, report):
+    """Issue 10 s.5: 12,000 requests stretched over 123 hours (the log that took 5.9 GB per
+    config with interval publishing) on 8 workers x dp 2, on-change publishing: load rows
+    bounded by the events, peak RSS reported."""
+    import resource
+
+    import numpy as np
+
+    from replay.config import RouterConfig
+    from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
+    from replay.simulate.logs import RequestLog
+
+    a = generate_log(12_000, seed=5, rate_per_s=20.0)
+    span = a.ts_ns[-1] - a.ts_ns[0]
+    ts = ((a.ts_ns - a.ts_ns[0]) * (123 * 3600e9 / span)).astype(np.int64)
+    log = RequestLog(ts, a.input_tokens, a.output_tokens, a.hash_off, a.block_key[a.hash_ids],
+                     a.request_id, a.block_size, "stretched to 123 h")
+    fleet = build_fleet(FleetSpec(workers=8, dp_size=2, max_total_num_tokens=300_000,
+                                  publish_policy="on_change"))
+    simulate(log.head(200), fleet)
+    benchmark.group = "simulate"
+    res = benchmark.pedantic(simulate, args=(log, fleet, RouterConfig(worker_queue_limit=4)),
+                             rounds=1, iterations=1)
+    rows = res.stats["load_rows"]
+    # each arrival and each change sample (about 4 per request: queued, admitted, prefilled,
+    # done) writes at most one pending heartbeat per rank: a bound without the span in it
+    assert rows <= (16 + 1) * 5 * log.n_requests
+    report(requests=log.n_requests, span_h=123, load_rows=rows,
+           interval_rows_would_be=int(123 * 3600 * 10 * 16),
+           peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
