@@ -149,11 +149,11 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
             raise LogError(f"{wk_path}: missing column {c!r}")
     page = info.get("page_size")
     if page is None and "page_size" in workers.columns and workers["page_size"].drop_nulls().len():
-        sizes = workers["page_size"].drop_nulls().unique().to_list()
-        if len(sizes) > 1:
-            raise LogError(f"{wk_path}: column 'page_size': workers disagree ({sorted(sizes)}); "
+        pages = workers["page_size"].drop_nulls().unique().to_list()
+        if len(pages) > 1:
+            raise LogError(f"{wk_path}: column 'page_size': workers disagree ({sorted(pages)}); "
                            "one block size per trace is needed")
-        page = sizes[0]
+        page = pages[0]
     if page is None:
         page = block_size
     if page is None:
