@@ -324,3 +324,14 @@ def test_forced_replay_exact_with_interval_publishing(tmp_path):
     a = pl.read_parquet(root / "traces" / "sample" / "loads.parquet")
     b = pl.read_parquet(tmp_path / "v" / "forced" / "loads.parquet")
     assert a.drop("ts").equals(b.drop("ts"))
+
+
+def test_validate_dir_may_not_overlap_the_trace(prod, tmp_path):
+    trace, *_ = prod
+    before = sorted(p.name for p in trace.iterdir())
+    for vdir in (trace, trace.parent, trace / "fit"):
+        r = _run(["calibrate", trace, "--out", tmp_path / "f.toml", "--validate", vdir, "--force"])
+        assert r.exit_code == 2 and "overlaps the trace" in r.output, r.output
+    r = _run(["calibrate", trace, "--out", tmp_path / "v" / "f.toml", "--validate", tmp_path / "v"])
+    assert r.exit_code == 2 and "would hold the fleet file" in r.output
+    assert sorted(p.name for p in trace.iterdir()) == before

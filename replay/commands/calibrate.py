@@ -71,6 +71,13 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
     if fleet_path.exists() and not force:
         raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
     if validate_dir is not None:
+        v, t = Path(validate_dir).resolve(), Path(trace_dir).resolve()
+        if v == t or v in t.parents or t in v.parents:
+            raise ReplayError(f"--validate {validate_dir}: overlaps the trace {trace_dir}; "
+                              "give a directory outside it")
+        if v == fleet_path.resolve().parent or v in fleet_path.resolve().parents:
+            raise ReplayError(f"--validate {validate_dir}: would hold the fleet file {out}; "
+                              "write the fleet file elsewhere")
         refuse_existing(Path(validate_dir), force, "validation directory")
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     if texts and validate_dir is None:
