@@ -148,12 +148,17 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         if c not in workers.columns:
             raise LogError(f"{wk_path}: missing column {c!r}")
     page = info.get("page_size")
-    if page is None and "page_size" in workers.columns and workers["page_size"].drop_nulls().len():
-        pages = workers["page_size"].drop_nulls().unique().to_list()
+    if "page_size" in workers.columns and workers["page_size"].drop_nulls().len():
+        pre = workers.filter(pl.col("role") != "decode") if "role" in workers.columns else workers
+        pages = pre["page_size"].drop_nulls().unique().to_list()
         if len(pages) > 1:
             raise LogError(f"{wk_path}: column 'page_size': workers disagree ({sorted(pages)}); "
                            "one block size per trace is needed")
-        page = pages[0]
+        if pages and page is not None and pages[0] != page:
+            raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
+                           f"workers.parquet page_size {pages[0]}")
+        if pages and page is None:
+            page = pages[0]
     if page is None:
         page = block_size
     if page is None:
