@@ -335,3 +335,15 @@ def test_validate_dir_may_not_overlap_the_trace(prod, tmp_path):
     r = _run(["calibrate", trace, "--out", tmp_path / "v" / "f.toml", "--validate", tmp_path / "v"])
     assert r.exit_code == 2 and "would hold the fleet file" in r.output
     assert sorted(p.name for p in trace.iterdir()) == before
+
+
+def test_page_size_disagreement_refused(prod, tmp_path):
+    trace, *_ = prod
+    d = _copy_trace(trace, tmp_path / "t")
+    info = json.loads((d / "trace.json").read_text())
+    info["page_size"] = 16
+    (d / "trace.json").write_text(json.dumps(info))
+    r = _run(["simulate", d, "--out", tmp_path / "o"])
+    assert r.exit_code == 2 and "key 'page_size': 16 disagrees with workers.parquet page_size 512" \
+        in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
