@@ -44,7 +44,9 @@ Example:
               help="Tokens per hash_ids block when the trace does not say (page_size).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
               help="Sampler seed for the router in the loop (default: trace.json extra.seed, else 0).")
-@click.option("--freshness-ms", type=click.IntRange(0, 10**9), default=5000, show_default=True)
+@click.option("--freshness-ms", type=click.IntRange(0, 10**9), default=None,
+              help="Router load freshness for the replays (default: trace.json extra.freshness_ms, "
+                   "else 5000).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for the prediction grid.")
 @click.option("--seeds", "seeds_text", default=None, metavar="N|S1,S2,...",
@@ -104,6 +106,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
     if validate_dir is None:
         return
     vdir = Path(validate_dir)
+    if freshness_ms is None:
+        freshness_ms = int((rec.info.get("extra") or {}).get("freshness_ms", 5000) or 5000)
     tmp = partial_beside(vdir)
     try:
         fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True)
