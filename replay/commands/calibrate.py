@@ -107,7 +107,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
         return
     vdir = Path(validate_dir)
     if freshness_ms is None:
-        freshness_ms = int((rec.info.get("extra") or {}).get("freshness_ms", 5000) or 5000)
+        got = (rec.info.get("extra") or {}).get("freshness_ms")
+        freshness_ms = got if isinstance(got, int) and not isinstance(got, bool) and got >= 0 else 5000
     tmp = partial_beside(vdir)
     try:
         fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True)
