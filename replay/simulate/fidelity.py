@@ -180,8 +180,9 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
                           f"{len(rec.urls)}")
     cfg = production_config(rec)
     if seed is None:
-        got = (rec.info.get("extra") or {}).get("seed")
-        seed = got if isinstance(got, int) and not isinstance(got, bool) and 0 <= got < 2**63 else 0
+        rec_seed = (rec.info.get("extra") or {}).get("seed")
+        seed = (rec_seed if isinstance(rec_seed, int) and not isinstance(rec_seed, bool)
+                and 0 <= rec_seed < 2**63 else 0)
     pre = np.array(fleet.prefill, dtype=np.int64)
     placement = np.where(rec.placement >= 0, pre[np.maximum(rec.placement, 0)], -1)
     out = Path(out_dir) if out_dir is not None else None
