@@ -347,3 +347,23 @@ def test_page_size_disagreement_refused(prod, tmp_path):
     assert r.exit_code == 2 and "key 'page_size': 16 disagrees with workers.parquet page_size 512" \
         in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_validation_without_selected_worker_uses_the_router_run(prod, tmp_path):
+    """No recorded placement: decode speed comes from the whole fleet (one value), there is no
+    forced run and no agreement, and the other parts compare the router-in-the-loop run and say
+    so.  The hidden fleet is heterogeneous, so the one-value model must be flagged."""
+    trace, *_ = prod
+    d = _copy_trace(trace, tmp_path / "t", drop_requests=("selected_worker",))
+    r = _run(["calibrate", d, "--out", tmp_path / "f.toml", "--validate", tmp_path / "fit"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("Little's law over the whole fleet (no selected_worker") == N_WORKERS
+    assert len({w["decode_tokens_per_s"] for w in _worker_values(tmp_path / "f.toml").values()}) == 1
+    fid = json.loads((tmp_path / "fit" / "fidelity.json").read_text())
+    parts = {p["name"]: p for p in fid["parts"]}
+    assert parts["agreement"]["passed"] is None and "no selected_worker" in parts["agreement"]["detail"]
+    for name in ("waiting_mae", "hit_rate", "ttft", "latency"):
+        assert parts[name]["passed"] is not None, name
+        assert "router in the loop: no selected_worker recorded" in parts[name]["detail"]
+    assert not (tmp_path / "fit" / "forced").exists()
+    assert not fid["good"] and "fidelity POOR" in r.output

@@ -392,8 +392,13 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
                                         if decode_model == "constant" else
                                         "" if slope > 0 else " (no effect above 2%: 0)")))
                 continue
-        # Little's law fallback: running-request time while decoding over generated tokens
-        tok = float((out[rec.placement == k] - 1).clip(min=0).sum())
+        # Little's law fallback: running-request time while decoding over generated tokens;
+        # without any recorded placement, over the whole fleet (one value for every worker)
+        fleet_wide = not (rec.placement >= 0).any()
+        mine = np.ones(log.n_requests, dtype=bool) if fleet_wide else rec.placement == k
+        if fleet_wide:
+            rks = [rk for key, rk in ranks.items() if key[0] < len(rec.urls)]
+        tok = float((out[mine] - 1).clip(min=0).sum())
         if tok > 0 and all(rk is not None for rk in rks) and rks:
             integ = 0.0
             for rk in rks:
@@ -403,8 +408,10 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
             if integ > 0:
                 d1 = integ / tok / NS_PER_MS
                 per[k]["decode_tokens_per_s"] = 1000.0 / d1
-                fitted.append(Fitted("decode_tokens_per_s", k, 1000.0 / d1, int((rec.placement == k).sum()),
-                                     None, True, "Little's law on running counts (no latencies)"))
+                fitted.append(Fitted("decode_tokens_per_s", k, 1000.0 / d1, int(mine.sum()), None,
+                                     True, "Little's law on running counts (no latencies)"
+                                     if not fleet_wide else "Little's law over the whole fleet "
+                                     "(no selected_worker: one value for every worker)"))
                 fitted.append(Fitted("decode_step_ms_per_request", k, 0.0, 0, None, False,
                                      "needs ttft_ms and latency_ms"))
                 continue

@@ -199,14 +199,19 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
     loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
                     freshness_ms=freshness_ms, force=force)
     runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
+    # the run compared with the recording: forced placement; without selected_worker the
+    # router-in-the-loop run stands in (then the router's own choices are part of what is
+    # compared, and every part says so)
+    base = forced if forced is not None else loop
+    via = "" if forced is not None else " (router in the loop: no selected_worker recorded)"
 
-    # --- waiting series (forced run)
-    if forced is not None and rec.loads is not None and "num_waiting_reqs" in rec.loads.columns:
+    # --- waiting series
+    if rec.loads is not None and "num_waiting_reqs" in rec.loads.columns:
         span = int(rec.log.ts_ns[-1]) if rec.log.n_requests else 0
         grid = np.arange(0, span + GRID_NS, GRID_NS, dtype=np.int64)
         got = _rank_series(rec.loads, rec.urls, rec.t0_ns, grid)
         sim_urls = [fleet.urls[i] for i in fleet.prefill]
-        sim = _rank_series(forced.loads, sim_urls, START_NS, grid)
+        sim = _rank_series(base.loads, sim_urls, START_NS, grid)
         maes, corrs, p99s = [], [], []
         mean_rec = []
         for key in sorted(got):
@@ -232,7 +237,7 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
             i = int(np.argmax(maes))
             tol = max(0.5, 0.1 * float(np.mean(mean_rec)))
             parts.append(Part("waiting_mae", maes[i], f"<= {tol:.3g}", maes[i] <= tol,
-                              f"worst rank {rec.urls[keys[i][0]]} dp {keys[i][1]}"))
+                              f"worst rank {rec.urls[keys[i][0]]} dp {keys[i][1]}{via}"))
             if corrs:
                 c = min(corrs)
                 parts.append(Part("waiting_corr", c, ">= 0.8", c >= 0.8,
@@ -246,29 +251,27 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
                               f"rank {rec.urls[keys[j][0]]} dp {keys[j][1]}: "
                               f"{per_rank[j]['simulated_p99']:.3g} vs {per_rank[j]['recorded_p99']:.3g}"))
     else:
-        why = ("no selected_worker" if forced is None else "no load samples")
         for n in ("waiting_mae", "waiting_corr", "waiting_p99"):
-            parts.append(Part(n, None, "", None, why))
+            parts.append(Part(n, None, "", None, "no load samples"))
 
-    # --- served hit rate, TTFT, latency (forced run)
-    if forced is not None and has["cached_tokens"]:
+    # --- served hit rate, TTFT, latency
+    if has["cached_tokens"]:
         ok = rec.cached_tokens >= 0
         L = rec.log.input_tokens[ok].astype(np.float64)
         rh = float(rec.cached_tokens[ok].sum() / L.sum())
-        sc = forced.outcomes["cached_tokens"].to_numpy()
+        sc = base.outcomes["cached_tokens"].to_numpy()
         sh = float(sc[ok].sum() / L.sum())
         d = abs(sh - rh) * 100
         parts.append(Part("hit_rate", d, "<= 1 point", d <= 1.0,
-                          f"simulated {sh:.2%} vs recorded {rh:.2%}"))
+                          f"simulated {sh:.2%} vs recorded {rh:.2%}{via}"))
     else:
-        parts.append(Part("hit_rate", None, "", None,
-                          "no cached_tokens" if forced is not None else "no selected_worker"))
+        parts.append(Part("hit_rate", None, "", None, "no cached_tokens"))
     for name, recv in (("ttft", rec.ttft_ms), ("latency", rec.latency_ms)):
-        if forced is None:
-            parts.append(Part(name, None, "", None, "no selected_worker"))
-            continue
-        simv = forced.outcomes[f"{name}_ms"].fill_null(float("nan")).to_numpy().astype(np.float64)
-        parts.append(_ratio_part(name, recv, simv, 0.15))
+        simv = base.outcomes[f"{name}_ms"].fill_null(float("nan")).to_numpy().astype(np.float64)
+        part = _ratio_part(name, recv, simv, 0.15)
+        if part.passed is not None:
+            part.detail += via
+        parts.append(part)
 
     # --- router in the loop
     if has["selected_worker"]:
