@@ -111,7 +111,9 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
         freshness_ms = got if isinstance(got, int) and not isinstance(got, bool) and got >= 0 else 5000
     tmp = partial_beside(vdir)
     try:
-        fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True)
+        with grid_progress(2, quiet, "validating") as progress:
+            fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
+                           progress=progress)
         fid.write(tmp)
         if not quiet or not fid.good:
             for line in fid.lines():

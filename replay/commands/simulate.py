@@ -140,12 +140,12 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
 
 
 @contextlib.contextmanager
-def grid_progress(n: int, quiet: bool):
+def grid_progress(n: int, quiet: bool, label: str = "simulating"):
     """A progress bar over ``n`` simulations on a terminal (stderr); nothing when piped."""
     if quiet or not sys.stderr.isatty():
         yield None
         return
-    with click.progressbar(length=n, label="simulating", file=sys.stderr) as bar:
+    with click.progressbar(length=n, label=label, file=sys.stderr) as bar:
         yield bar.update
 
 

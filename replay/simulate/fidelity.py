@@ -35,7 +35,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import polars as pl
@@ -173,8 +173,10 @@ def _ratio_part(name: str, rec: np.ndarray, sim: np.ndarray, tol: float) -> Part
 
 
 def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, freshness_ms: int = 5000,
-             out_dir: str | Path | None = None, force: bool = False) -> Fidelity:
-    """Compare ``fleet`` with the recording ``rec`` (forced placement and router in the loop)."""
+             out_dir: str | Path | None = None, force: bool = False,
+             progress: Callable[[int], None] | None = None) -> Fidelity:
+    """Compare ``fleet`` with the recording ``rec`` (forced placement and router in the loop);
+    ``progress(1)`` after each of the two simulations."""
     if len(fleet.prefill) != len(rec.urls):
         raise ReplayError(f"the fleet has {len(fleet.prefill)} prefill workers, the trace "
                           f"{len(rec.urls)}")
@@ -196,9 +198,13 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         forced = simulate(rec.log, fleet, cfg, out / "forced" if out else None, seed=seed,
                           freshness_ms=freshness_ms, placement=placement, force=force)
         runs["forced"] = {"seconds": forced.seconds, "summary": forced.summary}
+    if progress is not None:
+        progress(1)
     loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
                     freshness_ms=freshness_ms, force=force)
     runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
+    if progress is not None:
+        progress(1)
     # the run compared with the recording: forced placement; without selected_worker the
     # router-in-the-loop run stands in (then the router's own choices are part of what is
     # compared, and every part says so)
