@@ -367,3 +367,23 @@ def test_validation_without_selected_worker_uses_the_router_run(prod, tmp_path):
         assert "router in the loop: no selected_worker recorded" in parts[name]["detail"]
     assert not (tmp_path / "fit" / "forced").exists()
     assert not fid["good"] and "fidelity POOR" in r.output
+
+
+def test_refine_by_forced_replays(tmp_path):
+    """Interval publishing leaves the decode fit about 1% off on the bundled sample (true speed
+    40 tokens/s, traces/sample-fleet.toml): --refine brings it within 0.2%, and every
+    forced-placement part of the fidelity passes."""
+    root = Path(__file__).resolve().parents[1]
+    trace = root / "traces" / "sample"
+    plain = _run(["calibrate", trace, "--out", tmp_path / "a.toml"])
+    r = _run(["calibrate", trace, "--out", tmp_path / "b.toml", "--refine", "--validate",
+              tmp_path / "fit"])
+    assert plain.exit_code == 0 and r.exit_code == 0, r.output
+    a, b = _worker_values(tmp_path / "a.toml"), _worker_values(tmp_path / "b.toml")
+    assert max(abs(w["decode_tokens_per_s"] / 40 - 1) for w in a.values()) > 0.005
+    assert max(abs(w["decode_tokens_per_s"] / 40 - 1) for w in b.values()) < 0.002
+    assert "refined by forced-placement replays" in r.output
+    fid = {p["name"]: p["passed"] for p in
+           json.loads((tmp_path / "fit" / "fidelity.json").read_text())["parts"]}
+    for name in ("waiting_mae", "waiting_p99", "hit_rate", "ttft", "latency"):
+        assert fid[name], name

@@ -40,6 +40,9 @@ Example:
 @click.option("--decode-model", type=click.Choice(["auto", "constant", "linear"]), default="auto",
               show_default=True,
               help="Decode step time: fit a batch-size slope when it matters (auto), never, always.")
+@click.option("--refine", is_flag=True,
+              help="Refine each worker's decode speed by forced-placement replays (about 50 "
+                   "replays of the trace; needs selected_worker and latency_ms).")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="Tokens per hash_ids block when the trace does not say (page_size).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
@@ -55,8 +58,8 @@ Example:
 @click.option("--force", is_flag=True, help="Replace an existing FLEET.toml / non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
-def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, freshness_ms, threads,
-              seeds_text, force, quiet, **knobs):
+def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, seed, freshness_ms,
+              threads, seeds_text, force, quiet, **knobs):
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
     import shutil
     from pathlib import Path
@@ -64,8 +67,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
     from ..errors import ReplayError
     from ..outdir import move_into_place, partial_beside, refuse_existing
     from ..simulate import load_fleet, simulate_grid
-    from ..simulate.calibrate import calibrate as fit, write_fleet
-    from ..simulate.fidelity import validate
+    from ..simulate.calibrate import calibrate as fit, refine_decode, write_fleet
+    from ..simulate.fidelity import recorded_seed, validate
     from ..simulate.seeds import parse_seeds
     from ..simulate.tracelog import read_trace_log
 
@@ -89,6 +92,14 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
         raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit(rec, decode_model=decode_model)
+    extra = (rec.info.get("extra") or {})
+    if freshness_ms is None:
+        got = extra.get("freshness_ms")
+        freshness_ms = got if isinstance(got, int) and not isinstance(got, bool) and got >= 0 else 5000
+    refined = []
+    if refine:
+        refined = refine_decode(rec, cal, seed=recorded_seed(rec) if seed is None else seed,
+                                freshness_ms=freshness_ms)
     fleet_path.parent.mkdir(parents=True, exist_ok=True)
     write_fleet(cal, fleet_path, source=str(trace_dir))
     fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
@@ -103,12 +114,13 @@ def calibrate(trace_dir, out, validate_dir, decode_model, block_size, seed, fres
                        + "; ".join(f"{m.name}" + (f" (worker {m.worker})" if m.worker is not None else "")
                                    + f" = {m.value} [{m.how}]" for m in missing))
         click.echo("not fitted (not in any trace): chunked_prefill_size = 0, schedule_policy = fcfs")
+        if refined:
+            click.echo("decode speed refined by forced-placement replays:")
+            for line in refined:
+                click.echo(line)
     if validate_dir is None:
         return
     vdir = Path(validate_dir)
-    if freshness_ms is None:
-        got = (rec.info.get("extra") or {}).get("freshness_ms")
-        freshness_ms = got if isinstance(got, int) and not isinstance(got, bool) and got >= 0 else 5000
     tmp = partial_beside(vdir)
     try:
         with grid_progress(2, quiet, "validating") as progress:

@@ -86,6 +86,19 @@ class Calibration:
     def not_fitted(self) -> list[Fitted]:
         return [f for f in self.fitted if not f.fitted]
 
+    def to_fleet(self, scale: dict[int, float] | None = None):
+        """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``)."""
+        from .fleet import build_fleet
+
+        spec = FleetSpec(workers=len(self.per_worker), dp_size=self.per_worker[0]["dp_size"],
+                         decode_peers=self.decode_peers, model=self.model, **self.publish)
+        per = {}
+        for k, w in enumerate(self.per_worker):
+            per[k] = dict(w)
+            if scale:
+                per[k]["decode_tokens_per_s"] = w["decode_tokens_per_s"] * scale.get(k, 1.0)
+        return build_fleet(spec, per)
+
     def to_toml(self, source: str = "") -> str:
         """An ordinary fleet file (docs/simulator.md): fleet-wide medians, one [[worker]] each."""
         keys = ("dp_size", "prefill_tokens_per_s", "decode_tokens_per_s", "max_running_requests",
@@ -124,6 +137,8 @@ class Calibration:
 
 
 def _toml(v: Any) -> str:
+    if isinstance(v, np.generic):
+        v = v.item()
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -429,6 +444,67 @@ def _wquantile(v: np.ndarray, w: np.ndarray, q: float) -> float:
 
 def _wmedian(v: np.ndarray, w: np.ndarray) -> float:
     return _wquantile(v, w, 0.5)
+
+
+REFINE_STEPS = ((0.03, 13), (0.005, 11))   # (half width, points): coarse, then around the best
+
+
+def refine_decode(rec: RecordedTrace, cal: Calibration, *, seed: int = 0,
+                  freshness_ms: int = 5000) -> list[str]:
+    """Refine every worker's decode speed by forced-placement replays (issue 10 s.2).
+
+    With each request on the worker production chose, workers do not interact, so one
+    replay per candidate scale scores every worker at once: the scale whose replay has the
+    smallest mean absolute latency error on that worker's requests wins, first on a coarse
+    grid of +-3%, then +-0.5% around it.  Returns one line per worker (before -> after).
+    """
+    from ..config import RouterConfig
+    from .sim import simulate
+
+    ok = (rec.placement >= 0) & np.isfinite(rec.latency_ms)
+    if not ok.any():
+        return ["decode refinement skipped: it needs selected_worker and latency_ms"]
+    placement = rec.placement
+    nw = len(cal.per_worker)
+    best = {k: 1.0 for k in range(nw)}
+
+    def errors(scale: dict[int, float]) -> np.ndarray:
+        fleet = cal.to_fleet(scale)
+        pre = np.array(fleet.prefill, dtype=np.int64)
+        forced = np.where(placement >= 0, pre[np.maximum(placement, 0)], -1)
+        r = simulate(rec.log, fleet, RouterConfig(), seed=seed, freshness_ms=freshness_ms,
+                     placement=forced)
+        lat = r.outcomes["latency_ms"].fill_null(float("nan")).to_numpy()
+        err = np.abs(lat - rec.latency_ms)
+        out = np.full(nw, np.inf)
+        for k in range(nw):
+            m = ok & (placement == k) & np.isfinite(err)
+            if m.any():
+                out[k] = float(err[m].mean())
+        return out
+
+    start = errors(best)
+    score = start.copy()
+    for half, n in REFINE_STEPS:
+        centers = dict(best)
+        for off in np.linspace(-half, half, n):
+            trial = {k: float(centers[k] * (1 + off)) for k in range(nw)}
+            e = errors(trial)
+            for k in range(nw):
+                if e[k] < score[k]:
+                    score[k] = e[k]
+                    best[k] = trial[k]
+    lines = []
+    for k, w in enumerate(cal.per_worker):
+        before = w["decode_tokens_per_s"]
+        w["decode_tokens_per_s"] = before * best[k]
+        for f in cal.fitted:
+            if f.worker == k and f.name == "decode_tokens_per_s":
+                f.value = w["decode_tokens_per_s"]
+                f.how += f"; refined by forced replays (latency error {start[k]:.4g} -> {score[k]:.4g} ms)"
+        lines.append(f"  worker {k}: decode_tokens_per_s {before:,.6g} -> {w['decode_tokens_per_s']:,.6g} "
+                     f"(mean latency error {start[k]:.4g} -> {score[k]:.4g} ms)")
+    return lines
 
 
 def write_fleet(cal: Calibration, path: str | Path, source: str = "") -> None:

@@ -128,6 +128,12 @@ def _clean(v):
     return float(v)
 
 
+def recorded_seed(rec: RecordedTrace) -> int:
+    """The sampler seed a simulated trace records in ``trace.json`` ``extra.seed``, else 0."""
+    v = (rec.info.get("extra") or {}).get("seed")
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 else 0
+
+
 def production_config(rec: RecordedTrace) -> RouterConfig:
     """The router config of ``trace.json`` (the router's defaults without one); one line if bad."""
     flags = rec.router_flags
@@ -182,9 +188,7 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
                           f"{len(rec.urls)}")
     cfg = production_config(rec)
     if seed is None:
-        rec_seed = (rec.info.get("extra") or {}).get("seed")
-        seed = (rec_seed if isinstance(rec_seed, int) and not isinstance(rec_seed, bool)
-                and 0 <= rec_seed < 2**63 else 0)
+        seed = recorded_seed(rec)
     pre = np.array(fleet.prefill, dtype=np.int64)
     placement = np.where(rec.placement >= 0, pre[np.maximum(rec.placement, 0)], -1)
     out = Path(out_dir) if out_dir is not None else None
