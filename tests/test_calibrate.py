@@ -387,3 +387,19 @@ def test_refine_by_forced_replays(tmp_path):
            json.loads((tmp_path / "fit" / "fidelity.json").read_text())["parts"]}
     for name in ("waiting_mae", "waiting_p99", "hit_rate", "ttft", "latency"):
         assert fid[name], name
+
+
+def test_wrong_production_flags_are_named(prod, tmp_path):
+    """trace.json claims the router defaults while production ran with a queue limit: the
+    open-loop replay of those flags on the recorded loads disagrees, and the part says so."""
+    trace, fleet, _, _ = prod
+    d = _copy_trace(trace, tmp_path / "t")
+    info = json.loads((d / "trace.json").read_text())
+    info["router"] = {}
+    (d / "trace.json").write_text(json.dumps(info))
+    fid = validate(read_trace_log(d), fleet)
+    parts = {p.name: p for p in fid.parts}
+    assert parts["router_flags"].passed is False and parts["router_flags"].value < 0.99
+    assert "router_flags" in fid.failing
+    # with the right flags the same fleet passes it exactly
+    assert {p.name: p for p in validate(read_trace_log(trace), fleet).parts}["router_flags"].value == 1.0

@@ -25,6 +25,9 @@ Parts (see docs/calibration.md):
                   within 1 point of the recorded ``cached_tokens``
 ``ttft``          forced TTFT p50 and p99 within 15% of the recorded ones
 ``latency``       the same for end-to-end latency
+``router_flags``  the production flags replayed open loop on the recorded loads
+                  (``sweep``'s agreement) >= 0.99: the router model, flags and
+                  seed reproduce production's decisions given its state
 ``agreement``     router in the loop picks production's worker for >= 95% of
                   the requests
 """
@@ -282,6 +285,26 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         if part.passed is not None:
             part.detail += via
         parts.append(part)
+
+    # --- the router alone: the production flags replayed open loop on the recorded loads
+    # (sweep's agreement).  Below 1 the flags, seed or matches in the trace do not reproduce
+    # production's decisions, and no fleet model can make up for that.
+    if has["selected_worker"]:
+        from ..sweep import run_sweep
+
+        texts = {k: "none" if v is None else str(v).lower() for k, v in cfg.given_flags().items()}
+        why = "no agreement from the open-loop replay"
+        try:
+            sw = run_sweep(rec.path, texts, seed=seed, freshness_ms=freshness_ms, decisions=False,
+                           report=False)
+            oa = sw.summary.row(0, named=True).get("agreement")
+        except ReplayError as err:
+            oa, why = None, f"open-loop replay not possible: {err}"
+        if oa is None:
+            parts.append(Part("router_flags", None, "", None, why))
+        else:
+            parts.append(Part("router_flags", float(oa), ">= 0.99", float(oa) >= 0.99,
+                              "production flags replayed on the recorded loads (sweep)"))
 
     # --- router in the loop
     if has["selected_worker"]:
