@@ -29,6 +29,9 @@ Example:
 """
 
 
+BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
+
+
 @click.command(epilog=_EXAMPLE)
 @click.argument("log", type=click.Path(path_type=str))
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -80,7 +83,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
 
     from ..errors import ReplayError
     from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
-    from ..simulate.sim import _check_out
+    from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
     _check_out(Path(out), force)
@@ -113,6 +116,13 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         raise ReplayError("--forced-placement needs a trace directory as LOG")
     else:
         req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
+    rows = interval_rows(req_log, fleet, publish_interval_ms)
+    if rows > BIG_INTERVAL_ROWS and not quiet:
+        click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
+                   f"{rows * 104 / 2**30:.1f} GiB in memory per config) for a log spanning "
+                   f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
+                   "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
+                   err=True)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
     if len(grid.configs) == 1 and seeds is None:

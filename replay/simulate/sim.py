@@ -280,6 +280,16 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
+def interval_rows(log: RequestLog, fleet: Fleet, publish_interval_ms: int | None = None) -> int:
+    """Load rows interval publishing writes for ``log`` (one per rank per interval over the
+    span); 0 under on-change publishing, whose rows do not grow with idle time."""
+    if fleet.spec.publish_policy != "interval" or not log.n_requests:
+        return 0
+    ms = publish_interval_ms or fleet.publish_interval_ms
+    ranks = sum(w.dp_size for w in fleet.workers if w.role != "decode")
+    return int(ranks * ((int(log.ts_ns[-1] - log.ts_ns[0]) // (ms * 1_000_000)) + 2))
+
+
 def _check_knob_range(config: RouterConfig) -> None:
     """Refuse integer knobs beyond int64 (the kernels take int64 arrays): one line."""
     for k, v in config.as_dict().items():
