@@ -336,7 +336,7 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
         dp = rec.dp_sizes[k]
         rks = [ranks.get((k, r)) for r in range(dp)]
         counters = all(rk is not None and rk.pbusy is not None for rk in rks)
-        if sel.size >= MIN_DECODE_SAMPLES and all(rk is not None for rk in rks):
+        if sel.size >= MIN_DECODE_SAMPLES:
             first = ts[sel] + np.round(rec.ttft_ms[sel] * NS_PER_MS).astype(np.int64)
             done = ts[sel] + np.round(rec.latency_ms[sel] * NS_PER_MS).astype(np.int64)
             span = (done - first).astype(np.float64)
@@ -348,6 +348,9 @@ def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, inter
                 busy = ((rk.at(rk.pbusy, done, interpolate)
                          - rk.at(rk.pbusy, first, interpolate)) * 1000.0 if counters else 0.0)
                 cand[r] = (span - busy) / ntok / NS_PER_MS
+                if rk is None:      # no load samples of this rank: latencies alone
+                    batch[r] = 1.0
+                    continue
                 dur = np.maximum(done - first, 1).astype(np.float64)
                 batch[r] = (rk.run_integral(done) - rk.run_integral(first)) / dur
                 # the rank that finished a prefill step at the first token published it then
