@@ -239,7 +239,7 @@ def slice_trace(trace, start: int, stop: int, lookback_ns: int = SUBTRACE_LOOKBA
         match_offsets=off[start:stop + 1] - m0, match_worker=trace.match_worker[m0:m1],
         match_blocks=trace.match_blocks[m0:m1],
         req_selected_worker=None if trace.req_selected_worker is None else trace.req_selected_worker[req],
-        req_index=trace.req_index[req], facts={}, **loads,
+        req_index=trace.req_index[req], facts=type(trace.facts)(), **loads,
     )
 
 

@@ -50,6 +50,10 @@ class RouterConfig:
     cache_candidate_min_workers: int = 8
     cache_candidate_ratio: float = 0.05
     cache_candidate_max_workers: int = 32
+    # replay-only policy variants (issue 15; docs/replay-model.md): not router
+    # flags, never in given_flags(); the defaults are the router's behaviour
+    variant_pin_order: str = "pressure"
+    variant_floor_scaling: str = "fleet"
 
     @classmethod
     def proposal_default(cls, **overrides) -> "RouterConfig":
@@ -77,7 +81,13 @@ class RouterConfig:
         a default value given explicitly from an absent flag only for the
         policy checks, which matter only for ``policy != cache_aware``.)
         """
-        return {k: v for k, v in self.as_dict().items() if not _same_value(v, _DEFAULTS[k])}
+        return {k: v for k, v in self.as_dict().items()
+                if KNOBS[k].router and not _same_value(v, _DEFAULTS[k])}
+
+    def variants(self) -> dict:
+        """The replay-only policy variants (``variant_*`` knobs) that differ from the router's behaviour."""
+        return {k: v for k, v in self.as_dict().items()
+                if not KNOBS[k].router and not _same_value(v, _DEFAULTS[k])}
 
     def validate(self, policy: str = "cache_aware") -> "RouterConfig":
         """Raise :class:`ConfigError` with the router's exact text if the router
@@ -103,10 +113,17 @@ _DEFAULTS: dict[str, Any] = RouterConfig().as_dict()
 class KnobSpec(NamedTuple):
     """One grid knob: its field name, the router's flag, value kind and nullability.
 
-    ``kind`` is ``"int"``, ``"float"`` or ``"bool"``.  ``nullable`` means the
+    ``kind`` is ``"int"``, ``"float"``, ``"bool"`` or ``"choice"`` (one of
+    ``choices``, the first being the default).  ``nullable`` means the
     router allows the knob unset (``none`` in a value spec).  ``inverted`` is
     true for ``pressure_guard``, whose flag is ``--disable-pressure-guard``:
-    a flag value ``true`` means ``pressure_guard=False``.
+    a flag value ``true`` means ``pressure_guard=False``.  ``router`` is false
+    for the replay-only policy variants (``variant_*``): swept like any knob,
+    but not a router flag (never in a router command line, not validated by
+    the router's checks).
+
+    Adding a knob: a ``RouterConfig`` field and a row here; the kernels read it
+    as ``knobs.<name>[c]`` (``replay/kernels/layout.py`` says how).
     """
 
     name: str
@@ -114,6 +131,8 @@ class KnobSpec(NamedTuple):
     kind: str
     nullable: bool
     inverted: bool = False
+    choices: tuple[str, ...] = ()
+    router: bool = True
 
 
 KNOBS: dict[str, KnobSpec] = {
@@ -132,6 +151,10 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("cache_candidate_min_workers", "--cache-candidate-min-workers", "int", False),
         KnobSpec("cache_candidate_ratio", "--cache-candidate-ratio", "float", False),
         KnobSpec("cache_candidate_max_workers", "--cache-candidate-max-workers", "int", False),
+        KnobSpec("variant_pin_order", "--pin-order", "choice", False,
+                 choices=("pressure", "locality"), router=False),
+        KnobSpec("variant_floor_scaling", "--floor-scaling", "choice", False,
+                 choices=("fleet", "per-worker"), router=False),
     )
 }
 """Every knob by field name, in ``KNOB_NAMES`` order."""
@@ -202,6 +225,7 @@ def validate_router_flags(args: Mapping[str, Any], policy: str = "cache_aware") 
     for key in args:
         if key not in KNOBS:
             raise ConfigError(f"unknown router knob {key!r}")
+    args = {k: v for k, v in args.items() if KNOBS[k].router}
     given = {k: v for k, v in args.items() if not (k == "pressure_guard" and v)}
     limit = args.get("worker_queue_limit")
     floor = args.get("saturation_queue_floor")
@@ -304,11 +328,13 @@ def _dedupe(values: Iterable[Any]) -> list:
     return out
 
 
-def _what(kind: str, nullable: bool) -> str:
+def _what(kind: str, nullable: bool, choices: tuple[str, ...] = ()) -> str:
     if kind == "int":
         return "an integer, a range a..b, or none" if nullable else "an integer or a range a..b"
     if kind == "float":
         return "a number or none" if nullable else "a number"
+    if kind == "choice":
+        return "one of " + ", ".join(choices)
     return "true or false"
 
 
@@ -337,20 +363,21 @@ def parse_values(flag_name: str, text: str, kind: str | None = None, nullable: b
             raise
     flag = spec.flag if spec is not None else (flag_name if flag_name.startswith("--") else "--" + flag_name)
     kind = kind if kind is not None else spec.kind
-    if kind not in ("int", "float", "bool"):
-        raise ValueError(f"kind must be int, float or bool, not {kind!r}")
+    if kind not in ("int", "float", "bool", "choice"):
+        raise ValueError(f"kind must be int, float, bool or choice, not {kind!r}")
+    choices = spec.choices if spec is not None else ()
     if nullable is None:
         nullable = spec.nullable if spec is not None else False
     if not isinstance(text, str):
         raise ConfigError(f"{flag}: expected a value spec string, got {text!r}")
     if not text.strip():
-        raise ConfigError(f"{flag}: empty value; expected {_what(kind, nullable)}")
+        raise ConfigError(f"{flag}: empty value; expected {_what(kind, nullable, choices)}")
     out: list = []
     for raw in text.split(","):
         item = raw.strip()
         low = item.lower()
         if not item:
-            raise ConfigError(f"{flag}: empty item in {text!r}; expected {_what(kind, nullable)}")
+            raise ConfigError(f"{flag}: empty item in {text!r}; expected {_what(kind, nullable, choices)}")
         if low == "none":
             if not nullable:
                 raise ConfigError(f"{flag}: 'none' is not allowed (the router has no unset value for this flag)")
@@ -379,6 +406,11 @@ def parse_values(flag_name: str, text: str, kind: str | None = None, nullable: b
                 out.append(float(item))
                 continue
             raise ConfigError(f"{flag}: '{item}' is not {_what(kind, nullable)}")
+        if kind == "choice":
+            if low in choices:
+                out.append(low)
+                continue
+            raise ConfigError(f"{flag}: '{item}' is not {_what(kind, nullable, choices)}")
         if low in _TRUE:
             out.append(True)
         elif low in _FALSE:
@@ -411,6 +443,10 @@ def _coerce(spec: KnobSpec, v: Any) -> Any:
     if spec.kind == "bool":
         if isinstance(v, (bool, np.bool_)):
             return bool(v)
+    elif spec.kind == "choice":
+        if isinstance(v, str) and v in spec.choices:
+            return v
+        raise ConfigError(f"{spec.flag}: {v!r} is not {_what(spec.kind, spec.nullable, spec.choices)}")
     elif spec.kind == "int":
         if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
             if v < 0:
@@ -537,7 +573,10 @@ class Grid:
         for pos, combo in enumerate(itertools.product(*(self.values[k] for k in KNOB_NAMES))):
             knobs = dict(zip(KNOB_NAMES, combo))
             per_rank = (knobs["worker_queue_limit"], knobs["saturation_queue_floor"])
-            if dp_size is not None:
+            # REPLAY CHOICE: a per-worker floor scaling reads the limit and floor per
+            # rank already (each worker's threshold is value x its own dp_size), so
+            # --per-dp-rank leaves them as given
+            if dp_size is not None and knobs["variant_floor_scaling"] != "per-worker":
                 for k in _SCALED:
                     if knobs[k] is not None:
                         knobs[k] = knobs[k] * dp_size
@@ -609,6 +648,8 @@ class Grid:
                 out[k] = np.array([-1 if v is None else v for v in col], dtype=np.int64)
             elif kind == "float":
                 out[k] = np.array([np.nan if v is None else v for v in col], dtype=np.float64)
+            elif kind == "choice":
+                out[k] = np.array(col, dtype=object)
             else:
                 out[k] = np.array(col, dtype=np.bool_)
         return out

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .config import RouterConfig
+from .config import KNOBS, RouterConfig
 from .fields import DECISION_FIELDS, empty_decisions
 from .kernels import accumulate as kacc
-from .kernels import grid as kgrid
+from .kernels import layout, one_pass
 from .kernels.snapshot import new_rank_table
 from .trace import Trace
 
@@ -30,58 +30,37 @@ DEFAULT_CHUNK_DECISIONS = 1 << 20
 
 @dataclass
 class EncodedConfigs:
-    """Configs as kernel arrays, with the memo layout of kernels/grid.py."""
+    """Configs as kernel arrays (``kernels/layout.py``): one array per knob, and
+    the grid pass's sharing plan (groups, limit and floor classes, parents)."""
 
-    cfg_i: np.ndarray      # int64[n, 9]: limit, floor, k, margin, guard, abs_tokens, min_tokens, cmin, cmax
-    cfg_f: np.ndarray      # float64[n, 4]: abs_ms, rel, min_ratio, cratio
-    group: np.ndarray      # int64[n]: index of the config's other knobs
-    li: np.ndarray         # int64[n]: index into lim_vals
-    fi: np.ndarray         # int64[n]: index into fl_vals
-    lim_vals: np.ndarray   # int64: distinct limits (-1 = None)
-    fl_vals: np.ndarray    # int64: distinct floors (-1 = None)
-    n_groups: int
-    parent: np.ndarray     # int64[n]: previous config of the same group and limit (accumulate.py)
-
-
-def _int(v) -> int:
-    return -1 if v is None else int(v)
-
-
-def _float(v) -> float:
-    return math.nan if v is None else float(v)
+    knobs: layout.KnobArrays
+    plan: layout.GridPlan
 
 
 def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
-    n = len(configs)
-    cfg_i = np.zeros((n, 9), dtype=np.int64)
-    cfg_f = np.zeros((n, 4), dtype=np.float64)
+    rows = [cfg.as_dict() for cfg in configs]
+    knobs = layout.knob_arrays(rows)
+    n = len(rows)
     groups: dict[tuple, int] = {}
     group = np.zeros(n, dtype=np.int64)
     lim_list: list[int] = []
     fl_list: list[int] = []
     li = np.zeros(n, dtype=np.int64)
     fi = np.zeros(n, dtype=np.int64)
-    for c, cfg in enumerate(configs):
-        row_i = (
-            _int(cfg.worker_queue_limit), _int(cfg.saturation_queue_floor), int(cfg.min_load_choices),
-            int(cfg.cache_switch_margin_tokens), int(bool(cfg.pressure_guard)),
-            int(cfg.pressure_abs_threshold_tokens), _int(cfg.cache_affinity_min_matched_tokens),
-            int(cfg.cache_candidate_min_workers), int(cfg.cache_candidate_max_workers),
-        )
-        row_f = (
-            _float(cfg.pressure_abs_threshold_ms), float(cfg.pressure_rel_threshold),
-            _float(cfg.cache_affinity_min_match_ratio), float(cfg.cache_candidate_ratio),
-        )
-        cfg_i[c] = row_i
-        cfg_f[c] = row_f
-        other = (row_i[2:], tuple("nan" if math.isnan(x) else x for x in row_f))
+    limits = knobs.worker_queue_limit
+    floors = knobs.saturation_queue_floor
+    for c in range(n):
+        # NaN != NaN: a None float knob keys as the string "nan"
+        other = tuple("nan" if isinstance(x, float) and math.isnan(x) else x
+                      for x in (getattr(knobs, k)[c].item() for k in layout.GROUP_KNOBS))
         group[c] = groups.setdefault(other, len(groups))
-        if row_i[0] not in lim_list:
-            lim_list.append(row_i[0])
-        if row_i[1] not in fl_list:
-            fl_list.append(row_i[1])
-        li[c] = lim_list.index(row_i[0])
-        fi[c] = fl_list.index(row_i[1])
+        lim, fl = int(limits[c]), int(floors[c])
+        if lim not in lim_list:
+            lim_list.append(lim)
+        if fl not in fl_list:
+            fl_list.append(fl)
+        li[c] = lim_list.index(lim)
+        fi[c] = fl_list.index(fl)
     # parent: the previous config of the same group and limit (configs differing
     # only in the floor, in canonical order), so a chain of floors shares one
     # booking wherever neighbouring floors decide alike
@@ -92,8 +71,12 @@ def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
         if key in last:
             parent[c] = last[key]
         last[key] = c
-    return EncodedConfigs(cfg_i, cfg_f, group, li, fi, np.array(lim_list or [-1], dtype=np.int64),
-                          np.array(fl_list or [-1], dtype=np.int64), max(len(groups), 1), parent)
+    per_worker = bool((knobs.variant_floor_scaling
+                       == KNOBS["variant_floor_scaling"].choices.index("per-worker")).any())
+    plan = layout.GridPlan(group, li, fi, np.array(lim_list or [-1], dtype=np.int64),
+                           np.array(fl_list or [-1], dtype=np.int64), parent, max(len(groups), 1),
+                           per_worker)
+    return EncodedConfigs(knobs, plan)
 
 
 @dataclass
@@ -105,9 +88,9 @@ class Chunk:
 
     start: int
     stop: int
-    out_i: np.ndarray | None  # int64[O_NCOLS, stop-start, n_configs] (one contiguous block per column)
-    out_f: np.ndarray | None  # float64[stop-start, n_configs]: selected_queue_ms
-    # per request, config-independent: the fleet readings of replay/fleet.py
+    out_i: np.ndarray | None  # int64[O_NCOLS, stop-start, n_configs] (kernels/layout.py O_*; one contiguous block per column)
+    out_f: np.ndarray | None  # float64[F_NCOLS, stop-start, n_configs] (layout.F_*)
+    # per request, config-independent: the fleet readings of replay/readings.py
     fleet_min: np.ndarray | None = None    # int64: smallest fresh waiting count, -1 = none
     fleet_fresh: np.ndarray | None = None  # int64: fleet workers with a fresh reading
 
@@ -123,9 +106,9 @@ class Totals:
         # children are booked relative to their parent config (kernels/accumulate.py)
         self.parent = (np.arange(n_configs, dtype=np.int64) if parent is None
                        else np.asarray(parent, dtype=np.int64))
-        self.acc = np.zeros((n_blocks, kacc.N_ACC, n_configs), dtype=np.int64)
-        self.hist_wait = np.zeros((n_blocks, kacc.WAIT_HIST, n_configs), dtype=np.int64)
-        self.hist_div = np.zeros((n_blocks, kacc.N_DIV, n_configs), dtype=np.int64)
+        self.acc = np.zeros((n_blocks, layout.N_ACC, n_configs), dtype=np.int64)
+        self.hist_wait = np.zeros((n_blocks, layout.WAIT_HIST, n_configs), dtype=np.int64)
+        self.hist_div = np.zeros((n_blocks, layout.N_DIV, n_configs), dtype=np.int64)
         # work done: distinct outcomes computed, domain-rung evaluations
         self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
 
@@ -150,7 +133,8 @@ class Totals:
         return out
 
 
-def fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fleet_tables(trace: Trace) -> layout.Fleets:
+    """Every model's routable fleet as ``layout.Fleets``."""
     n_models = max(len(trace.models), 1)
     offs = [0]
     members: list[np.ndarray] = []
@@ -161,17 +145,24 @@ def fleet_tables(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         in_fleet[m, f] = True
         offs.append(offs[-1] + len(f))
     fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
-    return np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet
+    return layout.Fleets(np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet)
 
 
-def load_columns(trace: Trace) -> tuple[np.ndarray, ...]:
-    """The load samples as the argument tuple of ``snapshot.advance_dirty_nb`` (ts .. inflight)."""
-    cols = (trace.load_ts, trace.load_worker, trace.load_rank, trace.load_running,
-            trace.load_waiting, trace.load_num_tokens, trace.load_max_total, trace.load_has_tail,
-            trace.load_waiting_uncached, trace.load_total_tokens, trace.load_max_running,
-            trace.load_prefill_tokens, trace.load_prefill_busy_us, trace.load_router_inflight)
-    return tuple(np.ascontiguousarray(a, dtype=np.bool_ if a.dtype == np.bool_ else np.int64)
-                 for a in cols)
+def load_columns(trace: Trace) -> layout.LoadColumns:
+    """The load samples as ``layout.LoadColumns`` (``Trace.load_<field>``)."""
+    return layout.LoadColumns(*(
+        np.ascontiguousarray(getattr(trace, "load_" + name),
+                             dtype=np.bool_ if name == "has_tail" else np.int64)
+        for name in layout.LoadColumns._fields))
+
+
+def request_columns(trace: Trace) -> layout.Requests:
+    """The requests as ``layout.Requests`` (``selected_worker`` empty when the trace has none)."""
+    sel = trace.req_selected_worker
+    return layout.Requests(*(
+        np.zeros(0, dtype=np.int64) if name == "selected_worker" and sel is None
+        else np.ascontiguousarray(getattr(trace, "req_" + name), dtype=np.int64)
+        for name in layout.Requests._fields))
 
 
 def dp_sizes(trace: Trace) -> np.ndarray:
@@ -230,7 +221,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     if threads is not None:
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
-    fleet_off, fleet_w, in_fleet = fleet_tables(trace)
+    fleets = fleet_tables(trace)
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
     dp = dp_sizes(trace)
     m_off = trace.match_offsets.astype(np.int64)
@@ -239,27 +230,21 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     sizes = np.diff(m_off)
     max_matches = int(sizes.max()) if sizes.size else 0
     loads = load_columns(trace)
-    req = (np.ascontiguousarray(trace.req_ts, dtype=np.int64),
-           np.ascontiguousarray(trace.req_index, dtype=np.int64),
-           np.ascontiguousarray(trace.req_input_tokens, dtype=np.int64),
-           np.ascontiguousarray(trace.req_query_blocks, dtype=np.int64),
-           np.ascontiguousarray(trace.req_best_prefix_blocks, dtype=np.int64),
-           np.ascontiguousarray(trace.req_model, dtype=np.int64))
-    selected = (np.ascontiguousarray(trace.req_selected_worker, dtype=np.int64)
-                if trace.req_selected_worker is not None else None)
+    req = request_columns(trace)
+    has_selected = req.selected_worker.shape[0] > 0
+    plan = enc.plan
     if totals is None:
         totals = Totals(blocks_per_chunk, n_cfg)
-    if totals.acc[:, :, :].any() and not (totals.parent == enc.parent).all():
+    if totals.acc[:, :, :].any() and not (totals.parent == plan.parent).all():
         raise ValueError("totals were filled for configs in another order")
-    totals.parent = enc.parent
+    totals.parent = plan.parent
     if totals.acc.shape[0] < blocks_per_chunk:
         raise ValueError("totals has fewer block slots than a chunk has blocks")
     tables = np.zeros((blocks_per_chunk,) + table.shape, dtype=np.int64)
     inflights = np.zeros((blocks_per_chunk, n_w), dtype=np.int64)
     ptrs = np.zeros(blocks_per_chunk, dtype=np.int64)
-    empty_sel = np.zeros(0, dtype=np.int64)
-    dummy_i = np.zeros((kgrid.O_NCOLS, 1, n_cfg), dtype=np.int64)
-    dummy_f = np.zeros((1, n_cfg), dtype=np.float64)
+    dummy_i = np.zeros((layout.O_NCOLS, 1, n_cfg), dtype=np.int64)
+    dummy_f = np.zeros((layout.F_NCOLS, 1, n_cfg), dtype=np.float64)
     ptr = 0
     for start in range(0, n_req, chunk):
         stop = min(n_req, start + chunk)
@@ -268,25 +253,27 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         lo = np.arange(0, n, block, dtype=np.int64)
         nb = lo.shape[0]
         block_lo = np.append(lo, n).astype(np.int64)
-        ptr = kgrid.split_states_nb(ptr, req[0][start:stop][lo], *loads, dp, table, inflight,
-                                    tables[:nb], inflights[:nb], ptrs[:nb])
+        ptr = one_pass.split_states_nb(ptr, req.ts[start:stop][lo], loads, dp, table, inflight,
+                                       tables[:nb], inflights[:nb], ptrs[:nb])
         if keep:
-            out_i = np.empty((kgrid.O_NCOLS, n, n_cfg), dtype=np.int64)
-            out_f = np.empty((n, n_cfg), dtype=np.float64)
+            out_i = np.empty((layout.O_NCOLS, n, n_cfg), dtype=np.int64)
+            out_f = np.empty((layout.F_NCOLS, n, n_cfg), dtype=np.float64)
         else:
             out_i, out_f = dummy_i, dummy_f
         fl_min = np.empty(n, dtype=np.int64)
         fl_fresh = np.empty(n, dtype=np.int64)
         a, b = m_off[start], m_off[stop]
-        kgrid.run_chunk_nb(
-            block_lo, ptrs[:nb], tables[:nb], inflights[:nb],
-            *(col[start:stop] for col in req),
-            selected[start:stop] if selected is not None else empty_sel,
-            m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b], in_fleet, fleet_off, fleet_w,
-            *loads, dp, int(freshness_ns), enc.cfg_i, enc.cfg_f, enc.group, enc.li, enc.fi,
-            enc.lim_vals, enc.fl_vals, enc.n_groups, enc.parent, int(seed), max_matches, keep,
-            out_i, out_f, fl_min, fl_fresh,
-            totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb], totals.stats[:nb])
+        chunk_req = layout.Requests(*(
+            col[start:stop] if (name != "selected_worker" or has_selected) else col
+            for name, col in zip(layout.Requests._fields, req)))
+        one_pass.run_chunk_nb(
+            layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
+            chunk_req,
+            layout.Matches(m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b]),
+            fleets, loads, dp, int(freshness_ns), enc.knobs, plan, int(seed), max_matches, keep,
+            layout.Outputs(out_i, out_f, fl_min, fl_fresh),
+            layout.Accumulators(totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
+                                totals.stats[:nb]))
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
         inflight[...] = inflights[nb - 1]
@@ -298,7 +285,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
 
 def chunk_readings(mins: list, fresh: list) -> tuple[np.ndarray, np.ndarray]:
     """A trace's per-request fleet readings ``(min_waiting, fresh_workers)``
-    (``replay/fleet.py``) from its chunks' ``fleet_min``/``fleet_fresh``."""
+    (``replay/readings.py``) from its chunks' ``fleet_min``/``fleet_fresh``."""
     if not mins:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return np.concatenate(mins), np.concatenate(fresh).astype(np.int32)
@@ -310,28 +297,14 @@ def new_totals(n_configs: int, *, threads: int | None = None, blocks: int | None
     return Totals(n, n_configs)
 
 
-# kernel column -> decision field name (fields.py order); selected_queue_ms comes from out_f
-_COLUMN_OF_FIELD = {
-    "worker": kgrid.O_WORKER, "reason": kgrid.O_REASON, "policy_reason": kgrid.O_POLICY_REASON,
-    "decision": kgrid.O_DECISION, "failure": kgrid.O_FAILURE, "matched_blocks": kgrid.O_MATCHED,
-    "selected_blocks": kgrid.O_SELECTED_BLOCKS, "uncached_tokens": kgrid.O_UNCACHED,
-    "gate_rejected": kgrid.O_GATE_REJECTED, "admission_evaluated": kgrid.O_EVALUATED,
-    "admission_rejected": kgrid.O_ADM_REJECTED, "best_rejected_blocks": kgrid.O_BEST_REJECTED,
-    "fleet_all_queued": kgrid.O_ALL_QUEUED, "fell_back": kgrid.O_FELL_BACK,
-    "guard_compared": kgrid.O_COMPARED, "guard_overrides": kgrid.O_OVERRIDES,
-    "pressure_source": kgrid.O_SOURCE, "selected_waiting": kgrid.O_SEL_WAITING,
-    "selected_waiting_uncached": kgrid.O_SEL_WU,
-}
-
-
 def chunk_fields(ch: Chunk) -> dict[str, np.ndarray]:
     """A chunk's decisions as the typed per-field arrays of fields.py, shape (n, n_configs)."""
     out = {}
     for name, dtype, _null, _doc in DECISION_FIELDS:
-        if name == "selected_queue_ms":
-            out[name] = ch.out_f.astype(dtype, copy=True)
+        if name in layout.FLOAT_FIELDS:
+            out[name] = ch.out_f[layout.FLOAT_FIELDS.index(name)].astype(dtype, copy=True)
         else:
-            out[name] = ch.out_i[_COLUMN_OF_FIELD[name]].astype(dtype)
+            out[name] = ch.out_i[layout.INT_FIELDS.index(name)].astype(dtype)
     return out
 
 

@@ -40,6 +40,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import ConfigError
+from .trace.base import MAX_DP_SIZE
+
 NS = 1_000_000_000
 DAY_S = 86_400
 START_NS = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z
@@ -78,6 +81,30 @@ def _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, bloc
     n_decode = (1 if n_workers < 16 else 2) if n_decode is None else n_decode
     return _Fleet(n_workers, n_decode, dp_size, sample_interval_ms, max_matches, block_size,
                   bool(router_inflight))
+
+
+# What one generated file (a whole trace, or one partition of a set) may hold:
+# it is built in memory (about 250 bytes a load row and 500 a request at peak).
+MAX_PART_LOAD_ROWS = 40_000_000
+MAX_PART_REQUESTS = 20_000_000
+
+
+def _check_size(fleet: _Fleet, n_sec: int, n_requests: int, *, partitioned: bool) -> None:
+    """Refuse, in one line, a file too large to build in memory (before anything is allocated)."""
+    if fleet.dp_size > MAX_DP_SIZE:
+        raise ConfigError(f"generate: --dp-size {fleet.dp_size} is above {MAX_DP_SIZE}, the largest "
+                          f"dp_size a trace may have (traces/README.md)")
+    publishers = (fleet.n_workers + fleet.n_decode) * fleet.dp_size
+    rows = publishers * -(-n_sec * 1000 // fleet.sample_interval_ms)
+    cut = "a smaller --partition-s" if partitioned else "--partition-s to write a trace set"
+    if rows > MAX_PART_LOAD_ROWS:
+        raise ConfigError(f"generate: {fleet.n_workers + fleet.n_decode:,} workers x dp {fleet.dp_size} "
+                          f"sampled every {fleet.sample_interval_ms} ms for {n_sec:,} s is {rows:,} load rows "
+                          f"in one file, above the {MAX_PART_LOAD_ROWS:,} one file may hold in memory; use "
+                          f"fewer workers, a longer --sample-interval-ms or {cut}")
+    if n_requests > MAX_PART_REQUESTS:
+        raise ConfigError(f"generate: {n_requests:,} requests in one file, above the {MAX_PART_REQUESTS:,} one "
+                          f"file may hold in memory; use {cut}")
 
 
 def _span_s(n_requests: int, rate_per_s: float | None) -> int:
@@ -371,9 +398,10 @@ def generate_trace(
     fleet = _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, block_size, n_decode,
                    router_inflight)
     rng = np.random.default_rng(seed)
+    n_sec = _span_s(n_requests, rate_per_s)
+    _check_size(fleet, n_sec, n_requests, partitioned=False)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    n_sec = _span_s(n_requests, rate_per_s)
     part = _generate_part(rng, fleet, os.path.join(out_dir, "requests.parquet"),
                           os.path.join(out_dir, "loads.parquet"),
                           n_requests=n_requests, n_sec=n_sec, start_ns=start_ns, id_prefix="req-")
@@ -504,6 +532,8 @@ def generate_trace_set(
     fleet = _fleet(n_requests, n_workers, dp_size, sample_interval_ms, max_matches, block_size, n_decode,
                    router_inflight)
     parts = plan_trace_set(n_requests, rate_per_s=rate_per_s, partition_s=partition_s, start_ns=start_ns)
+    if parts:
+        _check_size(fleet, max(p.n_sec for p in parts), max(p.n_requests for p in parts), partitioned=True)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     _remove_stale(out_dir, {os.path.join(sub, *p.name.split("/")) for p in parts

@@ -83,6 +83,20 @@ SRC_ROUTER_LOCAL = 2
 PRESSURE_SOURCES = ("estimated_prefill_queue_ms", "native_queue_tokens", "router_local")
 
 # ---------------------------------------------------------------------------
+# The locality waterfall (docs/replay-model.md "Where locality goes"): the
+# steps of a decision that can give matched blocks away, in chain order.
+# A decision's ``lost_to`` is the first step that lost any; NO_LOSS otherwise.
+NO_LOSS = -1
+LOST_CANDIDATES = 0
+LOST_QUEUE_GATE = 1
+LOST_CAPACITY = 2
+LOST_PIN = 3
+LOST_TOURNAMENT = 4
+LOST_FALLBACK = 5
+
+LOSS_STEPS = ("candidates", "queue_gate", "capacity", "pin", "tournament", "fallback")
+
+# ---------------------------------------------------------------------------
 # Worker roles in workers.parquet.
 ROLE_PLAIN = 0
 ROLE_PREFILL = 1

@@ -85,6 +85,7 @@ class BasicLoad:
     num_tokens: int
     max_total_num_tokens: int
     captured_at: int               # oldest rank timestamp
+    ranks: int = 1                 # required ranks summed (the per-worker floor-scaling variant)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class LoadTable:
             num_tokens=sum(e.sample.num_tokens for e in entries),
             max_total_num_tokens=sum(e.sample.max_total_num_tokens for e in entries),
             captured_at=min(e.at for e in entries),
+            ranks=len(entries),
         )
 
     def fresh_native_load(self, worker: Worker, now: int) -> Optional[NativeLoad]:
@@ -286,14 +288,37 @@ class LoadTable:
 # =============================================================================
 
 
-def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit: Optional[int]) -> bool:
+@dataclass(frozen=True)
+class PerRank:
+    """A limit or floor under the ``--floor-scaling per-worker`` policy variant
+    (docs/replay-model.md, "Policy variants"; not router behaviour): a per-rank
+    value, each worker's bound being ``value x its dp_size`` (its required ranks)."""
+
+    value: int
+
+
+def threshold_for(bound, basic: BasicLoad) -> int:
+    """The bound a worker's fresh waiting count is compared with: the router's
+    fleet value, or a :class:`PerRank` value times the worker's own ranks."""
+    return bound.value * basic.ranks if isinstance(bound, PerRank) else bound
+
+
+def gate_bounds(cfg: RouterConfig) -> tuple:
+    """(limit, floor) of a config as the gate and the pin compare them."""
+    limit, floor = cfg.worker_queue_limit, cfg.saturation_queue_floor
+    if cfg.variant_floor_scaling == "per-worker":
+        return (None if limit is None else PerRank(limit)), (None if floor is None else PerRank(floor))
+    return limit, floor
+
+
+def queue_gate_admits(snapshot: Optional[Snapshot], worker: Worker, limit) -> bool:
     """Section 3.1: admit iff no limit, no fresh basic sample (fail-open), or waiting < limit."""
     if limit is None:
         return True
     basic = snapshot.basic_of(worker) if snapshot is not None else None
     if basic is None:
         return True
-    return basic.waiting < limit
+    return basic.waiting < threshold_for(limit, basic)
 
 
 def fleet_is_all_queued(snapshot: Optional[Snapshot], fleet: Sequence[Worker], limit: Optional[int]) -> bool:
@@ -309,7 +334,7 @@ def any_fresh_queue_below(snapshot: Optional[Snapshot], fleet: Sequence[Worker],
         return False
     for w in fleet:
         b = snapshot.basic_of(w)
-        if b is not None and b.waiting < floor:
+        if b is not None and b.waiting < threshold_for(floor, b):
             return True
     return False
 
@@ -582,6 +607,10 @@ class CacheResolution:
     fleet_all_queued: bool = False
     pressure_guard_compared_pairs: int = 0
     pressure_guard_overrides: int = 0
+    # replay-only (the locality waterfall): capped matched blocks of the deepest
+    # candidate of each set; "pin_pool" only when the pin ran
+    depths: dict = field(default_factory=lambda: dict.fromkeys(
+        ("prepared", "evaluated", "admitted", "pin_pool"), 0))
 
     @property
     def audit(self) -> tuple:
@@ -654,8 +683,7 @@ def resolve_cache_candidates(
     cfg: RouterConfig,
 ) -> CacheResolution:
     """Section 3: gate pass, fell-back tier, admission, pin, tournament."""
-    limit = cfg.worker_queue_limit
-    floor = cfg.saturation_queue_floor
+    limit, floor = gate_bounds(cfg)
     # 3.2: computed once per resolution.
     all_queued = fleet_is_all_queued(snapshot, fleet, limit)
     # 3.3: gate pass in seed order.
@@ -680,6 +708,9 @@ def resolve_cache_candidates(
         queue_gate_fell_back=fell_back,
         fleet_all_queued=all_queued,
     )
+    res.depths["prepared"] = max((c.matched_blocks for c in candidates), default=0)
+    res.depths["evaluated"] = max((c.matched_blocks for c in evaluated), default=0)
+    res.depths["admitted"] = max((c.matched_blocks for c in admitted), default=0)
     # 3.6: work floor = first admitted candidate with minimal E.
     work_floor: Optional[Candidate] = None
     for c in admitted:
@@ -688,6 +719,8 @@ def resolve_cache_candidates(
     if work_floor is None:
         if rejected and floor is not None and not any_fresh_queue_below(snapshot, fleet, floor):
             pin_loads = CandidateLoads(snapshot, [c.worker for c in rejected])
+            res.depths["pin_pool"] = max((c.matched_blocks for c in rejected
+                                          if is_cache_candidate_admitted(c, L, snapshot)), default=0)
             target: Optional[Candidate] = None
             for c in rejected:
                 if not is_cache_candidate_admitted(c, L, snapshot):
@@ -701,6 +734,10 @@ def resolve_cache_candidates(
                 k = pin_loads.compare_prefill_pressure(target.worker, c.worker)
                 if k == 0:
                     k = _cmp(target.worker, c.worker)
+                if cfg.variant_pin_order == "locality":
+                    # policy variant (not router behaviour): deepest match first,
+                    # then the order above
+                    k = _cmp(c.matched_blocks, target.matched_blocks) or k
                 if k > 0:
                     target = c
             if target is not None:
@@ -1091,7 +1128,7 @@ def select_prefill(
         failure = labels.FAIL_CACHE_CANDIDATES_EXHAUSTED
     # Step 2: domain rungs, two passes (affinity lookup disabled -> pair proposals).
     k = cfg.min_load_choices
-    limit = cfg.worker_queue_limit
+    limit, _floor = gate_bounds(cfg)
     for allow_capacity in (False, True):
         for dom in prefill_domains(fleet):
             pair = propose_k_with_snapshot(dom.workers, snapshot, k, limit, rng)
@@ -1217,6 +1254,38 @@ def replay(
     return out
 
 
+def locality_waterfall(matched: int, selected: int, reason: int,
+                       resolution: Optional[CacheResolution]) -> dict[str, int]:
+    """Where a routed decision's matched blocks went (docs/replay-model.md,
+    "Where locality goes"): blocks lost per step of ``labels.LOSS_STEPS``,
+    adding up to ``matched - selected``.
+
+    The blocks walk down a chain of depths, one per step that narrows the
+    owners the decision could still reach; each depth is clamped to
+    [selected, the level before], and a step loses the drop it causes.
+    """
+    lost = dict.fromkeys(labels.LOSS_STEPS, 0)
+    if matched <= 0:
+        return lost
+    if resolution is None:  # no proposal: the domain rungs chose
+        lost["fallback"] = matched - selected
+        return lost
+    d = resolution.depths
+    if reason == labels.SATURATION_PIN:
+        # the pin considers the gated owners again: the gate loses nothing
+        chain = [("candidates", d["prepared"]), ("capacity", d["pin_pool"]), ("pin", selected)]
+    else:
+        chooser = "tournament" if reason == labels.CACHE_CANDIDATE else "fallback"
+        chain = [("candidates", d["prepared"]), ("queue_gate", d["evaluated"]),
+                 ("capacity", d["admitted"]), (chooser, selected)]
+    level = matched
+    for step, depth in chain:
+        below = min(level, max(depth, selected))
+        lost[step] += level - below
+        level = below
+    return lost
+
+
 def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[PrefixSignal], snap: Snapshot) -> None:
     res = sel.resolution
     if res is not None:
@@ -1247,6 +1316,11 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: Optional[P
     out["decision"][i, c] = sel.decision
     if triple is not None:
         out["selected_blocks"][i, c] = triple[2]
+        lost = locality_waterfall(triple[1], triple[2], sel.reason, res)
+        for step in ("candidates", "queue_gate", "capacity"):
+            out[f"lost_{step}"][i, c] = lost[step]
+        out["lost_to"][i, c] = next((k for k, step in enumerate(labels.LOSS_STEPS) if lost[step] > 0),
+                                    labels.NO_LOSS)
     out["uncached_tokens"][i, c] = selected_uncached_tokens(L, signal, w)
     b = snap.basic_of(w)
     if b is not None:

@@ -15,11 +15,10 @@ import pyarrow.parquet as pq
 from . import labels
 from .config import KNOBS
 from .engine import Chunk, Totals
-from .kernels import accumulate as kacc
-from .kernels import grid as kg
+from .kernels import layout as kl
 from .trace import Trace
 
-ACC = kacc.ACC
+ACC = kl.ACC
 
 
 class Accumulator:
@@ -98,13 +97,16 @@ class Accumulator:
         for b, bound in enumerate(labels.DIVERTED_BUCKETS):
             cols[f"diverted_overlap_le_{bound}"] = hist_div[:, b]
         cols["diverted_overlap_le_inf"] = hist_div[:, -1]
+        # the locality waterfall: matched_blocks - sum(lost_*) == selected_blocks
+        for step in labels.LOSS_STEPS:
+            cols[f"lost_{step}"] = a[:, ACC[f"lost_{step}"]]
         if has_selected:
             cols["agreement"] = ratio(a[:, ACC["agree"]], a[:, ACC["agree_known"]])
             cols["agreement_requests"] = a[:, ACC["agree_known"]]
         return pl.DataFrame(cols, schema_overrides=_summary_dtypes(cols), strict=False)
 
 
-_KIND_DTYPE = {"int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean}
+_KIND_DTYPE = {"int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean, "choice": pl.String}
 _INT_SUMMARY = ("config_id", "dp_size", "per_rank_limit", "per_rank_floor",
                 "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_max_bucket")
 
@@ -154,6 +156,7 @@ class DecisionWriter:
         self.decisions = pa.array(labels.DECISIONS, type=pa.string())
         self.failures = pa.array(labels.FAILURES, type=pa.string())
         self.sources = pa.array(labels.PRESSURE_SOURCES, type=pa.string())
+        self.loss_steps = pa.array(labels.LOSS_STEPS, type=pa.string())
         self.writer: pq.ParquetWriter | None = None
         self.rows = 0
         self.closed = False
@@ -174,7 +177,7 @@ class DecisionWriter:
         tr = self.trace if trace is None else trace
         n = chunk.stop - chunk.start
         n_cfg = len(self.config_ids)
-        o = chunk.out_i.reshape(kg.O_NCOLS, n * n_cfg)
+        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
         rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
         ids = getattr(tr, "request_id", np.zeros(0, dtype=object))[chunk.start:chunk.stop]
         if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
@@ -183,7 +186,8 @@ class DecisionWriter:
             rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
         qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
                         0).astype(np.int64)
-        ms = chunk.out_f.reshape(-1)
+        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
+        failed = o[kl.O_WORKER] < 0
 
         def i32(col):
             return pa.array(o[col].astype(np.int32))
@@ -191,27 +195,34 @@ class DecisionWriter:
         table = pa.table({
             "request_id": rid,
             "config_id": pa.array(np.tile(self.config_ids, n)),
-            "worker": self._labels(self.workers, o[kg.O_WORKER]),
-            "reason": self._labels(self.reasons, o[kg.O_REASON]),
-            "policy_reason": self._labels(self.policy, o[kg.O_POLICY_REASON]),
-            "decision": self._labels(self.decisions, o[kg.O_DECISION]),
-            "failure": self._labels(self.failures, o[kg.O_FAILURE]),
+            "worker": self._labels(self.workers, o[kl.O_WORKER]),
+            "reason": self._labels(self.reasons, o[kl.O_REASON]),
+            "policy_reason": self._labels(self.policy, o[kl.O_POLICY_REASON]),
+            "decision": self._labels(self.decisions, o[kl.O_DECISION]),
+            "failure": self._labels(self.failures, o[kl.O_FAILURE]),
             "query_blocks": pa.array(qb[rep]),
-            "matched_blocks": pa.array(o[kg.O_MATCHED]),
-            "selected_blocks": pa.array(o[kg.O_SELECTED_BLOCKS]),
-            "uncached_tokens": self._nullable(o[kg.O_UNCACHED]),
-            "gate_rejected": i32(kg.O_GATE_REJECTED),
-            "admission_evaluated": i32(kg.O_EVALUATED),
-            "admission_rejected": i32(kg.O_ADM_REJECTED),
-            "best_rejected_blocks": pa.array(o[kg.O_BEST_REJECTED]),
-            "fleet_all_queued": pa.array(o[kg.O_ALL_QUEUED] == 1),
-            "fell_back": pa.array(o[kg.O_FELL_BACK] == 1),
-            "selected_waiting": self._nullable(o[kg.O_SEL_WAITING]),
-            "selected_waiting_uncached": self._nullable(o[kg.O_SEL_WU]),
+            "matched_blocks": pa.array(o[kl.O_MATCHED_BLOCKS]),
+            "selected_blocks": pa.array(o[kl.O_SELECTED_BLOCKS]),
+            "uncached_tokens": self._nullable(o[kl.O_UNCACHED_TOKENS]),
+            "gate_rejected": i32(kl.O_GATE_REJECTED),
+            "admission_evaluated": i32(kl.O_ADMISSION_EVALUATED),
+            "admission_rejected": i32(kl.O_ADMISSION_REJECTED),
+            "best_rejected_blocks": pa.array(o[kl.O_BEST_REJECTED_BLOCKS]),
+            "fleet_all_queued": pa.array(o[kl.O_FLEET_ALL_QUEUED] == 1),
+            "fell_back": pa.array(o[kl.O_FELL_BACK] == 1),
+            "selected_waiting": self._nullable(o[kl.O_SELECTED_WAITING]),
+            "selected_waiting_uncached": self._nullable(o[kl.O_SELECTED_WAITING_UNCACHED]),
             "selected_queue_ms": pa.array(ms, mask=np.isnan(ms)),
-            "pressure_source": self._labels(self.sources, o[kg.O_SOURCE]),
-            "guard_compared": i32(kg.O_COMPARED),
-            "guard_overrides": i32(kg.O_OVERRIDES),
+            "pressure_source": self._labels(self.sources, o[kl.O_PRESSURE_SOURCE]),
+            "guard_compared": i32(kl.O_GUARD_COMPARED),
+            "guard_overrides": i32(kl.O_GUARD_OVERRIDES),
+            # the locality waterfall's drill-down: blocks a routed decision gave away, and where first
+            # (the choosing step's term is the rest: blocks_lost minus these three; fields.waterfall_terms)
+            "blocks_lost": pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed),
+            "lost_to": self._labels(self.loss_steps, o[kl.O_LOST_TO]),
+            "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
+            "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
+            "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
         })
         if self.writer is None:
             # Dictionary columns are written as plain Parquet strings (dictionary
@@ -227,8 +238,8 @@ class DecisionWriter:
         self.closed = True
         if self.writer is None:  # no requests: still leave a readable, empty file
             n_cfg = len(self.config_ids)
-            self.write(Chunk(0, 0, np.zeros((kg.O_NCOLS, 0, n_cfg), dtype=np.int64),
-                             np.zeros((0, n_cfg), dtype=np.float64)))
+            self.write(Chunk(0, 0, np.zeros((kl.O_NCOLS, 0, n_cfg), dtype=np.int64),
+                             np.zeros((kl.F_NCOLS, 0, n_cfg), dtype=np.float64)))
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -41,11 +41,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from . import engine
-from . import fleet as fleet_mod
+from . import readings as fleet_mod
 from .errors import ReplayError
 from .results import DecisionWriter
-from .trace import TraceError
-from .traceset import NS, TraceSet
+from .trace import NS, TraceError, TraceSet
 
 DECISIONS_DIR = "decisions"
 FLEET_PARTS = "fleet-parts"

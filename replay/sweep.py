@@ -3,7 +3,7 @@
 A run directory holds ``summary.parquet`` / ``summary.csv`` (one row per
 config), ``decisions.parquet`` (one row per request and config, optional),
 ``fleet.parquet`` (one row per request: time and the fleet's smallest fresh
-queue reading, see ``replay/fleet.py``), ``run.json`` (provenance) and
+queue reading, see ``replay/readings.py``), ``run.json`` (provenance) and
 ``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
 a run that looks finished.
@@ -30,13 +30,13 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from . import __version__, engine
-from . import fleet as fleet_mod
+from . import readings as fleet_mod
 from .config import Grid, fleet_dp_size
 from .errors import ReplayError
 from .outdir import move_into_place, partial_beside, refuse_existing
 from .results import Accumulator, DecisionWriter
 from .trace import REQUESTS, Trace, load_trace
-from .traceset import NS, TraceSet, auto_window, format_window, parse_window
+from .trace import NS, TraceSet, auto_window, format_window, parse_window
 
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"

@@ -1,5 +1,5 @@
 """Adapters from the parsed router scenarios (tests/scenario_support.py) to the
-numba kernel units of replay/kernels (decide.py, snapshot.py, grid.py).
+numba kernel units of replay/kernels (decide.py, snapshot.py, one_pass.py).
 
 The kernels see integer worker ids whose ascending order is the router's
 "worker id ascending" order; scenario_support defines that order as string
@@ -23,6 +23,7 @@ import numpy as np
 from replay import labels
 from replay.config import RouterConfig
 from replay.kernels import decide as kd
+from replay.kernels.layout import KnobArrays, LoadColumns, knob_arrays
 from replay.kernels.snapshot import (
     S_BASIC,
     S_INFLIGHT,
@@ -146,10 +147,6 @@ def _i(v) -> int:
     return -1 if v is None else int(v)
 
 
-def _f(v) -> float:
-    return math.nan if v is None else float(v)
-
-
 @dataclass
 class Knobs:
     limit: int
@@ -165,17 +162,20 @@ class Knobs:
     cmin: int
     cratio: float
     cmax: int
+    arrays: KnobArrays | None = None  # the config as the engine encodes it (one config)
 
     @classmethod
     def of(cls, cfg: RouterConfig) -> "Knobs":
+        a = knob_arrays([cfg.as_dict()])
         return cls(
-            limit=_i(cfg.worker_queue_limit), floor=_i(cfg.saturation_queue_floor),
-            k=int(cfg.min_load_choices), margin=int(cfg.cache_switch_margin_tokens),
-            guard=bool(cfg.pressure_guard), abs_tokens=int(cfg.pressure_abs_threshold_tokens),
-            abs_ms=_f(cfg.pressure_abs_threshold_ms), rel=float(cfg.pressure_rel_threshold),
-            min_tokens=_i(cfg.cache_affinity_min_matched_tokens),
-            min_ratio=_f(cfg.cache_affinity_min_match_ratio), cmin=int(cfg.cache_candidate_min_workers),
-            cratio=float(cfg.cache_candidate_ratio), cmax=int(cfg.cache_candidate_max_workers),
+            limit=int(a.worker_queue_limit[0]), floor=int(a.saturation_queue_floor[0]),
+            k=int(a.min_load_choices[0]), margin=int(a.cache_switch_margin_tokens[0]),
+            guard=bool(a.pressure_guard[0]), abs_tokens=int(a.pressure_abs_threshold_tokens[0]),
+            abs_ms=float(a.pressure_abs_threshold_ms[0]), rel=float(a.pressure_rel_threshold[0]),
+            min_tokens=int(a.cache_affinity_min_matched_tokens[0]),
+            min_ratio=float(a.cache_affinity_min_match_ratio[0]),
+            cmin=int(a.cache_candidate_min_workers[0]), cratio=float(a.cache_candidate_ratio[0]),
+            cmax=int(a.cache_candidate_max_workers[0]), arrays=a,
         )
 
 
@@ -249,7 +249,7 @@ def resolve_cache(cand, n: int, L: int, snap, est, fleet_ids, kn: Knobs):
     m = max(n, 1)
     ev, rj, adm, tmp = (np.zeros(m, dtype=np.int64) for _ in range(4))
     w = kd.resolve_cache_nb(cand, int(n), int(L), snap, est, fleet_ids, kn.limit, kn.floor, kn.margin,
-                            kn.guard, kn.abs_tokens, kn.abs_ms, kn.rel, audit, ev, rj, adm, tmp)
+                            kn.guard, kn.abs_tokens, kn.abs_ms, kn.rel, audit, ev, rj, adm, tmp, S_WAITING, False)
     assert w == audit[kd.A_SELECTED]
     return int(w), audit
 
@@ -264,7 +264,7 @@ def sample_pair(snap, est, workers, k: int, limit: int, seed: int, req_index: in
     m = max(snap.shape[0], workers.shape[0], 1)
     pool = np.zeros(m, dtype=np.int64)
     idx = np.zeros(m, dtype=np.int64)
-    b, r, d = kd.sample_pair_nb(snap, est, workers, int(k), int(limit), int(seed), int(req_index),
+    b, r, d = kd.sample_pair_nb(snap, est, workers, int(k), int(limit), S_WAITING, int(seed), int(req_index),
                                 int(draw), pool, idx)
     return int(b), int(r), int(d)
 
@@ -272,7 +272,8 @@ def sample_pair(snap, est, workers, k: int, limit: int, seed: int, req_index: in
 def resolve_admitted(snap, est, primary: int, backup: int, legal, L: int, limit: int):
     """resolve_admitted_nb -> (worker, reason) or (-1, -1)."""
     pool = np.zeros(max(snap.shape[0], legal.shape[0], 1), dtype=np.int64)
-    w, r = kd.resolve_admitted_nb(snap, est, int(primary), int(backup), legal, int(L), int(limit), pool)
+    w, r = kd.resolve_admitted_nb(snap, est, int(primary), int(backup), legal, int(L), int(limit),
+                                  S_WAITING, pool)
     return int(w), int(r)
 
 
@@ -287,9 +288,7 @@ def select_prefill(L: int, sig: SignalArrays, fleet_ids, in_fleet, snap, est, kn
     audit = np.zeros(kd.A_NCOLS, dtype=np.int64)
     w, reason, decision, failure = kd.select_prefill_nb(
         int(L), int(sig.qb), sig.m_worker, sig.m_blocks, in_fleet, fleet_ids, snap, est,
-        kn.limit, kn.floor, kn.k, kn.margin, kn.guard, kn.abs_tokens, kn.abs_ms, kn.rel,
-        kn.min_tokens, kn.min_ratio, kn.cmin, kn.cratio, kn.cmax, int(seed), int(req_index),
-        audit, scratch, cand, seen)
+        kn.arrays, 0, int(seed), int(req_index), audit, scratch, cand, seen)
     return int(w), int(reason), int(decision), int(failure), audit
 
 
@@ -327,7 +326,7 @@ def load_arrays(samples: list, world: World, now_ns: int):
         return np.array([fn(s) for s in rows], dtype=dtype)
 
     tail = lambda s, k: 0 if s.get("native") is None else s["native"][k]  # noqa: E731
-    return (
+    return LoadColumns(
         col(lambda s: s["at_ms"] * MS), col(lambda s: world.id(s["worker"])), col(lambda s: s["rank"]),
         col(lambda s: s["running"]), col(lambda s: s["waiting"]), col(lambda s: s["num_tokens"]),
         col(lambda s: s["max_total_num_tokens"]), col(lambda s: s.get("native") is not None, np.bool_),

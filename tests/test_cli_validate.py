@@ -73,13 +73,13 @@ def test_fresh_fleet_sample_fact(tmp_path):
     d = write_trace(tmp_path / "t", requests=req_df(ts=[1 * s, 10 * s, 20 * s, 25 * s]),
                     loads=loads_df(ts=[0, 20 * s, 0, 0], worker=["w0", "w0", "w0", "w0"]))
     facts = validate_trace(d)
-    assert facts["requests_without_fresh_fleet_sample"] == 1
-    assert facts["share_without_fresh_fleet_sample"] == 0.25
+    assert facts.requests_without_fresh_fleet_sample == 1
+    assert facts.share_without_fresh_fleet_sample == 0.25
     # a decode peer's samples do not count for the fleet
     d2 = write_trace(tmp_path / "t2", requests=req_df(ts=[1 * s, 10 * s, 20 * s, 25 * s]),
                      loads=loads_df(ts=[0, 20 * s, 9 * s, 9 * s], worker=["w0", "w0", "dec", "dec"]),
                      workers=pl.DataFrame({"worker": ["w0", "dec"], "role": ["plain", "decode"]}))
-    assert validate_trace(d2)["requests_without_fresh_fleet_sample"] == 1
+    assert validate_trace(d2).requests_without_fresh_fleet_sample == 1
 
 
 def _bad_cases(tmp_path):
@@ -166,15 +166,21 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
     os.makedirs(d)
     writer(d)
     before = digest(d)
-    res = CliRunner().invoke(main, ["validate", str(d)])
+    line = one_error_line(name, "validate", str(d))
+    for text in expected:
+        assert text in line, (name, line)
+    assert digest(d) == before
+
+
+def one_error_line(name, *args) -> str:
+    """Run the CLI; it must exit 2 printing exactly one ``error: ...`` line, no traceback."""
+    res = CliRunner().invoke(main, list(args))
     assert res.exit_code == 2, (name, res.output)
     assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1, (name, res.output)
     assert lines[0].startswith("error: ")
-    for text in expected:
-        assert text in lines[0], (name, lines[0])
-    assert digest(d) == before
+    return lines[0]
 
 
 def test_not_a_directory(tmp_path):

@@ -41,7 +41,7 @@ def test_round_trip_and_shape(tmp_path):
     assert (b == 0).sum() > 0                        # zero-block entries
     # loads: tails mostly present, some absent, a few partial; ignored ranks; inflight
     assert 0.6 < t.load_has_tail.mean() < 0.99
-    assert t.facts["load_rows_partial_tail"] > 0
+    assert t.facts.load_rows_partial_tail > 0
     assert (t.load_router_inflight >= 0).mean() > 0.9
     assert t.req_selected_worker is not None and (t.req_selected_worker >= 0).mean() > 0.4
     # bursty queues: the whole fleet sometimes saturates (every rank waiting), mostly not
@@ -103,3 +103,30 @@ def test_committed_sample_matches_its_regeneration_command(tmp_path):
               "load_ts", "load_worker", "load_waiting", "load_has_tail", "load_prefill_busy_us"):
         assert np.array_equal(getattr(a, f), getattr(b, f)), f
     assert sum(os.path.getsize(SAMPLE / n) for n in os.listdir(SAMPLE)) < 1 << 20
+
+
+def test_sizes_that_cannot_fit_in_memory_are_refused_first(tmp_path):
+    """issue 14 B: ``--workers 10**7`` used to try a 90 GiB allocation.  Every
+    oversize request is one line, exit 2, in well under a second, nothing written."""
+    from replay.generate import MAX_PART_LOAD_ROWS, MAX_PART_REQUESTS
+
+    cases = [
+        (["--workers", str(10**7)], "12,000,002,400 load rows in one file, above the "
+                                    f"{MAX_PART_LOAD_ROWS:,} one file may hold in memory"),
+        (["--workers", "100000", "--partition-s", "3600"], "or a smaller --partition-s"),
+        (["--requests", str(MAX_PART_REQUESTS + 1), "--workers", "1", "--sample-interval-ms", "100000"],
+         f"{MAX_PART_REQUESTS + 1:,} requests in one file"),
+        (["--dp-size", "1025"], "--dp-size 1025 is above 1024, the largest dp_size a trace may have"),
+    ]
+    for args, text in cases:
+        out = tmp_path / "out"
+        res = CliRunner().invoke(main, ["generate", str(out), *args])
+        assert res.exit_code == 2, (args, res.output)
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: generate: ") and text in lines[0], lines
+        assert not out.exists()
+    # the largest accepted dp_size writes a trace validate accepts
+    res = CliRunner().invoke(main, ["generate", str(tmp_path / "dp"), "--requests", "50", "--workers", "1",
+                                    "--dp-size", "1024", "--sample-interval-ms", "5000"])
+    assert res.exit_code == 0, res.output
+    assert CliRunner().invoke(main, ["validate", str(tmp_path / "dp")]).exit_code == 0

@@ -23,7 +23,7 @@ import pytest
 from replay import labels
 from replay import reference as ref
 from replay.kernels import decide as kd
-from replay.kernels import grid as kgrid
+from replay.kernels import one_pass as kpass
 from replay.kernels import snapshot as ks
 
 import kernel_support as K
@@ -163,7 +163,7 @@ def run_resolve_cache_candidates(sc, run):
     if "diverted_overlap_blocks" in exp:
         assert w < 0 and audit[kd.A_BEST_REJECTED] == exp["diverted_overlap_blocks"]
     if "policy_reason" in exp:
-        assert labels.POLICY_REASONS[kgrid._POLICY_OF_REASON[reason]] == exp["policy_reason"]
+        assert labels.POLICY_REASONS[kpass._POLICY_OF_REASON[reason]] == exp["policy_reason"]
 
 
 def _run_prefill(sc, run, strict: bool):
@@ -309,7 +309,7 @@ def run_select_prefill(sc, run):
             assert decision == (labels.NO_DECISION if want is None else K.DECISION_CODE[want])
         if "policy_reason" in exp:
             assert w >= 0
-            assert labels.POLICY_REASONS[kgrid._POLICY_OF_REASON[reason]] == exp["policy_reason"]
+            assert labels.POLICY_REASONS[kpass._POLICY_OF_REASON[reason]] == exp["policy_reason"]
         if "proposal_kind" in exp:
             # the cache rung decided iff its resolution selected a worker
             kind = ref.KIND_CACHE_AFFINITY if audit[kd.A_REASON] >= 0 else ref.KIND_POWER_OF_TWO
@@ -367,7 +367,7 @@ def run_prefill_policy_reason(sc, run):
         if kind == ref.KIND_CACHE_AFFINITY and code not in (labels.CACHE_CANDIDATE, labels.SATURATION_PIN):
             _skip(sc, f"case ({kind}, {reason})")
             continue
-        assert labels.POLICY_REASONS[kgrid._POLICY_OF_REASON[code]] == want
+        assert labels.POLICY_REASONS[kpass._POLICY_OF_REASON[code]] == want
 
 
 def run_cache_aware_fallback_decision(sc, run):
@@ -388,9 +388,9 @@ def run_load_snapshot(sc, run):
                        + list((run.get("expected_ranks") or {})))
     dp = K.dp_sizes(run.get("expected_ranks"), world)
     cols = K.load_arrays(run["samples"], world, now)
-    n_ranks = max([int(cols[2].max()) + 1 if len(cols[2]) else 1, int(dp.max())])
+    n_ranks = max([int(cols.rank.max()) + 1 if len(cols.rank) else 1, int(dp.max())])
     table, inflight = ks.new_rank_table(world.n, n_ranks)
-    ptr = ks.advance_nb(0, now, *cols, dp, table, inflight)
+    ptr = ks.advance_nb(0, now, cols, dp, table, inflight)
     assert ptr == len(run["samples"])
     for name, exp in run["expect"].items():
         row = np.zeros(ks.S_NCOLS, dtype=np.int64)
@@ -439,7 +439,7 @@ def test_scenario_run_kinds_are_known():
 def test_policy_reason_table_matches_labels():
     """grid._POLICY_OF_REASON is labels.reason_to_policy_reason as a table."""
     for code in range(len(labels.REASONS)):
-        assert kgrid._POLICY_OF_REASON[code] == labels.reason_to_policy_reason(code)
+        assert kpass._POLICY_OF_REASON[code] == labels.reason_to_policy_reason(code)
 
 
 def _stochastic_runs():

@@ -698,11 +698,11 @@ def test_over_time_ray_decision_files(set_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("blocks,chunk", [(1, 1 << 20), (3, 97), (7, 1000)])
 def test_kernel_fleet_readings_equal_the_snapshot_pass(gen_trace, blocks, chunk):
     """The grid kernel's per-request fleet readings (what sweep writes to
-    fleet.parquet) equal replay/fleet.py's own snapshot pass, for any block
+    fleet.parquet) equal replay/readings.py's own snapshot pass, for any block
     and chunk layout, at two freshness windows."""
     from replay import engine
     from replay.config import RouterConfig
-    from replay.fleet import fleet_readings
+    from replay.readings import fleet_readings
 
     tr = load_trace(gen_trace)
     for fresh_ns in (5_000_000_000, 150_000_000):

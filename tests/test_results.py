@@ -144,6 +144,16 @@ def expected_summary(run) -> dict[int, dict]:
             e[f"diverted_overlap_le_{b}"] = sum(1 for v in queued if prev < v <= b)
             prev = b
         e["diverted_overlap_le_inf"] = sum(1 for v in queued if v > BOUNDS[-1])
+        # the locality waterfall: the stored terms, and the choosing step keeps the rest
+        lost = r.filter(pl.col("matched_blocks") > 0).with_columns(
+            rest=pl.col("matched_blocks") - pl.col("selected_blocks") - pl.col("lost_candidates")
+            - pl.col("lost_queue_gate") - pl.col("lost_capacity"))
+        for step in ("candidates", "queue_gate", "capacity"):
+            e[f"lost_{step}"] = int(lost[f"lost_{step}"].sum())
+        e["lost_pin"] = int(lost.filter(pl.col("reason") == "SaturationPin")["rest"].sum())
+        e["lost_tournament"] = int(lost.filter(pl.col("reason") == "CacheCandidate")["rest"].sum())
+        e["lost_fallback"] = int(lost.filter(~pl.col("reason").is_in(["SaturationPin", "CacheCandidate"]))
+                                 ["rest"].sum())
         if has_sel:
             # the code's definition: routed requests whose selected_worker is a known worker
             k = r.filter(pl.col("selected_worker").is_not_null())

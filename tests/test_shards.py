@@ -107,7 +107,7 @@ def test_permanent_failure_names_the_shard_and_writes_nothing(local_ray, set_dir
         run_sweep(set_dir, Grid.from_texts(GRID), out=out, report=False, executor="ray", window="10s",
                   ray_retries=1)
     msg = str(err.value)
-    from replay.traceset import TraceSet
+    from replay.trace import TraceSet
 
     bounds = TraceSet.open(set_dir, hash_files=False).window_bounds(10 * NS)
     t0, t1 = bounds[2]

@@ -82,8 +82,8 @@ def test_encoding_contract(tmp_path):
     assert t.load_waiting_uncached.tolist() == [0, 7, 5]
     assert t.load_total_tokens.tolist() == [0, 37, 15]  # 0 where the tail is partial
     assert t.load_router_inflight.tolist() == [-1, -1, -1]
-    assert t.facts["load_rows_partial_tail"] == 1
-    assert t.facts["requests_sorted_on_disk"] is False
+    assert t.facts.load_rows_partial_tail == 1
+    assert t.facts.requests_sorted_on_disk is False
     assert set(t.files) == {"requests.parquet", "loads.parquet"}
     info = t.files["requests.parquet"]
     assert info["bytes"] == os.path.getsize(d / "requests.parquet")
@@ -162,9 +162,9 @@ def test_workers_table_semantics(tmp_path):
     assert t.match_worker.tolist() == [3, -1, 2]  # unknown address -> -1
     assert t.req_selected_worker.tolist() == [3, -1]
     assert t.load_router_inflight.tolist() == [3, -1, 1]
-    assert t.facts["non_fleet_load_workers"] == ["http://extra"]
-    assert t.facts["ignored_rank_rows"] == 1      # w1 rank 1 with dp_size 1
-    assert t.facts["unknown_match_entries"] == 1
+    assert t.facts.non_fleet_load_workers == ["http://extra"]
+    assert t.facts.ignored_rank_rows == 1      # w1 rank 1 with dp_size 1
+    assert t.facts.unknown_match_entries == 1
     assert t.load_has_tail.tolist() == [False] * 3  # no tail columns at all
 
 

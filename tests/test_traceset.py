@@ -1,4 +1,4 @@
-"""Trace sets (``replay/traceset.py``): ``requests/`` and ``loads/`` folders of Parquet files,
+"""Trace sets (``replay/trace/sets.py``): ``requests/`` and ``loads/`` folders of Parquet files,
 read whole (``load_trace``) or window by window (``TraceSet.iter_windows``, ``sweep --window``).
 
 Everything here is real Parquet on disk, no mocks.  The promises checked:
@@ -32,14 +32,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from replay import engine, labels, traceset
+from replay import engine, labels
+from replay.trace import windows as trace_windows
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.fields import empty_decisions
 from replay.sweep import run_sweep
 from replay.trace import Trace, TraceError, load_trace
-from replay.traceset import LOAD_FIELDS, NS, TraceSet, auto_window, format_window, parse_window
+from replay.trace import LOAD_FIELDS, NS, TraceSet, auto_window, format_window, parse_window
 
 from trace_factory import Shape, random_trace, shape_strategy
 
@@ -197,7 +198,7 @@ def test_set_equals_single_file_for_any_split(tmp_path, req_cuts, load_cuts, rgs
     # stable order = file order: equal ts keep the on-disk (concatenated) order
     order = np.argsort(req["ts"].to_numpy(), kind="stable")
     assert got.request_id.tolist() == [req["request_id"][int(i)] for i in order]
-    assert got.facts["requests_sorted_on_disk"] is False
+    assert got.facts.requests_sorted_on_disk is False
     # provenance names every part file, relative to the trace directory
     names = {f"requests/{n}" for n in piece_names(len(req_cuts) + 1)}
     assert names <= set(got.files)
@@ -272,9 +273,9 @@ def test_hive_segments_become_string_columns(tmp_path):
     got = dict(zip(t.request_id.tolist(), (t.models[m] for m in t.req_model)))
     assert got == {"l0": "llama", "l1": "llama", "m0": "mis tral", "o0": "own", "o1": "default"}
     assert t.request_id.tolist() == ["l0", "o0", "m0", "l1", "o1"]
-    assert t.facts["models"] == {"default": 1, "llama": 2, "mis tral": 1, "own": 1}
+    assert t.facts.models == {"default": 1, "llama": 2, "mis tral": 1, "own": 1}
     tset = TraceSet.open(d)
-    assert tset.model_counts == t.facts["models"] and tset.models == t.models
+    assert tset.model_counts == t.facts.models and tset.models == t.models
     wins = window_traces(d, NS)
     assert [tr.models[m] for tr in wins for m in tr.req_model] == [got[i] for i in t.request_id]
     # --model selects a hive-given model, whole and windowed alike
@@ -716,16 +717,16 @@ def test_edge_trace_set_reads_like_the_single_files(edge):
     assert_same_trace(whole, got)
     f = whole.facts
     # the trace holds what the window tests rely on
-    assert f["ignored_rank_rows"] == 2 and f["load_rows_partial_tail"] == 2
-    assert f["load_rows_with_tail"] > 0 and f["load_rows_without_tail"] > 0
-    assert f["loads_sorted_on_disk"] is False and f["has_router_inflight"]
-    assert f["unknown_match_entries"] > 0 and f["models"] == {"a": 38, "b": 18}
+    assert f.ignored_rank_rows == 2 and f.load_rows_partial_tail == 2
+    assert f.load_rows_with_tail > 0 and f.load_rows_without_tail > 0
+    assert f.loads_sorted_on_disk is False and f.has_router_inflight
+    assert f.unknown_match_entries > 0 and f.models == {"a": 38, "b": 18}
     on_boundary = whole.req_ts % NS == 0
     assert on_boundary.sum() > 20 and (whole.load_ts % NS == 0).sum() > 50
     tset = TraceSet.open(edge["set"])
     assert tset.n_requests == whole.n_requests and tset.n_load_rows == whole.load_ts.shape[0]
     assert tset.workers == whole.workers and tset.models == whole.models
-    assert tset.model_counts == f["models"]
+    assert tset.model_counts == f.models
     assert tset.fleet_dp_sizes() == whole.fleet_dp_sizes()
     assert [tset.fleet(m).tolist() for m in range(2)] == [whole.fleet(m).tolist() for m in range(2)]
 
@@ -912,7 +913,7 @@ def test_property_windows_decide_like_the_whole_trace(tmp_path_factory, seed, sh
 
     whole_all = load_trace(single)
     assert_same_trace(whole_all, load_trace(d))
-    if model is not None and whole_all.facts["models"].get(model, 0) == 0:
+    if model is not None and whole_all.facts.models.get(model, 0) == 0:
         with pytest.raises(TraceError, match="no request has model"):
             load_trace(single, model=model)
         with pytest.raises(TraceError, match="no request has model"):
@@ -971,9 +972,9 @@ def test_auto_window(edge, tmp_path, monkeypatch):
     assert small.run["execution"]["windows"] == 1 and small.run["execution"]["window_s"] is None
     # make the 56-request trace "large": windows of about 10 requests over its ~37 s span,
     # i.e. at most floor(10 / (56 / 37 s)) = 6 s
-    monkeypatch.setattr(traceset, "AUTO_IN_MEMORY_REQUESTS", 40)
-    monkeypatch.setattr(traceset, "AUTO_WINDOW_REQUESTS", 10)
-    monkeypatch.setattr(traceset, "AUTO_WINDOW_LOAD_ROWS", 10_000_000)
+    monkeypatch.setattr(trace_windows, "AUTO_IN_MEMORY_REQUESTS", 40)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_REQUESTS", 10)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_LOAD_ROWS", 10_000_000)
     w = auto_window(tset)
     assert w % NS == 0 and NS <= w <= 6 * NS
     got = outputs(edge["set"], tmp_path / "auto", window="auto")

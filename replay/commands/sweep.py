@@ -31,6 +31,13 @@ def _knob_options(fn):
                 metavar="[BOOL,...]",
                 help="Disable the pressure guard; `true,false` sweeps both (router default: enabled).",
             )(fn)
+        elif not spec.router:
+            fn = click.option(
+                spec.flag, f"knob_{name}", default=None, metavar="|".join(spec.choices),
+                help=(f"Replay-only policy variant, not a router flag: {' or '.join(spec.choices)}; "
+                      f"a comma list sweeps both (default: {spec.choices[0]}, the router's behaviour; "
+                      "docs/replay-model.md)."),
+            )(fn)
         else:
             default = getattr(__import__("replay.config", fromlist=["RouterConfig"]).RouterConfig(), name)
             fn = click.option(
@@ -79,7 +86,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from ..errors import ReplayError
     from ..sweep import check_run_dir, run_sweep
-    from ..traceset import NS, format_window, parse_window
+    from ..trace import NS, format_window, parse_window
 
     check_run_dir(Path(out), force)
     try:

@@ -8,54 +8,68 @@ import datetime as _dt
 import click
 
 from ..cli import user_errors
+from ..trace.facts import TraceFacts
 
 
 def _ts(ns: int) -> str:
     return _dt.datetime.fromtimestamp(ns / 1e9, tz=_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def format_report(f: dict) -> str:
+def format_report(facts: TraceFacts) -> str:
     """Human-readable lines for a ``validate_trace`` report."""
-    n = f["requests"]
-    lines = [f"trace {f['path']}: OK"]
-    if f.get("windows"):
-        lines[0] += (f" (checked in {f['windows']} windows of {f['window_s']} s; request_id "
+    f = facts
+    n = f.requests
+    lines = [f"trace {f.path}: OK"]
+    if f.windows:
+        lines[0] += (f" (checked in {f.windows} windows of {f.window_s} s; request_id "
                      f"uniqueness checked within each window)")
-    for name, info in f["files"].items():
+    for name, info in f.files.items():
         lines.append(f"  {name}: {info['bytes']:,} bytes, sha256 {info['sha256'][:16]}...")
-    lines.append(f"requests: {n:,} ({f['requests_with_matches']:,} with matches, "
-                 f"{f['requests_without_prefix_signal']:,} without a prefix signal)")
+    lines.append(f"requests: {n:,} ({f.requests_with_matches:,} with matches, "
+                 f"{f.requests_without_prefix_signal:,} without a prefix signal)")
     if n:
-        lines.append(f"time span: {f['span_s']:.3f} s ({_ts(f['span_start_ns'])} .. {_ts(f['span_end_ns'])})")
-    lines.append("models: " + ", ".join(f"{m} ({c:,} requests, {f['fleet_workers'][m]} fleet workers)"
-                                        for m, c in f["models"].items()))
-    lines.append(f"workers: {f['workers']} known ({', '.join(f'{c} {r}' for r, c in f['roles'].items() if c)}); "
-                 f"workers table: {'yes' if f['has_workers_table'] else 'no (fleet inferred: all plain)'}")
-    if f["non_fleet_load_workers"]:
+        lines.append(f"time span: {f.span_s:.3f} s ({_ts(f.span_start_ns)} .. {_ts(f.span_end_ns)})")
+    lines.append("models: " + ", ".join(f"{m} ({c:,} requests, {f.fleet_workers[m]} fleet workers)"
+                                        for m, c in f.models.items()))
+    lines.append(f"workers: {f.workers} known ({', '.join(f'{c} {r}' for r, c in f.roles.items() if c)}); "
+                 f"workers table: {'yes' if f.has_workers_table else 'no (fleet inferred: all plain)'}")
+    if f.non_fleet_load_workers:
         lines.append(f"load workers not in workers.parquet (never fleet members): "
-                     f"{len(f['non_fleet_load_workers'])}: {', '.join(f['non_fleet_load_workers'][:5])}")
-    if f["workers_without_samples"]:
-        lines.append(f"workers without any load sample: {len(f['workers_without_samples'])}")
-    dist = collections.Counter(len(r) for r in f["ranks_per_worker"].values())
+                     f"{len(f.non_fleet_load_workers)}: {', '.join(f.non_fleet_load_workers[:5])}")
+    if f.workers_without_samples:
+        lines.append(f"workers without any load sample: {len(f.workers_without_samples)}")
+    dist = collections.Counter(len(r) for r in f.ranks_per_worker.values())
     lines.append("ranks per worker (observed, ignored ranks included): " + ", ".join(
         f"{k} rank{'s' if k != 1 else ''}: {v} worker{'s' if v != 1 else ''}" for k, v in sorted(dist.items())))
-    lines.append(f"load rows: {f['load_rows']:,} ({f['load_rows_with_tail']:,} with native tail, "
-                 f"{f['load_rows_without_tail']:,} without, {f['load_rows_partial_tail']:,} with a partial "
+    lines.append(f"load rows: {f.load_rows:,} ({f.load_rows_with_tail:,} with native tail, "
+                 f"{f.load_rows_without_tail:,} without, {f.load_rows_partial_tail:,} with a partial "
                  f"tail, counted as no tail)")
-    lines.append(f"ignored rank rows (dp_rank >= dp_size): {f['ignored_rank_rows']:,}")
-    share = f["share_without_fresh_fleet_sample"]
-    lines.append(f"requests with no fresh sample from any fleet worker ({f['freshness_ms']} ms): "
-                 f"{f['requests_without_fresh_fleet_sample']:,} ({100 * share:.2f}%)")
-    ex = f["unknown_match_address_examples"]
-    lines.append(f"unknown match addresses: {f['unknown_match_addresses']} "
-                 f"({f['unknown_match_entries']:,} entries of {f['match_entries']:,})"
+    lines.append(f"ignored rank rows (dp_rank >= dp_size): {f.ignored_rank_rows:,}")
+    share = f.share_without_fresh_fleet_sample
+    lines.append(f"requests with no fresh sample from any fleet worker ({f.freshness_ms} ms): "
+                 f"{f.requests_without_fresh_fleet_sample:,} ({100 * share:.2f}%)")
+    ex = f.unknown_match_address_examples
+    lines.append(f"unknown match addresses: {f.unknown_match_addresses} "
+                 f"({f.unknown_match_entries:,} entries of {f.match_entries:,})"
                  + (f", e.g. {', '.join(ex)}" if ex else ""))
-    if f["has_selected_worker"]:
-        lines.append(f"selected_worker: {n - f['selected_worker_null']:,} set, "
-                     f"{f['selected_worker_unknown']:,} naming an unknown worker")
-    lines.append(f"router_inflight column: {'yes' if f['has_router_inflight'] else 'no (replay uses 0)'}")
-    unsorted = [name for name, key in (("requests", "requests_sorted_on_disk"), ("loads", "loads_sorted_on_disk"))
-                if not f[key]]
+    if f.has_selected_worker:
+        lines.append(f"selected_worker: {n - f.selected_worker_null:,} set, "
+                     f"{f.selected_worker_unknown:,} naming an unknown worker")
+    lines.append(f"router_inflight column: {'yes' if f.has_router_inflight else 'no (replay uses 0)'}")
+    if f.closed_loop_columns:
+        lines.append("closed-loop columns (rows with a value): " + ", ".join(
+            f"{c} {k:,}" for c, k in f.closed_loop_columns.items()))
+    if f.page_sizes:
+        lines.append("page size (block size of hash_ids): " + ", ".join(
+            f"{m} {p}" for m, p in f.page_sizes.items()))
+    if f.trace_json is not None:
+        router = f.trace_json["router"]
+        lines.append("trace.json: production router "
+                     + (", ".join(f"{k}={v}" for k, v in router.items()) if router else "defaults")
+                     + (" (per dp rank)" if f.trace_json["per_dp_rank"] else "")
+                     + (f"; source: {f.trace_json['source']}" if f.trace_json["source"] else ""))
+    unsorted = [name for name, ok in (("requests", f.requests_sorted_on_disk), ("loads", f.loads_sorted_on_disk))
+                if not ok]
     if unsorted:
         lines.append(f"not sorted by ts on disk (sorted in memory, files untouched): {', '.join(unsorted)}")
     return "\n".join(lines)
@@ -79,7 +93,7 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
 
     from ..errors import ReplayError
     from ..trace import validate_trace
-    from ..traceset import parse_window
+    from ..trace import parse_window
 
     try:
         window_ns = parse_window(window)
@@ -100,7 +114,7 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
     if as_json:
         import json
 
-        click.echo(json.dumps(facts, indent=2, sort_keys=True))
+        click.echo(json.dumps(facts.as_dict(), indent=2, sort_keys=True))
     else:
         click.echo(format_report(facts))
 

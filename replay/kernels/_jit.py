@@ -7,7 +7,7 @@ pure-Python reference bit for bit, including float comparisons.
 numba's on-disk cache only notices edits to the file a function lives in, not
 to the kernels it calls from other files, so a stale kernel could survive an
 edit.  The cache therefore lives in a folder named after a hash of every
-kernel source (and the label codes they freeze): any edit starts a fresh
+kernel source (and the label codes and decision columns they freeze): any edit starts a fresh
 cache.  ``NUMBA_CACHE_DIR`` still wins when a user sets it.
 """
 
@@ -24,7 +24,7 @@ _HERE = Path(__file__).resolve().parent
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(_HERE.glob("*.py")) + [_HERE.parent / "labels.py"]:
+    for path in sorted(_HERE.glob("*.py")) + [_HERE.parent / "labels.py", _HERE.parent / "fields.py"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(numba.__version__.encode())

@@ -16,44 +16,32 @@ import numpy as np
 
 from .. import labels
 from ._jit import njit
-from .columns import (
-    O_ADM_REJECTED,
-    O_ALL_QUEUED,
-    O_BEST_REJECTED,
-    O_COMPARED,
+from .layout import (
+    ACC,
+    F_SELECTED_QUEUE_MS,
+    O_ADMISSION_EVALUATED,
+    O_ADMISSION_REJECTED,
+    O_BEST_REJECTED_BLOCKS,
     O_DECISION,
-    O_EVALUATED,
     O_FAILURE,
     O_FELL_BACK,
+    O_FLEET_ALL_QUEUED,
     O_GATE_REJECTED,
-    O_MATCHED,
-    O_OVERRIDES,
+    O_GUARD_COMPARED,
+    O_GUARD_OVERRIDES,
+    O_LOST_CANDIDATES,
+    O_LOST_CAPACITY,
+    O_LOST_QUEUE_GATE,
+    O_MATCHED_BLOCKS,
     O_POLICY_REASON,
+    O_PRESSURE_SOURCE,
     O_REASON,
-    O_SEL_WAITING,
-    O_SEL_WU,
     O_SELECTED_BLOCKS,
-    O_SOURCE,
-    O_UNCACHED,
+    O_SELECTED_WAITING,
+    O_SELECTED_WAITING_UNCACHED,
+    O_UNCACHED_TOKENS,
     O_WORKER,
 )
-
-ACC_NAMES = (
-    "requests", "routed", "failed",
-    *(f"decision_{d}" for d in labels.DECISIONS),
-    *(f"policy_{p}" for p in labels.POLICY_REASONS),
-    *(f"failure_{f}" for f in labels.FAILURES),
-    "query_blocks", "matched_blocks", "selected_blocks",
-    "owner_hits", "owner_chances", "diverted", "pinned", "fell_back", "fleet_all_queued",
-    "waiting_known", "waiting_sum", "waiting_uncached_known", "waiting_uncached_sum",
-    "queue_ms_known", "queue_us_sum", "cold_prefill_tokens", "agree", "agree_known",
-    "guard_compared", "guard_overrides", "admission_evaluated", "admission_rejected",
-    "gate_rejected",
-)
-ACC = {name: i for i, name in enumerate(ACC_NAMES)}
-N_ACC = len(ACC_NAMES)
-WAIT_HIST = 1 << 12
-N_DIV = len(labels.DIVERTED_BUCKETS) + 1
 
 _REQUESTS = ACC["requests"]
 _ROUTED = ACC["routed"]
@@ -84,6 +72,13 @@ _OVERRIDES = ACC["guard_overrides"]
 _EVAL = ACC["admission_evaluated"]
 _ADM_REJ = ACC["admission_rejected"]
 _GATE_REJ = ACC["gate_rejected"]
+_LOST_CANDIDATES = ACC["lost_candidates"]
+_LOST_GATE = ACC["lost_queue_gate"]
+_LOST_CAPACITY = ACC["lost_capacity"]
+_LOST_PIN = ACC["lost_pin"]
+_LOST_TOURNAMENT = ACC["lost_tournament"]
+_LOST_FALLBACK = ACC["lost_fallback"]
+_CANDIDATE = labels.CACHE_CANDIDATE
 _PIN = labels.SATURATION_PIN
 _WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
 _N_BOUNDS = len(labels.DIVERTED_BUCKETS)
@@ -120,7 +115,7 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
     a[_DEC0 + dec, c] += sign
     a[_POL0 + res_i[O_POLICY_REASON, k], c] += sign
     a[_QUERY, c] += sign * (q)
-    matched = res_i[O_MATCHED, k]
+    matched = res_i[O_MATCHED_BLOCKS, k]
     if matched > 0:
         sel = res_i[O_SELECTED_BLOCKS, k]
         a[_MATCHED, c] += sign * (matched)
@@ -128,21 +123,36 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
         a[_OWNER_CHANCES, c] += sign
         if sel > 0:
             a[_OWNER_HITS, c] += sign
-    a[_COLD, c] += sign * (res_i[O_UNCACHED, k])
-    sw = res_i[O_SEL_WAITING, k]
+        # the waterfall: three stored terms, the choosing step keeps the rest
+        lc = res_i[O_LOST_CANDIDATES, k]
+        lg = res_i[O_LOST_QUEUE_GATE, k]
+        lcap = res_i[O_LOST_CAPACITY, k]
+        a[_LOST_CANDIDATES, c] += sign * lc
+        a[_LOST_GATE, c] += sign * lg
+        a[_LOST_CAPACITY, c] += sign * lcap
+        rest = matched - sel - lc - lg - lcap
+        reason = res_i[O_REASON, k]
+        if reason == _PIN:
+            a[_LOST_PIN, c] += sign * rest
+        elif reason == _CANDIDATE:
+            a[_LOST_TOURNAMENT, c] += sign * rest
+        else:
+            a[_LOST_FALLBACK, c] += sign * rest
+    a[_COLD, c] += sign * (res_i[O_UNCACHED_TOKENS, k])
+    sw = res_i[O_SELECTED_WAITING, k]
     if sw >= 0:
         a[_WAIT_KNOWN, c] += sign
         a[_WAIT_SUM, c] += sign * (sw)
         hw[sw if sw < top else top, c] += sign
-    wu = res_i[O_SEL_WU, k]
+    wu = res_i[O_SELECTED_WAITING_UNCACHED, k]
     if wu >= 0:
         a[_WU_KNOWN, c] += sign
         a[_WU_SUM, c] += sign * (wu)
-        ms = res_f[k]
+        ms = res_f[F_SELECTED_QUEUE_MS, k]
         if not math.isnan(ms):
             a[_MS_KNOWN, c] += sign
             a[_US_SUM, c] += sign * (np.int64(np.round(ms * 1000.0)))
-    if res_i[O_SOURCE, k] < 0:
+    if res_i[O_PRESSURE_SOURCE, k] < 0:
         return  # no cache resolution ran: every audit counter is 0
     gate = res_i[O_GATE_REJECTED, k]
     fell = res_i[O_FELL_BACK, k]
@@ -151,24 +161,24 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
     elif gate > 0 and fell == 0:
         a[_DIVERTED, c] += sign
     a[_FELL_BACK, c] += sign * (fell)
-    a[_ALL_QUEUED, c] += sign * (res_i[O_ALL_QUEUED, k])
-    a[_COMPARED, c] += sign * (res_i[O_COMPARED, k])
-    a[_OVERRIDES, c] += sign * (res_i[O_OVERRIDES, k])
-    a[_EVAL, c] += sign * (res_i[O_EVALUATED, k])
-    a[_ADM_REJ, c] += sign * (res_i[O_ADM_REJECTED, k])
+    a[_ALL_QUEUED, c] += sign * (res_i[O_FLEET_ALL_QUEUED, k])
+    a[_COMPARED, c] += sign * (res_i[O_GUARD_COMPARED, k])
+    a[_OVERRIDES, c] += sign * (res_i[O_GUARD_OVERRIDES, k])
+    a[_EVAL, c] += sign * (res_i[O_ADMISSION_EVALUATED, k])
+    a[_ADM_REJ, c] += sign * (res_i[O_ADMISSION_REJECTED, k])
     a[_GATE_REJ, c] += sign * (gate)
     if dec == _WORKER_QUEUED:
-        hd[diverted_bucket_nb(res_i[O_BEST_REJECTED, k]), c] += sign
+        hd[diverted_bucket_nb(res_i[O_BEST_REJECTED_BLOCKS, k]), c] += sign
 
 
 @njit
-def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, parent, query_blocks,
-                          selected_worker):
+def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 
     Config ``c``'s decision is column ``src_of[c]`` of ``res_i[O_*, :]`` /
-    ``res_f`` (kernels/columns.py); ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]`` and
-    ``hist_div[b, bucket, c]`` keep configs innermost.
+    ``res_f[F_*, :]`` (kernels/layout.py); ``totals`` is a ``layout.Accumulators``
+    whose ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]`` and ``hist_div[b, bucket, c]``
+    keep configs innermost.
 
     Configs are booked relative to a parent (``parent[c] < c``: the previous
     config of the same knob group and limit, so a chain over the floors; a root
@@ -180,9 +190,9 @@ def accumulate_request_nb(acc, hist_wait, hist_div, b, res_i, res_f, src_of, par
     """
     n_cfg = res_i.shape[1]
     q = query_blocks if query_blocks > 0 else 0
-    a = acc[b]
-    hw = hist_wait[b]
-    hd = hist_div[b]
+    a = totals.acc[b]
+    hw = totals.hist_wait[b]
+    hd = totals.hist_div[b]
     for c in range(n_cfg):
         p = parent[c]
         k = src_of[c]

@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from .. import labels as L_
+from .. import labels
+from ..config import KNOBS
 from ._jit import njit
 from .rng import draw_nb
 from .snapshot import (
@@ -28,26 +29,34 @@ from .snapshot import (
     S_RUNNING,
     S_TOTAL,
     S_WAITING,
+    S_WAITING_PER_RANK,
     S_WU,
 )
 
 # label codes as module constants numba can freeze
-PRIMARY = L_.PRIMARY
-CACHE_CANDIDATE = L_.CACHE_CANDIDATE
-BACKUP_PRIMARY_ADMISSION = L_.BACKUP_PRIMARY_ADMISSION
-RANGE_FALLBACK = L_.RANGE_FALLBACK
-CAPACITY_FALLBACK = L_.CAPACITY_FALLBACK_POWER_OF_TWO
-SATURATION_PIN = L_.SATURATION_PIN
-CACHE_HIT = L_.CACHE_HIT
-CACHE_MISS = L_.CACHE_MISS
-CACHE_WORKER_QUEUED = L_.CACHE_WORKER_QUEUED
-ALL_QUEUED = L_.ALL_QUEUED
-FAIL_PREFILL = L_.FAIL_PREFILL_ADMISSION_EXHAUSTED
-FAIL_CACHE = L_.FAIL_CACHE_CANDIDATES_EXHAUSTED
-FAIL_EMPTY = L_.FAIL_PROPOSAL_EMPTY
-SRC_MS = L_.SRC_ESTIMATED_MS
-SRC_TOKENS = L_.SRC_NATIVE_TOKENS
-SRC_LOCAL = L_.SRC_ROUTER_LOCAL
+PRIMARY = labels.PRIMARY
+CACHE_CANDIDATE = labels.CACHE_CANDIDATE
+BACKUP_PRIMARY_ADMISSION = labels.BACKUP_PRIMARY_ADMISSION
+RANGE_FALLBACK = labels.RANGE_FALLBACK
+CAPACITY_FALLBACK = labels.CAPACITY_FALLBACK_POWER_OF_TWO
+SATURATION_PIN = labels.SATURATION_PIN
+CACHE_HIT = labels.CACHE_HIT
+CACHE_MISS = labels.CACHE_MISS
+CACHE_WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
+ALL_QUEUED = labels.ALL_QUEUED
+FAIL_PREFILL = labels.FAIL_PREFILL_ADMISSION_EXHAUSTED
+FAIL_CACHE = labels.FAIL_CACHE_CANDIDATES_EXHAUSTED
+FAIL_EMPTY = labels.FAIL_PROPOSAL_EMPTY
+SRC_MS = labels.SRC_ESTIMATED_MS
+SRC_TOKENS = labels.SRC_NATIVE_TOKENS
+SRC_LOCAL = labels.SRC_ROUTER_LOCAL
+NO_LOSS = labels.NO_LOSS
+LOST_CANDIDATES = labels.LOST_CANDIDATES
+LOST_QUEUE_GATE = labels.LOST_QUEUE_GATE
+LOST_CAPACITY = labels.LOST_CAPACITY
+LOST_PIN = labels.LOST_PIN
+LOST_TOURNAMENT = labels.LOST_TOURNAMENT
+LOST_FALLBACK = labels.LOST_FALLBACK
 
 # Candidate table columns (int64), one row per prepared candidate.
 C_WORKER = 0
@@ -69,37 +78,60 @@ A_ALL_QUEUED = 7
 A_COMPARED = 8
 A_OVERRIDES = 9
 A_SOURCE = 10
-A_NCOLS = 11
+# depths (capped matched blocks) of the deepest candidate of each set, for the
+# locality waterfall: prepared, gate-evaluated, capacity-admitted, pin pool
+A_DEPTH_PREPARED = 11
+A_DEPTH_EVALUATED = 12
+A_DEPTH_ADMITTED = 13
+A_DEPTH_PIN_POOL = 14
+A_NCOLS = 15
+
+
+# Policy variants (docs/replay-model.md "Policy variants"): codes of the
+# ``choice`` knobs, their index in ``config.KNOBS[...].choices``.
+PIN_LOCALITY = KNOBS["variant_pin_order"].choices.index("locality")
+SCALING_PER_WORKER = KNOBS["variant_floor_scaling"].choices.index("per-worker")
+
+
+@njit
+def gate_column_nb(floor_scaling):
+    """The snapshot column the queue gate and the floor read under a floor-scaling code."""
+    return S_WAITING_PER_RANK if floor_scaling == SCALING_PER_WORKER else S_WAITING
 
 
 # ---------------------------------------------------------------------------
 # Section 3.1 / 3.2 / 3.6: queue readings
 @njit
-def gate_admits_nb(snap, w, limit):
-    """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit."""
+def gate_admits_nb(snap, w, limit, wcol):
+    """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit.
+
+    ``wcol`` is the snapshot column the gate reads: ``S_WAITING`` (the router's
+    fleet scaling) or ``S_WAITING_PER_RANK`` (the per-worker floor-scaling
+    variant: waiting < limit x dp_size  <=>  waiting // dp_size < limit).
+    """
     if limit < 0:
         return True
     if snap[w, S_BASIC] == 0:
         return True
-    return snap[w, S_WAITING] < limit
+    return snap[w, wcol] < limit
 
 
 @njit
-def fleet_all_queued_nb(snap, fleet, limit):
+def fleet_all_queued_nb(snap, fleet, limit, wcol):
     """fleet_is_all_queued (3.2): a limit, a non-empty fleet, every worker gated out."""
     if limit < 0 or fleet.shape[0] == 0:
         return False
     for w in fleet:
-        if gate_admits_nb(snap, w, limit):
+        if gate_admits_nb(snap, w, limit, wcol):
             return False
     return True
 
 
 @njit
-def any_fresh_queue_below_nb(snap, fleet, floor):
+def any_fresh_queue_below_nb(snap, fleet, floor, wcol):
     """any_fresh_queue_below (3.6): some fleet worker with a fresh basic sample reads waiting < floor."""
     for w in fleet:
-        if snap[w, S_BASIC] == 1 and snap[w, S_WAITING] < floor:
+        if snap[w, S_BASIC] == 1 and snap[w, wcol] < floor:
             return True
     return False
 
@@ -338,7 +370,7 @@ def _tournament_cmp(snap, est, lw, le, rw, re, engine, margin, guard, abs_tokens
 # Section 3: resolve_cache_candidates
 @njit
 def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
-                     abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp):
+                     abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp, wcol, pin_locality):
     """Resolve prepared candidates ``cand[:n]``; write the audit; return the selected worker or -1.
 
     ``ev``, ``rj``, ``adm`` and ``tmp`` are int64 scratch vectors of length >= n
@@ -346,13 +378,14 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
     """
     return resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
                                  abs_ms, rel, audit, ev, rj, adm, tmp,
-                                 fleet_all_queued_nb(snap, fleet, limit),
-                                 floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
+                                 fleet_all_queued_nb(snap, fleet, limit, wcol),
+                                 floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor, wcol),
+                                 wcol, pin_locality)
 
 
 @njit
 def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                          rel, audit, ev, rj, adm, tmp, all_queued, any_below):
+                          rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality):
     """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
     the snapshot and the limit / floor: ``fleet_is_all_queued`` (3.2) and
     ``any_fresh_queue_below(floor)`` (3.6).  The grid pass computes them once per
@@ -366,9 +399,13 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     n_ev = 0
     n_rj = 0
     best_rej = 0
+    depth = 0
+    for i in range(n):
+        depth = max(depth, cand[i, C_BLOCKS])
+    audit[A_DEPTH_PREPARED] = depth
     for i in range(n):
         w = cand[i, C_WORKER]
-        if gate_admits_nb(snap, w, limit):
+        if gate_admits_nb(snap, w, limit, wcol):
             ev[n_ev] = i
             n_ev += 1
         else:
@@ -393,12 +430,18 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     engine, all_est = set_coverage_nb(snap, est, tmp, n_ev)
     audit[A_SOURCE] = pressure_source_nb(engine, all_est)
     n_adm = 0
+    d_ev = 0
+    d_adm = 0
     for k in range(n_ev):
         i = ev[k]
+        d_ev = max(d_ev, cand[i, C_BLOCKS])
         if cache_candidate_admitted_nb(snap, cand[i, C_WORKER], L, cand[i, C_E], cand[i, C_BUDGET]):
             adm[n_adm] = i
             n_adm += 1
+            d_adm = max(d_adm, cand[i, C_BLOCKS])
     audit[A_ADM_REJECTED] = n_ev - n_adm
+    audit[A_DEPTH_EVALUATED] = d_ev
+    audit[A_DEPTH_ADMITTED] = d_adm
     if n_adm == 0:
         # 3.6 saturation pin
         if n_rj > 0 and floor >= 0 and not any_below:
@@ -406,17 +449,28 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
                 tmp[k] = cand[rj[k], C_WORKER]
             pin_engine, _unused = set_coverage_nb(snap, est, tmp, n_rj)
             best = -1
+            best_i = -1
             for k in range(n_rj):
                 i = rj[k]
                 w = cand[i, C_WORKER]
                 if not cache_candidate_admitted_nb(snap, w, L, cand[i, C_E], cand[i, C_BUDGET]):
                     continue
+                audit[A_DEPTH_PIN_POOL] = max(audit[A_DEPTH_PIN_POOL], cand[i, C_BLOCKS])
                 if best < 0:
                     best = w
+                    best_i = i
                     continue
+                if pin_locality:
+                    # variant --pin-order locality: deepest match first, then pressure, then id
+                    if cand[i, C_BLOCKS] != cand[best_i, C_BLOCKS]:
+                        if cand[i, C_BLOCKS] > cand[best_i, C_BLOCKS]:
+                            best = w
+                            best_i = i
+                        continue
                 c = cmp_set_nb(snap, est, w, best, pin_engine)
                 if c < 0 or (c == 0 and w < best):
                     best = w
+                    best_i = i
             if best >= 0:
                 audit[A_SELECTED] = best
                 audit[A_REASON] = SATURATION_PIN
@@ -459,7 +513,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
 # ---------------------------------------------------------------------------
 # Section 4.2: the min-load sampler
 @njit
-def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, idx):
+def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, pool, idx):
     """best_two_of_sample over the queue-gate tier of ``workers``.
 
     Returns (best, runner_up, next_draw_index); best = -1 for an empty list.
@@ -467,7 +521,7 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
     m = 0
     if limit >= 0:
         for w in workers:
-            if gate_admits_nb(snap, w, limit):
+            if gate_admits_nb(snap, w, limit, wcol):
                 pool[m] = w
                 m += 1
     if m == 0:
@@ -537,18 +591,18 @@ def sample_pair_nb(snap, est, workers, k, limit, seed, req_index, draw, pool, id
 # ---------------------------------------------------------------------------
 # Section 4.1: resolve_prefill_admitted (strict, with the two-tier range fallback)
 @njit
-def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, pool):
+def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, wcol, pool):
     """Returns (worker, reason) or (-1, -1)."""
-    p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit)
+    p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit, wcol)
     if p_ok:
         return primary, PRIMARY  # cache-aware pairs carry no guard hints: never BackupPressureGuard
-    if backup >= 0 and prefill_admitted_nb(snap, backup, L) and gate_admits_nb(snap, backup, limit):
+    if backup >= 0 and prefill_admitted_nb(snap, backup, L) and gate_admits_nb(snap, backup, limit, wcol):
         return backup, BACKUP_PRIMARY_ADMISSION
     # range fallback: tier 1 = capacity-admitted and gate-admitted; tier 2 = capacity-admitted
     m = 0
     if limit >= 0:
         for w in legal:
-            if prefill_admitted_nb(snap, w, L) and gate_admits_nb(snap, w, limit):
+            if prefill_admitted_nb(snap, w, L) and gate_admits_nb(snap, w, limit, wcol):
                 pool[m] = w
                 m += 1
     if m == 0:
@@ -589,6 +643,60 @@ def locality_nb(L, query_blocks, best_prefix, m_worker, m_blocks, w):
 
 
 # ---------------------------------------------------------------------------
+# The locality waterfall (docs/replay-model.md "Where locality goes")
+@njit
+def waterfall_nb(matched, selected, reason, audit):
+    """(lost_candidates, lost_queue_gate, lost_capacity, lost_to) of a routed decision.
+
+    ``matched``/``selected`` are its locality blocks, ``reason`` its DecisionReason
+    and ``audit`` its cache resolution's (A_REASON = -2 when none ran).  The
+    chain of depths from ``matched`` down to ``selected`` runs through the
+    deepest prepared, gate-evaluated and admitted candidate (the pin: the deepest
+    of its pool), each clamped to [selected, previous]; a term is the drop at
+    its step, and the step that chose the worker (pin, tournament or fallback
+    ladder) keeps the rest, so the terms add up to ``matched - selected``.
+    """
+    if matched <= 0:
+        return 0, 0, 0, NO_LOSS
+    cands = 0
+    gate = 0
+    capacity = 0
+    last = 0  # the choosing step's loss
+    last_step = LOST_FALLBACK
+    if audit[A_REASON] == -2:
+        # no proposal: the domain rungs chose
+        last = matched - selected
+    else:
+        x1 = min(matched, max(audit[A_DEPTH_PREPARED], selected))
+        cands = matched - x1
+        if reason == SATURATION_PIN:
+            # the pin re-admits gated owners: no gate loss; capacity, then the pin's order
+            x2 = min(x1, max(audit[A_DEPTH_PIN_POOL], selected))
+            capacity = x1 - x2
+            last = x2 - selected
+            last_step = LOST_PIN
+        else:
+            x2 = min(x1, max(audit[A_DEPTH_EVALUATED], selected))
+            x3 = min(x2, max(audit[A_DEPTH_ADMITTED], selected))
+            gate = x1 - x2
+            capacity = x2 - x3
+            last = x3 - selected
+            if reason == CACHE_CANDIDATE:
+                last_step = LOST_TOURNAMENT
+    if cands > 0:
+        first = LOST_CANDIDATES
+    elif gate > 0:
+        first = LOST_QUEUE_GATE
+    elif capacity > 0:
+        first = LOST_CAPACITY
+    elif last > 0:
+        first = last_step
+    else:
+        first = NO_LOSS
+    return cands, gate, capacity, first
+
+
+# ---------------------------------------------------------------------------
 # Section 5.3
 @njit
 def fallback_decision_nb(rejected, evaluated, all_queued):
@@ -605,11 +713,10 @@ def fallback_decision_nb(rejected, evaluated, all_queued):
 # ---------------------------------------------------------------------------
 # Section 8: the whole selection of one request under one config
 @njit
-def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est,
-                      limit, floor, k, margin, guard, abs_tokens, abs_ms, rel,
-                      min_tokens, min_ratio, cmin, cratio, cmax, seed, req_index,
-                      audit, scratch_i, cand, seen):
-    """Run the ladder; return (worker, reason, decision, failure).
+def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est, knobs, c,
+                      seed, req_index, audit, scratch_i, cand, seen):
+    """Run the ladder for config ``c`` of ``knobs`` (``layout.KnobArrays``);
+    return (worker, reason, decision, failure).
 
     ``audit`` receives the cache resolution's audit (A_* columns; A_REASON = -2
     when no resolution ran).  ``scratch_i`` is an int64 matrix with at least 6
@@ -618,25 +725,34 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
     n = 0
     if query_blocks > 0 and m_worker.shape[0] > 0:
         n = prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet.shape[0],
-                                  snap, est, min_tokens, min_ratio, cmin, cratio, cmax, seen, cand,
-                                  scratch_i[0])
-    return select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard,
-                              abs_tokens, abs_ms, rel, seed, req_index, audit, scratch_i)
+                                  snap, est, knobs.cache_affinity_min_matched_tokens[c],
+                                  knobs.cache_affinity_min_match_ratio[c],
+                                  knobs.cache_candidate_min_workers[c], knobs.cache_candidate_ratio[c],
+                                  knobs.cache_candidate_max_workers[c], seen, cand, scratch_i[0])
+    return select_prepared_nb(n, cand, L, fleet, snap, est, knobs.worker_queue_limit[c],
+                              knobs.saturation_queue_floor[c], knobs.min_load_choices[c],
+                              knobs.cache_switch_margin_tokens[c], knobs.pressure_guard[c] == 1,
+                              knobs.pressure_abs_threshold_tokens[c],
+                              knobs.pressure_abs_threshold_ms[c], knobs.pressure_rel_threshold[c],
+                              seed, req_index, audit, scratch_i,
+                              gate_column_nb(knobs.variant_floor_scaling[c]),
+                              knobs.variant_pin_order[c] == PIN_LOCALITY)
 
 
 @njit
 def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                  rel, audit, scratch_i):
+                  rel, audit, scratch_i, wcol, pin_locality):
     """Section 8's cache rung (see ``cache_rung_with_nb``)."""
     return cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens,
                               abs_ms, rel, audit, scratch_i,
-                              fleet_all_queued_nb(snap, fleet, limit),
-                              floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor))
+                              fleet_all_queued_nb(snap, fleet, limit, wcol),
+                              floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor, wcol),
+                              wcol, pin_locality)
 
 
 @njit
 def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                       rel, audit, scratch_i, all_queued, any_below):
+                       rel, audit, scratch_i, all_queued, any_below, wcol, pin_locality):
     """Section 8's cache rung: returns (worker, reason, label).
 
     ``worker == -1``: the rung yielded nothing and ``label`` is the
@@ -652,7 +768,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
         return -1, -1, CACHE_MISS
     w = resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
                               abs_ms, rel, audit, scratch_i[1], scratch_i[2], scratch_i[3],
-                              scratch_i[4], all_queued, any_below)
+                              scratch_i[4], all_queued, any_below, wcol, pin_locality)
     if w >= 0:
         reason = audit[A_REASON]
         if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:
@@ -663,7 +779,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
 
 
 @njit
-def domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i):
+def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i):
     """Section 4's domain rungs over the one global domain: (worker, reason).
 
     Pass 1 draws a pair for the strict resolution; pass 2 draws a fresh pair,
@@ -676,15 +792,15 @@ def domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i):
     pool = scratch_i[0]
     idx = scratch_i[5]
     draw = 0
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
     if w >= 0:
         return w, reason
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, pool)
+    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
     if w >= 0:
         return w, reason
-    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, seed, req_index, draw, pool, idx)
+    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
     return w, CAPACITY_FALLBACK
 
 
@@ -698,17 +814,17 @@ def failure_of_nb(resolved, n_fleet):
 
 @njit
 def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
-                       abs_ms, rel, seed, req_index, audit, scratch_i):
+                       abs_ms, rel, seed, req_index, audit, scratch_i, wcol, pin_locality):
     """The ladder of ``select_prefill_nb`` after candidate preparation.
 
     ``cand[:n]`` are the prepared candidates in seed order; ``n == 0`` means no
     proposal (no signal, empty outcome, or no candidate survived).
     """
     w, reason, label = cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard,
-                                     abs_tokens, abs_ms, rel, audit, scratch_i)
+                                     abs_tokens, abs_ms, rel, audit, scratch_i, wcol, pin_locality)
     if w >= 0:
         return w, reason, label, -1
-    w, reason = domain_rungs_nb(fleet, snap, est, L, limit, k, seed, req_index, scratch_i)
+    w, reason = domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i)
     if w >= 0:
         return w, reason, label, -1
     return -1, -1, -1, failure_of_nb(n > 0, fleet.shape[0])

@@ -24,7 +24,8 @@ S_TOTAL = 5      # sum of num_total_tokens
 S_MAXTOT = 6     # sum of max_total_num_tokens
 S_MAXRUN = 7     # sum of max_running_requests
 S_INFLIGHT = 8   # router-local in-flight count (section 0, items 3 and 15)
-S_NCOLS = 9
+S_WAITING_PER_RANK = 9  # S_WAITING // required ranks (the per-worker floor-scaling variant's gate)
+S_NCOLS = 10
 
 # Columns of the per-rank table (int64), indexed [worker, rank, column].
 R_HAS = 0
@@ -54,20 +55,15 @@ def new_rank_table(n_workers: int, n_ranks: int) -> tuple[np.ndarray, np.ndarray
 
 
 @njit
-def advance_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
-               load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
-               load_ptok, load_pbusy, load_inflight, dp_size, table, inflight):
-    """Apply every load sample with ``ts <= upto_ts`` from ``ptr`` on; return the new pointer."""
-    return advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running,
-                            load_waiting, load_tokens, load_maxtot, load_tail, load_wu, load_total,
-                            load_maxrun, load_ptok, load_pbusy, load_inflight, dp_size, table,
-                            inflight, np.zeros(inflight.shape[0], dtype=np.bool_))
+def advance_nb(ptr, upto_ts, loads, dp_size, table, inflight):
+    """Apply every load sample (``layout.LoadColumns``) with ``ts <= upto_ts`` from
+    ``ptr`` on; return the new pointer."""
+    return advance_dirty_nb(ptr, upto_ts, loads, dp_size, table, inflight,
+                            np.zeros(inflight.shape[0], dtype=np.bool_))
 
 
 @njit
-def advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running, load_waiting,
-                     load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun,
-                     load_ptok, load_pbusy, load_inflight, dp_size, table, inflight, dirty):
+def advance_dirty_nb(ptr, upto_ts, loads, dp_size, table, inflight, dirty):
     """``advance_nb`` that also marks every worker a sample touched in ``dirty``.
 
     Last value wins per (worker, rank); the previous sample's native tail is
@@ -75,13 +71,13 @@ def advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running
     rank outside ``0..dp_size-1`` are ignored for loads, but their
     ``router_inflight`` still counts (section 0, item 15: any rank).
     """
-    n = load_ts.shape[0]
-    while ptr < n and load_ts[ptr] <= upto_ts:
-        w = load_worker[ptr]
-        r = load_rank[ptr]
+    n = loads.ts.shape[0]
+    while ptr < n and loads.ts[ptr] <= upto_ts:
+        w = loads.worker[ptr]
+        r = loads.rank[ptr]
         dirty[w] = True
-        if load_inflight[ptr] >= 0:
-            inflight[w] = load_inflight[ptr]
+        if loads.router_inflight[ptr] >= 0:
+            inflight[w] = loads.router_inflight[ptr]
         dp = dp_size[w]
         if dp > 0 and r >= dp:
             ptr += 1
@@ -94,18 +90,18 @@ def advance_dirty_nb(ptr, upto_ts, load_ts, load_worker, load_rank, load_running
         else:
             row[R_PREV_OK] = 0
         row[R_HAS] = 1
-        row[R_AT] = load_ts[ptr]
-        row[R_RUNNING] = load_running[ptr]
-        row[R_WAITING] = load_waiting[ptr]
-        row[R_TOKENS] = load_tokens[ptr]
-        row[R_MAXTOT] = load_maxtot[ptr]
-        if load_tail[ptr]:
+        row[R_AT] = loads.ts[ptr]
+        row[R_RUNNING] = loads.running[ptr]
+        row[R_WAITING] = loads.waiting[ptr]
+        row[R_TOKENS] = loads.num_tokens[ptr]
+        row[R_MAXTOT] = loads.max_total[ptr]
+        if loads.has_tail[ptr]:
             row[R_TAIL] = 1
-            row[R_WU] = load_wu[ptr]
-            row[R_TOTAL] = load_total[ptr]
-            row[R_MAXRUN] = load_maxrun[ptr]
-            row[R_PTOK] = load_ptok[ptr]
-            row[R_PBUSY] = load_pbusy[ptr]
+            row[R_WU] = loads.waiting_uncached[ptr]
+            row[R_TOTAL] = loads.total_tokens[ptr]
+            row[R_MAXRUN] = loads.max_running[ptr]
+            row[R_PTOK] = loads.prefill_tokens[ptr]
+            row[R_PBUSY] = loads.prefill_busy_us[ptr]
         else:
             row[R_TAIL] = 0
         ptr += 1
@@ -172,6 +168,8 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
         return oldest
     out[S_BASIC] = 1
     out[S_WAITING] = waiting
+    # count = the worker's required ranks (its dp_size, else the ranks observed)
+    out[S_WAITING_PER_RANK] = waiting // count
     if native:
         out[S_NATIVE] = 1
         out[S_RUNNING] = running
@@ -251,3 +249,25 @@ def fleet_reading_nb(snap, fleet):
             if best < 0 or snap[w, S_WAITING] < best:
                 best = snap[w, S_WAITING]
     return best, n_fresh
+
+
+@njit
+def fleet_readings_nb(req_ts, req_model, loads, dp_size, table, inflight, fleets, freshness,
+                      out_min, out_fresh):
+    """The replay's own snapshot per request (``req_ts`` ascending), reduced by
+    ``fleet_reading_nb`` over the request's fleet (``layout.Fleets``) into
+    ``out_min[i]``/``out_fresh[i]``: the grid pass's fleet readings as a pass of
+    their own, for traces replayed otherwise."""
+    n_w = inflight.shape[0]
+    snap = np.zeros((n_w, S_NCOLS), dtype=np.int64)
+    est = np.full(n_w, np.nan)
+    oldest = np.zeros(n_w, dtype=np.int64)
+    dirty = np.ones(n_w, dtype=np.bool_)
+    ptr = 0
+    for i in range(req_ts.shape[0]):
+        now = req_ts[i]
+        ptr = advance_dirty_nb(ptr, now, loads, dp_size, table, inflight, dirty)
+        refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
+        m = req_model[i]
+        out_min[i], out_fresh[i] = fleet_reading_nb(
+            snap, fleets.workers[fleets.offsets[m]:fleets.offsets[m + 1]])

@@ -28,7 +28,8 @@ from numba.typed import List
 import numba
 
 from ..kernels._jit import JIT, njit
-from ..kernels.decide import select_prefill_nb
+from ..kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
+from ..kernels.layout import LoadColumns
 from ..kernels.snapshot import R_NCOLS, S_NCOLS, advance_dirty_nb, refresh_nb
 
 INF = np.int64(1) << 62
@@ -575,7 +576,7 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
 @njit
 def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
-                rank_maxrun, rank_cap, rank_phase, cfg_i, cfg_f, seed, freshness, publish_ns,
+                rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
                 lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
                 forced):
     """Run one closed-loop simulation.
@@ -584,8 +585,9 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     ``btok`` tokens each, ``parent`` ids); ``req_private`` = tokens outside
     shared blocks (partial tail beyond the hashed blocks + output tokens).
     Workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones; ranks
-    of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``cfg_i``/``cfg_f``
-    are one row of ``replay.engine.encode_configs``.  Engine options per rank:
+    of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``knobs`` is the
+    ``kernels.layout.KnobArrays`` of one config (``replay.engine.encode_configs``).
+    Engine options per rank:
     ``rank_decode_slope`` (ns per extra running request in a decode step),
     ``rank_chunk`` (chunked_prefill_size, 0 off), ``rank_policy`` (POLICY_*).
     ``pub_delay`` > 0 selects on-change publishing (a sample ``pub_delay`` after
@@ -668,13 +670,12 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     oldest = np.zeros(n_workers, dtype=np.int64)
     dirty = np.ones(n_workers, dtype=np.bool_)
     ptr = 0
-    audit = np.zeros(11, dtype=np.int64)
+    audit = np.zeros(A_NCOLS, dtype=np.int64)
     scratch_i = np.zeros((8, n_workers + 2), dtype=np.int64)
-    cand = np.zeros((n_workers + 1, 5), dtype=np.int64)
+    cand = np.zeros((n_workers + 1, C_NCOLS), dtype=np.int64)
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
-    guard = cfg_i[4] == 1
     # --- clocks
     if N > 0 and on_change:
         for r in range(R):  # every rank publishes once just before the first request
@@ -809,19 +810,17 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             m_off[i + 1] = nm
             rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
             # the load snapshot: exactly the samples written so far
-            ptr = advance_dirty_nb(ptr, t, loads[LD_TS, :nl], loads[LD_WORKER, :nl],
-                                   loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
-                                   loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
-                                   loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
-                                   loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
-                                   loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
-                                   loads[LD_INFLIGHT, :nl], dp_size, table, view_inflight, dirty)
+            written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl], loads[LD_RANK, :nl],
+                                  loads[LD_RUNNING, :nl], loads[LD_WAITING, :nl],
+                                  loads[LD_TOKENS, :nl], loads[LD_MAXTOT, :nl], tail[:nl],
+                                  loads[LD_WU, :nl], loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
+                                  loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
+                                  loads[LD_INFLIGHT, :nl])
+            ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
             refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
             w, reason, decision, failure = select_prefill_nb(
                 req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
-                cfg_i[0], cfg_i[1], cfg_i[2], cfg_i[3], guard, cfg_i[5], cfg_f[0], cfg_f[1],
-                cfg_i[6], cfg_f[2], cfg_i[7], cfg_f[3], cfg_i[8], seed, i, audit, scratch_i, cand,
-                seen)
+                knobs, 0, seed, i, audit, scratch_i, cand, seen)
             if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
                 w, reason, decision, failure = forced[i], -1, -1, -1
             rq[i, RQ_WORKER] = w

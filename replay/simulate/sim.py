@@ -138,8 +138,7 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
                           k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
                           k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
                           k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
-                          np.ascontiguousarray(enc.cfg_i[0]), np.ascontiguousarray(enc.cfg_f[0]),
-                          int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
+                          enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
                           int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
                           k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
                           np.ascontiguousarray(forced, dtype=np.int64))

@@ -8,9 +8,10 @@ fleet worker reads below the floor (section 3.6), i.e. when this minimum is
 ``>= floor``; the report plots it beside the pin share over time.
 
 It is the replay's own snapshot (``kernels/snapshot.py``), reduced per
-request (``fleet_reading_nb``).  A sweep takes the readings from the grid
+request (``kernels/snapshot.fleet_reading_nb``).  A sweep takes the readings from the grid
 kernel, which computes them as it replays (``Chunk.fleet_min``);
-:func:`fleet_readings` is the same reduction as a pass of its own, for
+:func:`fleet_readings` is the same reduction as a pass of its own
+(``snapshot.fleet_readings_nb``), for
 traces replayed otherwise.  ``tests/test_report.py`` holds the kernel's
 readings equal to this pass and this pass equal to the reference's snapshot;
 :class:`FleetFacts` merges the facts exactly across windows and shards.
@@ -22,8 +23,7 @@ import numpy as np
 import polars as pl
 
 from .engine import dp_sizes, fleet_tables, load_columns, n_rank_slots
-from .kernels._jit import njit
-from .kernels.snapshot import S_NCOLS, advance_dirty_nb, fleet_reading_nb, new_rank_table, refresh_nb
+from .kernels.snapshot import fleet_readings_nb, new_rank_table
 from .trace import Trace
 
 FLEET = "fleet.parquet"
@@ -33,30 +33,6 @@ SATURATED_DEFINITION = (
     "the fleet's smallest fresh queue reading is ≥ 1: every fleet worker with a fresh "
     "load sample has requests waiting (requests whose fleet has no fresh sample do not count)"
 )
-
-
-@njit
-def _fleet_min_nb(req_ts, req_model, load_ts, load_worker, load_rank, load_running, load_waiting,
-                  load_tokens, load_maxtot, load_tail, load_wu, load_total, load_maxrun, load_ptok,
-                  load_pbusy, load_inflight, dp, table, inflight, fleet_off, fleet_w, freshness,
-                  out_min, out_fresh):
-    """The replay's own snapshot (kernels/snapshot.py) per request, reduced to the
-    fleet's smallest fresh basic waiting count and the number of fresh workers."""
-    n_w = inflight.shape[0]
-    snap = np.zeros((n_w, S_NCOLS), dtype=np.int64)
-    est = np.full(n_w, np.nan)
-    oldest = np.zeros(n_w, dtype=np.int64)
-    dirty = np.ones(n_w, dtype=np.bool_)
-    ptr = 0
-    for i in range(req_ts.shape[0]):
-        now = req_ts[i]
-        ptr = advance_dirty_nb(ptr, now, load_ts, load_worker, load_rank, load_running,
-                               load_waiting, load_tokens, load_maxtot, load_tail, load_wu,
-                               load_total, load_maxrun, load_ptok, load_pbusy, load_inflight, dp,
-                               table, inflight, dirty)
-        refresh_nb(table, inflight, dp, now, freshness, snap, est, oldest, dirty)
-        m = req_model[i]
-        out_min[i], out_fresh[i] = fleet_reading_nb(snap, fleet_w[fleet_off[m]:fleet_off[m + 1]])
 
 
 def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.ndarray, np.ndarray]:
@@ -72,11 +48,10 @@ def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.
     if n == 0:
         return out_min, out_fresh
     table, inflight = new_rank_table(max(trace.n_workers, 1), n_rank_slots(trace))
-    fleet_off, fleet_w, _in_fleet = fleet_tables(trace)
-    _fleet_min_nb(np.ascontiguousarray(trace.req_ts, dtype=np.int64),
-                  np.ascontiguousarray(trace.req_model, dtype=np.int64),
-                  *load_columns(trace), dp_sizes(trace), table, inflight, fleet_off, fleet_w,
-                  int(freshness_ns), out_min, out_fresh)
+    fleet_readings_nb(np.ascontiguousarray(trace.req_ts, dtype=np.int64),
+                      np.ascontiguousarray(trace.req_model, dtype=np.int64),
+                      load_columns(trace), dp_sizes(trace), table, inflight, fleet_tables(trace),
+                      int(freshness_ns), out_min, out_fresh)
     return out_min, out_fresh
 
 

@@ -1,0 +1,453 @@
+"""One pass over a chunk of requests for every config of a grid.
+
+Why it is cheap (README, "How it works"): for one request the snapshot, the
+fleet's queue readings and the prepared candidates do not depend on the queue
+limit or the floor.  A limit ``L`` only matters through *which* fleet workers
+read ``waiting >= L``, so limits that leave the same workers gated form one
+"limit class"; a floor only matters through whether it is set and whether some
+fleet worker reads below it, and only when the limit gates some candidate
+(otherwise neither the fell-back tier nor the pin can fire).  Configs of the
+same other knobs ("group") and the same classes make the same decision (the
+sampler's draws do not depend on the config, see docs/replay-model.md), so
+each request computes every distinct outcome once and the other configs refer
+to it.  The domain rungs depend on the limit class alone and are shared the
+same way.  ``stats`` counts both, so a run can report how much was shared.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numba
+import numpy as np
+
+from ._jit import njit, njit_parallel
+from .accumulate import accumulate_request_nb, book_block_constants_nb
+from .decide import (
+    A_ADM_REJECTED,
+    A_ALL_QUEUED,
+    A_BEST_REJECTED,
+    A_COMPARED,
+    A_EVALUATED,
+    A_FELL_BACK,
+    A_GATE_REJECTED,
+    A_NCOLS,
+    A_OVERRIDES,
+    A_REASON,
+    A_SOURCE,
+    C_NCOLS,
+    C_WORKER,
+    PIN_LOCALITY,
+    cache_rung_with_nb,
+    domain_rungs_nb,
+    failure_of_nb,
+    gate_column_nb,
+    locality_nb,
+    prepare_candidates_nb,
+    waterfall_nb,
+)
+from .layout import Accumulators as layout_acc
+from .layout import (
+    F_NCOLS,
+    F_SELECTED_QUEUE_MS,
+    O_ADMISSION_EVALUATED,
+    O_ADMISSION_REJECTED,
+    O_BEST_REJECTED_BLOCKS,
+    O_DECISION,
+    O_FAILURE,
+    O_FELL_BACK,
+    O_FLEET_ALL_QUEUED,
+    O_GATE_REJECTED,
+    O_GUARD_COMPARED,
+    O_GUARD_OVERRIDES,
+    O_LOST_CANDIDATES,
+    O_LOST_CAPACITY,
+    O_LOST_QUEUE_GATE,
+    O_LOST_TO,
+    O_MATCHED_BLOCKS,
+    O_NCOLS,
+    O_POLICY_REASON,
+    O_PRESSURE_SOURCE,
+    O_REASON,
+    O_SELECTED_BLOCKS,
+    O_SELECTED_WAITING,
+    O_SELECTED_WAITING_UNCACHED,
+    O_UNCACHED_TOKENS,
+    O_WORKER,
+)
+from .snapshot import (
+    S_BASIC,
+    S_NATIVE,
+    S_NCOLS,
+    S_WAITING,
+    S_WAITING_PER_RANK,
+    S_WU,
+    advance_dirty_nb,
+    fleet_reading_nb,
+    refresh_nb,
+)
+
+# policy reason of a DecisionReason code (labels.reason_to_policy_reason as a table)
+_POLICY_OF_REASON = np.array([2, 0, 3, 4, 5, 6, 1], dtype=np.int64)
+
+
+# Per-block working memory of ``_decide_request`` (made once per block, reused per request).
+Scratch = namedtuple("Scratch", (
+    "memo",        # int64[n_groups * (max_fleet + 2) * 3]: outcome key -> config column, -1 = none yet
+    "lclass",      # int64[2, lim_vals]: limit class of each distinct limit (row: gate reading)
+    "fclass",      # int64[2, fl_vals]: floor class of each distinct floor
+    "fleet_wait",  # int64[2, max_fleet]: gate reading per fleet worker (huge when absent)
+    "audit",       # int64[A_NCOLS]: the last cache resolution's audit
+    "ints",        # int64[8, width]: scratch rows of decide.py, rows 6/7 the keys to reset
+    "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
+    "group_n",     # int64[n_groups]: candidates kept per group
+    "group_rep",   # int64[n_groups]: a config of each group
+    "gated_any",   # bool[n_groups, lim_vals]: the limit gates a candidate of the group
+    "ladder_w",    # int64[n_groups * (max_fleet + 2)]: domain-rung worker per (group, limit class), -2 = not yet
+    "ladder_r",    # int64[same]: its reason
+    "seen",        # bool[n_workers]: prepare_candidates_nb's scratch
+    "res_i",       # int64[O_NCOLS, n_cfg]: the distinct decisions (layout.O_*)
+    "res_f",       # float64[F_NCOLS, n_cfg]
+    "src_of",      # int64[n_cfg]: column of res_i holding config c's decision
+), module=__name__)
+
+
+@njit
+def split_states_nb(ptr, block_ts, loads, dp_size, table, inflight, tables, inflights, ptrs):
+    """Per-block starting states for a chunk (a sequential pre-pass over the loads only).
+
+    Block ``b`` starts from every sample with ``ts <= block_ts[b]`` (its first
+    request's time); ``table``/``inflight``/``ptr`` enter at the chunk's start
+    and are left at the last block's start.
+    """
+    dirty = np.zeros(inflight.shape[0], dtype=np.bool_)
+    for b in range(block_ts.shape[0]):
+        ptr = advance_dirty_nb(ptr, block_ts[b], loads, dp_size, table, inflight, dirty)
+        tables[b] = table
+        inflights[b] = inflight
+        ptrs[b] = ptr
+    return ptr
+
+
+@njit
+def _count_below(values, n, bound):
+    """How many of ``values[:n]`` are below ``bound`` (absent readings are stored huge)."""
+    cnt = 0
+    for x in range(n):
+        cnt += values[x] < bound
+    return cnt
+
+
+@njit
+def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
+                    est, knobs, plan, seed, sc):
+    """Decide one request under every config.
+
+    Each distinct outcome is computed once, into the column ``sc.res_i[:, c]`` /
+    ``sc.res_f[:, c]`` of the first config ``c`` that reaches it;
+    ``sc.src_of[c]`` names the column holding config ``c``'s decision.
+    Candidates are prepared once per knob group (``sc.cands[g]``,
+    ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
+    Returns (distinct outcomes computed, domain-rung evaluations).
+    """
+    n_fleet = fleet.shape[0]
+    n_cfg = sc.src_of.shape[0]
+    lim_vals = plan.lim_vals
+    fl_vals = plan.fl_vals
+    fleet_wait = sc.fleet_wait
+    lclass = sc.lclass
+    fclass = sc.fclass
+    memo = sc.memo
+    res_i = sc.res_i
+    res_f = sc.res_f
+    audit = sc.audit
+    scratch_i = sc.ints
+    cands = sc.cands
+    group_n = sc.group_n
+    group_rep = sc.group_rep
+    gated_any = sc.gated_any
+    ladder_w = sc.ladder_w
+    ladder_r = sc.ladder_r
+    src_of = sc.src_of
+    seen = sc.seen
+    group = plan.group
+    cfg_li = plan.li
+    cfg_fi = plan.fi
+    # (array fields read in the loops below are unpacked once: cheaper than a
+    # tuple field access per config)
+    k_limit = knobs.worker_queue_limit
+    k_floor = knobs.saturation_queue_floor
+    k_choices = knobs.min_load_choices
+    k_margin = knobs.cache_switch_margin_tokens
+    k_guard = knobs.pressure_guard
+    k_abs_tokens = knobs.pressure_abs_threshold_tokens
+    k_abs_ms = knobs.pressure_abs_threshold_ms
+    k_rel = knobs.pressure_rel_threshold
+    k_scaling = knobs.variant_floor_scaling
+    k_pin_order = knobs.variant_pin_order
+    # limit classes: number of fresh fleet workers reading below the limit;
+    # floor classes: unset, nobody fresh below it, somebody fresh below it.
+    # Row 0 reads the router's fleet scaling (S_WAITING), row 1 the per-worker
+    # floor-scaling variant's per-rank reading (only when a config uses it).
+    big = np.int64(1) << 62
+    n_absent = 0
+    n_rows = 2 if plan.per_worker else 1
+    for j in range(n_fleet):
+        w = fleet[j]
+        if snap[w, S_BASIC] == 1:
+            fleet_wait[0, j] = snap[w, S_WAITING]
+            fleet_wait[1, j] = snap[w, S_WAITING_PER_RANK]
+        else:
+            fleet_wait[0, j] = big
+            fleet_wait[1, j] = big
+            n_absent += 1
+    for r in range(n_rows):
+        for j in range(lim_vals.shape[0]):
+            lim = lim_vals[j]
+            lclass[r, j] = 0 if lim < 0 else _count_below(fleet_wait[r], n_fleet, lim) + 1
+        for j in range(fl_vals.shape[0]):
+            fl = fl_vals[j]
+            if fl < 0:
+                fclass[r, j] = 0
+            else:
+                fclass[r, j] = 2 if _count_below(fleet_wait[r], n_fleet, fl) > 0 else 1
+    has_signal = qb > 0
+    matched = 0
+    if has_signal and m_worker.shape[0] > 0:
+        matched = min(best_prefix, qb)
+    # candidates once per knob group; whether a limit gates any of them (when
+    # none is gated, neither the fell-back tier nor the pin can fire, so the
+    # floor cannot change the outcome)
+    for g in range(group_n.shape[0]):
+        c0 = group_rep[g]
+        n = 0
+        if has_signal and m_worker.shape[0] > 0:
+            n = prepare_candidates_nb(L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
+                                      knobs.cache_affinity_min_matched_tokens[c0],
+                                      knobs.cache_affinity_min_match_ratio[c0],
+                                      knobs.cache_candidate_min_workers[c0],
+                                      knobs.cache_candidate_ratio[c0],
+                                      knobs.cache_candidate_max_workers[c0],
+                                      seen, cands[g], scratch_i[0])
+        group_n[g] = n
+        wcol = gate_column_nb(k_scaling[c0])
+        for j in range(lim_vals.shape[0]):
+            lim = lim_vals[j]
+            gated = False
+            if lim >= 0:
+                for t in range(n):
+                    w = cands[g, t, C_WORKER]
+                    if snap[w, S_BASIC] == 1 and snap[w, wcol] >= lim:
+                        gated = True
+                        break
+            gated_any[g, j] = gated
+    width = n_fleet + 2
+    used = 0
+    n_ladder = 0
+    for c in range(n_cfg):
+        g = group[c]
+        li = cfg_li[c]
+        wcol = gate_column_nb(k_scaling[c])
+        r = 1 if wcol == S_WAITING_PER_RANK else 0
+        lcl = lclass[r, li]
+        fcl = fclass[r, cfg_fi[c]]
+        fc = fcl if gated_any[g, li] else 0
+        key = (g * width + lcl) * 3 + fc
+        src = memo[key]
+        if src >= 0:
+            src_of[c] = src
+            continue
+        memo[key] = c
+        src_of[c] = c
+        scratch_i[6, used] = key
+        used += 1
+        cand = cands[g]
+        lim = k_limit[c]
+        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
+        w, reason, decision = cache_rung_with_nb(
+            group_n[g], cand, L, snap, est, lim, k_floor[c],
+            k_margin[c], k_guard[c] == 1,
+            k_abs_tokens[c], k_abs_ms[c],
+            k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
+            k_pin_order[c] == PIN_LOCALITY)
+        failure = -1
+        if w < 0:
+            # the domain rungs depend on (group, limit class) only: computed once
+            lk = g * width + lcl
+            if ladder_w[lk] == -2:
+                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, wcol, k_choices[c], seed,
+                                         req_index, scratch_i)
+                ladder_w[lk] = lw
+                ladder_r[lk] = lr
+                scratch_i[7, n_ladder] = lk
+                n_ladder += 1
+            w = ladder_w[lk]
+            reason = ladder_r[lk]
+            if w < 0:
+                decision = -1
+                failure = failure_of_nb(group_n[g] > 0, n_fleet)
+        row = res_i[:, c]
+        row[O_WORKER] = w
+        row[O_REASON] = reason
+        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
+        row[O_DECISION] = decision
+        row[O_FAILURE] = failure
+        row[O_MATCHED_BLOCKS] = matched
+        resolved = audit[A_REASON] != -2
+        row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
+        row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
+        row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
+        row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
+        row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
+        row[O_FELL_BACK] = audit[A_FELL_BACK]
+        row[O_GUARD_COMPARED] = audit[A_COMPARED]
+        row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
+        row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
+        if w >= 0:
+            _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+            row[O_SELECTED_BLOCKS] = sel_blocks
+            row[O_UNCACHED_TOKENS] = uncached
+            (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
+             row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
+            row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
+            row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
+            res_f[F_SELECTED_QUEUE_MS, c] = est[w]
+        else:
+            row[O_SELECTED_BLOCKS] = 0
+            row[O_UNCACHED_TOKENS] = -1
+            row[O_LOST_CANDIDATES] = 0
+            row[O_LOST_QUEUE_GATE] = 0
+            row[O_LOST_CAPACITY] = 0
+            row[O_LOST_TO] = -1
+            row[O_SELECTED_WAITING] = -1
+            row[O_SELECTED_WAITING_UNCACHED] = -1
+            res_f[F_SELECTED_QUEUE_MS, c] = np.nan
+    for u in range(used):
+        memo[scratch_i[6, u]] = -1
+    for u in range(n_ladder):
+        ladder_w[scratch_i[7, u]] = -2
+    return used, n_ladder
+
+
+@njit_parallel
+def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs, plan, seed,
+                 max_matches, keep, out, totals):
+    """Replay a chunk of requests under every config, one block of requests per thread.
+
+    Arguments are the named tuples of ``kernels/layout.py``: ``blocks``
+    (BlockStates), ``req`` (Requests), ``matches`` (Matches, offsets from the
+    chunk's first request), ``fleets`` (Fleets), ``loads`` (LoadColumns),
+    ``knobs`` (KnobArrays), ``plan`` (GridPlan), ``out`` (Outputs) and
+    ``totals`` (Accumulators).
+
+    Block ``b`` covers requests ``blocks.lo[b]..blocks.lo[b+1]`` and starts
+    from its own copy of the load state (``split_states_nb``); it sweeps its
+    own loads, keeps its own snapshot current (``refresh_nb``), decides every
+    config and books the results into its own accumulators
+    ``totals.acc[b]``... (merged exactly afterwards); ``totals.stats[b]`` counts
+    the distinct outcomes and domain-rung evaluations it computed.  With
+    ``keep``, every decision is also written to ``out.ints[O_*, i, c]`` /
+    ``out.floats[F_*, i, c]`` (one contiguous array per column).  Results
+    depend on nothing but (trace, config, seed), never on threads or chunking.
+    ``out.fleet_min[i]``/``out.fleet_fresh[i]`` get the request's fleet
+    readings as ``replay/readings.py`` defines them (smallest fresh basic
+    waiting count of its fleet, -1 when none; fleet workers with one).
+    """
+    # numba's parfors do not see writes made through a tuple's array fields
+    # inside the parallel loop: every array the loop writes is unpacked here
+    block_lo = blocks.lo
+    ptrs = blocks.ptrs
+    tables = blocks.tables
+    inflights = blocks.inflights
+    out_i = out.ints
+    out_f = out.floats
+    fleet_min = out.fleet_min
+    fleet_fresh = out.fleet_fresh
+    acc = totals.acc
+    hist_wait = totals.hist_wait
+    hist_div = totals.hist_div
+    stats = totals.stats
+    n_blocks = block_lo.shape[0] - 1
+    n_workers = tables.shape[1]
+    fleet_off = fleets.offsets
+    max_fleet = 0
+    for m in range(fleet_off.shape[0] - 1):
+        max_fleet = max(max_fleet, fleet_off[m + 1] - fleet_off[m])
+    n_groups = plan.n_groups
+    memo_size = n_groups * (max_fleet + 2) * 3
+    n_cfg = plan.group.shape[0]
+    width = max(n_workers, max_matches, n_cfg, 1) + 1
+    has_selected = req.selected_worker.shape[0] > 0
+    req_ts = req.ts
+    req_model = req.model
+    req_selected = req.selected_worker
+    req_qb = req.query_blocks
+    m_off = matches.offsets
+    fleet_w = fleets.workers
+    parent = plan.parent
+    for b in numba.prange(n_blocks):
+        table = tables[b]
+        inflight = inflights[b]
+        ptr = ptrs[b]
+        snap = np.zeros((n_workers, S_NCOLS), dtype=np.int64)
+        est = np.full(n_workers, np.nan)
+        oldest = np.zeros(n_workers, dtype=np.int64)
+        dirty = np.ones(n_workers, dtype=np.bool_)
+        group_rep = np.full(n_groups, -1, dtype=np.int64)
+        for c in range(n_cfg):
+            if group_rep[plan.group[c]] < 0:
+                group_rep[plan.group[c]] = c
+        sc = Scratch(
+            np.full(memo_size, -1, dtype=np.int64),
+            np.zeros((2, plan.lim_vals.shape[0]), dtype=np.int64),
+            np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
+            np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
+            np.zeros(A_NCOLS, dtype=np.int64),
+            np.zeros((8, width), dtype=np.int64),
+            np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
+            np.zeros(n_groups, dtype=np.int64),
+            group_rep,
+            np.zeros((n_groups, plan.lim_vals.shape[0]), dtype=np.bool_),
+            np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
+            np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
+            np.zeros(n_workers, dtype=np.bool_),
+            np.zeros((O_NCOLS, n_cfg), dtype=np.int64),
+            np.zeros((F_NCOLS, n_cfg), dtype=np.float64),
+            np.zeros(n_cfg, dtype=np.int64),
+        )
+        block_totals = layout_acc(acc, hist_wait, hist_div, stats)
+        s_rung = 0
+        s_ladder = 0
+        for i in range(block_lo[b], block_lo[b + 1]):
+            now = req_ts[i]
+            ptr = advance_dirty_nb(ptr, now, loads, dp_size, table, inflight, dirty)
+            refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
+            mdl = req_model[i]
+            fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
+            lo = m_off[i]
+            hi = m_off[i + 1]
+            n_rung, n_ladder = _decide_request(
+                req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
+                matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
+                knobs, plan, seed, sc)
+            s_rung += n_rung
+            s_ladder += n_ladder
+            fleet_min[i], fleet_fresh[i] = fleet_reading_nb(snap, fleet)
+            sel = req_selected[i] if has_selected else -1
+            accumulate_request_nb(block_totals, b, sc.res_i, sc.res_f, sc.src_of, parent,
+                                  req_qb[i], sel)
+            if keep:
+                for c in range(n_cfg):
+                    src = sc.src_of[c]
+                    for col in range(O_NCOLS):
+                        out_i[col, i, c] = sc.res_i[col, src]
+                    for col in range(F_NCOLS):
+                        out_f[col, i, c] = sc.res_f[col, src]
+        n_sel = 0
+        if has_selected:
+            for i in range(block_lo[b], block_lo[b + 1]):
+                n_sel += req_selected[i] >= 0
+        book_block_constants_nb(acc, b, parent, block_lo[b + 1] - block_lo[b], n_sel)
+        stats[b, 0] += s_rung  # once per block: neighbouring blocks share a cache line
+        stats[b, 1] += s_ladder
+        ptrs[b] = ptr

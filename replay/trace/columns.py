@@ -1,0 +1,159 @@
+"""Checked column readers: a polars column in, a numpy array out, or one error line
+naming the file, the column and the first bad row (as the row is in the file)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import polars as pl
+
+from .base import MAX_VALUE, TraceError
+
+# row of a frame -> (file name, row in that file)
+Locate = Callable[[int], tuple[str, int]]
+
+
+class IntSpec(NamedTuple):
+    """One integer column for :meth:`Columns.int_columns` (as :meth:`Columns.ints`'s arguments)."""
+
+    col: str
+    nullable: bool
+    fill: int = -1
+    lo: int = 0
+    hi: int = MAX_VALUE
+    dtype: type[pl.DataType] = pl.Int64     # the numpy array's type (values are checked to fit)
+
+
+class Columns:
+    """The columns of one frame (one file, or the rows of several files of a set)
+    with error helpers that name the file and row each bad value came from."""
+
+    def __init__(self, name: str, df: pl.DataFrame, locate: Locate | None = None):
+        self.name = name
+        self.df = df
+        self.locate = locate
+
+    def where(self, row: int) -> tuple[str, int]:
+        return self.locate(int(row)) if self.locate is not None else (self.name, int(row))
+
+    def fail(self, col: str, msg: str, row: int | None = None):
+        name = self.name
+        if row is not None:
+            name, row = self.where(row)
+        where = f"column '{col}'" + (f" row {row}" if row is not None else "")
+        raise TraceError(f"{name}: {where}: {msg}")
+
+    def has(self, col: str) -> bool:
+        return col in self.df.columns
+
+    def require(self, col: str) -> pl.Series:
+        if col not in self.df.columns:
+            self.fail(col, "missing (required column)")
+        return self.df.get_column(col)
+
+    def ints(self, col: str, *, nullable: bool, fill: int = -1, lo: int = 0,
+             hi: int = MAX_VALUE, s: pl.Series | None = None) -> np.ndarray:
+        """Integer column -> int64 numpy (nulls -> ``fill``), checked lo <= v <= hi."""
+        s = self.require(col) if s is None else s
+        dtype = s.dtype
+        if not dtype.is_integer():
+            self.fail(col, f"wrong type {dtype}, expected an integer type")
+        if not nullable and s.null_count():
+            self.fail(col, "null value in a required integer column", int(s.is_null().arg_max()))
+        full = dtype == pl.Int64 and lo <= -(2**63) and hi >= 2**63 - 1     # nothing to check
+        row = None if full else first_out_of_range(s, lo, hi)
+        if row is not None:
+            v = s[row]
+            msg = f"must be >= {lo}, got {v}" if v < lo else f"must be <= {hi}, got {v}"
+            if hi == MAX_VALUE and v > hi:
+                msg = f"must be < 2**53, got {v}"
+            self.fail(col, msg, row)
+        if s.null_count():
+            s = s.fill_null(fill)
+        return s.cast(pl.Int64).to_numpy()
+
+    def int_columns(self, specs: list[IntSpec]) -> dict[str, np.ndarray]:
+        """:meth:`ints` of several columns at once: the checks' statistics in one
+        parallel pass, the conversion in another.  The first failing column, in
+        ``specs`` order, raises exactly the error :meth:`ints` gives it; an
+        absent column of a nullable spec is left out of the result."""
+        present = [sp for sp in specs if sp.col in self.df.columns and self.df.schema[sp.col].is_integer()]
+        stats = {}
+        if present:
+            row = self.df.select(
+                [e for sp in present for e in (pl.col(sp.col).min().cast(pl.Int128).alias(f"lo:{sp.col}"),
+                                                pl.col(sp.col).max().cast(pl.Int128).alias(f"hi:{sp.col}"),
+                                                pl.col(sp.col).null_count().alias(f"nul:{sp.col}"))]).row(0)
+            for i, sp in enumerate(present):
+                stats[sp.col] = row[3 * i: 3 * i + 3]
+        for sp in specs:
+            if sp.col not in self.df.columns:
+                if not sp.nullable:
+                    self.fail(sp.col, "missing (required column)")
+                continue
+            st = stats.get(sp.col)
+            bad = (st is None or (st[2] and not sp.nullable)
+                   or (st[0] is not None and (st[0] < sp.lo or st[1] > sp.hi)))
+            if bad:
+                self.ints(sp.col, nullable=sp.nullable, fill=sp.fill, lo=sp.lo, hi=sp.hi)  # raises
+        # one select (columns in parallel): nulls filled where there are any, int64
+        conv = self.df.select([(pl.col(sp.col).fill_null(sp.fill) if stats[sp.col][2] else pl.col(sp.col))
+                               .cast(sp.dtype) for sp in specs if sp.col in stats])
+        return {c: conv.get_column(c).to_numpy() for c in conv.columns}
+
+    def floats(self, col: str) -> np.ndarray:
+        """Nullable non-negative finite number column (integer or float) -> float64,
+        NaN for null."""
+        s = self.require(col)
+        if not (s.dtype.is_integer() or s.dtype.is_float() or s.dtype == pl.Null):
+            self.fail(col, f"wrong type {s.dtype}, expected a number")
+        v = s.cast(pl.Float64).to_numpy()
+        bad = ~np.isnan(v) & ~((v >= 0) & np.isfinite(v))
+        if s.dtype.is_float():
+            bad |= np.isnan(v) & s.is_not_null().to_numpy()    # a NaN value, not a null
+        if bad.any():
+            row = int(np.argmax(bad))
+            self.fail(col, f"must be finite and >= 0, got {s[row]}", row)
+        return v
+
+    def strings(self, col: str, *, nullable: bool, s: pl.Series | None = None) -> pl.Series:
+        s = self.require(col) if s is None else s
+        if isinstance(s.dtype, (pl.Categorical, pl.Enum)):
+            s = s.cast(pl.String)
+        if s.dtype != pl.String:
+            self.fail(col, f"wrong type {s.dtype}, expected a string type")
+        if not nullable and s.null_count():
+            self.fail(col, "null value in a required string column", int(s.is_null().arg_max()))
+        return s
+
+    def timestamps(self, col: str = "ts") -> np.ndarray:
+        s = self.require(col)
+        if isinstance(s.dtype, pl.Datetime):
+            if s.null_count():
+                self.fail(col, "null timestamp", int(s.is_null().arg_max()))
+            return s.dt.epoch("ns").cast(pl.Int64).to_numpy()
+        if s.dtype.is_integer():
+            return self.ints(col, nullable=False, lo=-(2**63), hi=2**63 - 1, s=s)
+        self.fail(col, f"wrong type {s.dtype}, expected int64 nanoseconds or a Datetime")
+
+
+def first_out_of_range(s: pl.Series, lo: int, hi: int) -> int | None:
+    """First row (0-based) of an integer series outside [lo, hi], or None."""
+    mn, mx = s.min(), s.max()
+    if mn is None or (lo <= mn and mx <= hi):
+        return None
+    wide = s.cast(pl.Int128)
+    return int(((wide < lo) | (wide > hi)).fill_null(False).arg_max())
+
+
+def map_names(s: pl.Series, names: list[str]) -> np.ndarray:
+    """String series -> int32 index into ``names`` (-1 for null / unknown)."""
+    if len(s) == 0:
+        return np.zeros(0, dtype=np.int32)
+    if not names:
+        return np.full(len(s), -1, dtype=np.int32)
+    # an Enum of the names: its physical codes are the positions (unknown -> null)
+    codes = s.cast(pl.Enum(names), strict=False).to_physical().cast(pl.Int32)
+    return codes.fill_null(-1).to_numpy().astype(np.int32, copy=False)
