@@ -287,10 +287,15 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
                 fitted.append(Fitted(col, k, per[k][col], 0, None, False, f"no {col} samples"))
     # a request needs input + output KV on its rank: never fit a capacity below that
     need = rec.log.input_tokens + rec.log.output_tokens
+    anywhere = not (rec.placement >= 0).any()
     for k in range(nw):
-        on_k = rec.placement == k
+        on_k = np.ones(need.shape[0], dtype=bool) if anywhere else rec.placement == k
         if on_k.any() and per[k]["max_total_num_tokens"] < int(need[on_k].max()):
             per[k]["max_total_num_tokens"] = int(need[on_k].max())
+            for f in fitted:
+                if f.worker == k and f.name == "max_total_num_tokens":
+                    f.value = per[k]["max_total_num_tokens"]
+                    f.how += "; raised to the largest input + output of a request placed there"
 
     for k in range(nw):
         dtok = dbus = 0
@@ -321,7 +326,7 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
     publish, pf = _publish(ranks)
     _fit_decode(rec, ranks, per, fitted, decode_model, publish["publish_policy"] == "interval")
     fitted.extend(pf)
-    model = "default"
+    model = rec.model or "default"
     return Calibration(list(rec.urls), list(rec.dp_sizes), rec.decode_peers, model, per, publish,
                        fitted)
 

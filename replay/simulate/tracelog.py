@@ -52,6 +52,7 @@ class RecordedTrace:
     t0_ns: int
     loads: pl.DataFrame | None
     info: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
 
     @property
     def router_flags(self) -> dict[str, Any]:
@@ -216,6 +217,9 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     ttft = _float_column(req, "ttft_ms", rq_path)[order]
     lat = _float_column(req, "latency_ms", rq_path)[order]
     loads = _read(ld_path) if ld_path.is_file() else None
+    model = None
+    if "model" in req.columns and req["model"].drop_nulls().len():
+        model = str(req["model"].drop_nulls()[0])
     return RecordedTrace(d, log, urls, [int(dp) for _, dp in pre],
                          sum(1 for r in roles if r == "decode"), placement, cached, ttft, lat, t0,
-                         loads, info)
+                         loads, info, model)
