@@ -412,6 +412,8 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
         cells.append("-" if counts is None else f"{int(r.get('changed') or 0):,}")
         rows.append(cells)
     lines.extend(_table(headers, rows, width, sep=" "))
+    lines.extend(_waterfall_changes(cmp, [r["config_id_a"] for r in rows_df.head(limit).iter_rows(named=True)],
+                                    width))
     lines.append("")
     if cmp.transitions is None:
         lines.append(cmp.decisions_note or "request-level changes: not computed")
@@ -435,6 +437,24 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
             lines.extend("  " + s for s in _table(["transition", "requests", "worker changed", "configs"],
                                                   trows, width - 2))
     return "\n".join(lines)
+
+
+def _waterfall_changes(cmp: Comparison, ids_a: Sequence[int], width: int) -> list[str]:
+    """The locality-waterfall terms that changed, B - A in blocks, for the configs shown."""
+    from . import waterfall as wf
+
+    if not (wf.has_waterfall(cmp.a.summary.columns) and wf.has_waterfall(cmp.b.summary.columns)):
+        return ["", "locality waterfall: not compared (a run without the waterfall columns; re-run its sweep)"]
+    ra = {r["config_id"]: r for r in cmp.a.summary.iter_rows(named=True)}
+    rb = {r["config_id"]: r for r in cmp.b.summary.iter_rows(named=True)}
+    by_a = {r["config_id_a"]: r for r in cmp.pairs.iter_rows(named=True)}
+    rows = []
+    for ia in ids_a:
+        p = by_a[ia]
+        ch = wf.changed_terms(ra[ia], rb[p["config_id_b"]])
+        rows.append([p["config"], "; ".join(f"{c.removeprefix('lost_')} {v:+,}" for c, v in ch.items()) or "no change"])
+    return ["", "locality waterfall, B - A in blocks (changed terms only: matched, lost to each step, selected):",
+            *("  " + s for s in _table(["config", "changed terms"], rows, width - 2))]
 
 
 # ---------------------------------------------------------------------------
@@ -885,16 +905,9 @@ class Recommendation:
         """The router command-line flags of the recommended config (knobs that differ from the defaults)."""
         if self.best is None:
             return ""
-        cfg = RouterConfig(**{k: self.best[k] for k in KNOB_NAMES if k in self.best})
-        parts = []
-        for k, v in cfg.given_flags().items():
-            spec = KNOBS[k]
-            if spec.inverted:
-                if v is False:
-                    parts.append(spec.flag)
-            else:
-                parts.append(f"{spec.flag} {_fmt_knob(v)}")
-        return " ".join(parts) if parts else "(router defaults: no gate)"
+        from .closed_loop import router_flags
+
+        return router_flags(self.best)
 
 
 def _rank_key(r: dict) -> tuple:

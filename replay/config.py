@@ -682,16 +682,26 @@ class Grid:
             out.append(row)
         return out
 
-    def warning_line(self) -> str | None:
-        """One warning line about skipped combinations, or None when none was skipped."""
+    def warning_line(self, record: str | None = "run.json") -> str | None:
+        """One warning line about skipped combinations, or None when none was skipped;
+        ``record`` names the file that lists them all (None: :meth:`skipped_lines` follow)."""
         if not self.skipped:
             return None
         more = len(self.skipped) - 1
-        tail = f" (and {more} more, listed in run.json)" if more else ""
+        where = f"listed in {record}" if record else "listed below"
+        tail = f" (and {more} more, {where})" if more else ""
         return (
             f"skipped {len(self.skipped)} of {self.n_combinations} configs the router would refuse: "
             f"{self.skipped[0].error}{tail}"
         )
+
+    def skipped_lines(self) -> list[str]:
+        """One line per skipped combination: its knob values and the router's refusal."""
+        out = []
+        for knobs, err in self.skipped:
+            vals = " ".join(f"{KNOBS[k].flag} {'none' if v is None else v}" for k, v in knobs.items())
+            out.append(f"  skipped: {vals}: {err}")
+        return out
 
     def describe(self) -> dict:
         """A JSON-able description for ``run.json``: canonical value lists per

@@ -917,8 +917,14 @@ def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
 
 
 def _figures(a: ReportView) -> dict[str, Any]:
+    from . import waterfall as wf
+
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
            "reason_mix": fig_mix(a, "policy")}
+    if wf.has_waterfall(a.summary.columns):
+        from .report_sections import waterfall_figures
+
+        out.update(waterfall_figures(a))
     if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
         out["over_time"] = fig_over_time(a)
     out["floor_vs_dp"] = fig_floor_vs_dp(a)
@@ -1000,6 +1006,8 @@ td.l, th.l { text-align: left; }
 td.wrap { white-space: normal; word-break: break-all; text-align:left; }
 .pos { color: #1a7f37; } .neg { color: #cf222e; }
 .fig { width: 100%; margin: 4px 0 8px; }
+.verdict.poor { background:#fdecea; border-color:#f5b5ae; }
+pre.answer { background:#f6f8fa; border:1px solid #dde2e8; border-radius:8px; padding:8px 14px; white-space:pre-wrap; }
 .verdict { background:#eef6ee; border:1px solid #b7dfb9; border-radius:8px; padding:8px 14px; margin: 10px 0; }
 nav a { margin-right: 12px; color: var(--accent); text-decoration:none; font-size:13px; }
 code { background: var(--bg); padding: 0 4px; border-radius: 4px; }
@@ -1205,31 +1213,65 @@ def _fig_html(fig, key: str) -> str:
             + "</div>")
 
 
-FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "closed_loop")
+FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall_pair", "over_time", "floor_vs_dp",
+               "tradeoff", "closed_loop")
+
+
+def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
+    """The closed-loop grid the report shows first: ``given`` (``report --closed-loop DIR``), else
+    one found beside the run or its trace (:func:`replay.closed_loop.find_for_run`); with notes."""
+    from . import closed_loop as cl
+
+    if given is not None:
+        grid = cl.load_grid(given)
+        how = cl.grid_matches_run(grid, data.meta)
+        notes = [f"closed-loop grid {grid.path} (given with --closed-loop"
+                 + (f"; matched to this run's trace by {how})" if how else
+                    "; WARNING: not recorded as produced from this run's trace)")]
+        return grid, notes
+    return cl.find_for_run(data.path, data.meta)
 
 
 def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
-                max_p99_waiting: float | None = None) -> str:
-    """The whole report page as one string (plotly.js inline)."""
+                max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
+                max_ttft_p99_ms: float | None = None) -> str:
+    """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
+    trace (``closed_loop``, else found beside the run or the trace) is shown first."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
 
+    from . import report_sections as rs
+
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    grid, grid_notes = closed_loop_for(data, closed_loop)
+    if grid is not None and data.closed_loop is None:
+        data.closed_loop = grid.summary
     a = ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
     figs = _figures(a)
     run = a.meta
     title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
+    trace_path = (run.get("trace") or {}).get("path")
+    ol_note = rs.open_loop_note_html(trace_path)
     sec: list[str] = []
-    sec.append(f'<section id="s1"><h2>1. Headline</h2>{_headline_html(a)}</section>')
+    if grid is not None:
+        gk = [k for k in a.knobs if k in grid.summary.columns]
+        open_rows = {tuple(r.get(k) for k in gk): r for r in a.rows.values()}
+        sec.append('<section id="s0"><h2>Closed-loop answer</h2>'
+                   + rs.closed_loop_section(grid, grid_notes, open_rows, gk, bound_ms=max_ttft_p99_ms)
+                   + "</section>")
+    sec.append(f'<section id="s1"><h2>1. Headline{" (open loop)" if grid is not None else ""}</h2>'
+               f"{ol_note}{_headline_html(a)}</section>")
     slice_note = f'<p class="note">{_e(a.slice_note)}</p>' if a.slice_note else ""
     sec.append('<section id="s2"><h2>2. Floor × limit</h2>'
                '<p class="note">One panel per metric; rows are queue limits, columns saturation floors, '
                "<code>none</code> is its own row and column; greener is better; blank cells are "
                "combinations the router refuses. Hover a cell for every metric of that config.</p>"
-               + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
+               + ol_note + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
     sec.append('<section id="s3"><h2>3. Label and reason mix</h2>'
                '<p class="note">Bars are configs, labelled limit/floor.</p>' + slice_note
                + _fig_html(figs["decision_mix"], "decision_mix")
                + _fig_html(figs["reason_mix"], "reason_mix") + "</section>")
+    sec.append('<section id="s3w"><h2>Where locality goes</h2>' + rs.waterfall_section(a, figs, _fig_html)
+               + "</section>")
     if "over_time" in figs:
         body = (f'<p class="note">Showing {_e(a.chosen_note)}; the menu at the top right switches to '
                 "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. The pin fires when the queue gate "
@@ -1259,6 +1301,9 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
     nav = "".join(f'<a href="#s{i}">{_e(n)}</a>' for i, n in enumerate(
         ["headline", "floor × limit", "mix", "over time", "dp_size", "trade-off", "closed loop",
          "provenance"], 1))
+    nav = ('<a href="#s0">closed-loop answer</a>' if grid is not None else "") + nav + \
+        '<a href="#s3w">waterfall</a>'
+
     sub = f"{data.summary.height} configs · seed {run.get('seed')} · router-replay {run.get('version')}"
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
@@ -1272,7 +1317,8 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
 
 def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
                  force: bool = False, config_id: int | None = None,
-                 max_p99_waiting: float | None = None) -> Path:
+                 max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
+                 max_ttft_p99_ms: float | None = None) -> Path:
     """Write the report of a run directory to ``out`` (default ``RUN_DIR/report.html``).
 
     An existing ``out`` is replaced only with ``force``; the file is written
@@ -1286,6 +1332,7 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
         raise ReplayError(f"{target}: exists (use --force to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
-    page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting, closed_loop=closed_loop,
+                       max_ttft_p99_ms=max_ttft_p99_ms)
     rundir.write_text_atomic(target, page)
     return target

@@ -83,7 +83,8 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
 
     from .. import rundir
     from ..errors import ReplayError
-    from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
+    from ..simulate import load_fleet, read_log, simulate_grid
+    from ..simulate import simulate as run_one
     from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
@@ -96,8 +97,11 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
+    single = len(grid.configs) == 1 and seeds is None   # one config writes no grid record
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line()}", err=True)
+        click.echo(f"warning: {grid.warning_line(record=None if single else 'sim.json')}", err=True)
+        for line in grid.skipped_lines():
+            click.echo(line, err=True)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
                        prefill_tokens_per_s=prefill_tokens_per_s,
                        decode_tokens_per_s=decode_tokens_per_s,
@@ -133,7 +137,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
                        f"{r.seconds:.2f} s -> {out}")
-            click.echo(f"true hit rate {s['true_hit_rate']:.4f}, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
+            click.echo(f"true hit rate (served) {100 * s['true_hit_rate']:.2f}%, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
                        f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
         return
     if placement is not None:
@@ -161,31 +165,40 @@ def grid_progress(n: int, quiet: bool, label: str = "simulating"):
         yield bar.update
 
 
+_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+
+
 def grid_table(table, grid) -> list[str]:
-    """The closed-loop summary as a readable table: knobs, served hit rate (%), TTFT and queue
-    wait (s), with the 95% interval and the stable verdict when several seeds ran."""
+    """The closed-loop summary as a readable table (no wider than the knobs need): knobs, served
+    hit rate (true_hit_rate, %), TTFT and queue wait (s), with the 95% interval and the stable
+    verdict when several seeds ran."""
     knobs = [k for k in KNOBS if k in table.columns and len(grid.values[k]) > 1]
     seeded = "stable" in table.columns
 
     def cell(v, scale=1.0, digits=1):
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
-    head = ["config"] + knobs + ["true hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
+    def span(r, col, scale, digits):
+        return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
+
+    head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
+    head += ["served hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
     if seeded:
-        head += ["hit 95% interval", "p99 95% interval", "stable"]
+        head += ["hit % 95%", "p99 s 95%", "stable"]
     rows = [head]
     for r in table.iter_rows(named=True):
         row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
         row += [cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p50"], 1e-3, 2),
                 cell(r["ttft_ms_p99"], 1e-3, 2), cell(r["queue_wait_ms_mean"], 1e-3, 2)]
         if seeded:
-            row += [f"{cell(r['true_hit_rate_lo'], 100, 2)}..{cell(r['true_hit_rate_hi'], 100, 2)}",
-                    f"{cell(r['ttft_ms_p99_lo'], 1e-3, 2)}..{cell(r['ttft_ms_p99_hi'], 1e-3, 2)}",
+            row += [span(r, "true_hit_rate", 100, 1), span(r, "ttft_ms_p99", 1e-3, 1),
                     "yes" if r["stable"] else ("?" if r["stable"] is None else
                                                "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
         rows.append(row)
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
-    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return [*lines, ("served hit % is true_hit_rate (tokens the engine found cached when it ran the request); "
+                     "sweep's hit_rate is the decision-time estimate")]
 
 
 COMMANDS = [simulate]
