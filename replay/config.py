@@ -699,7 +699,8 @@ class Grid:
         """One line per skipped combination: its knob values and the router's refusal."""
         out = []
         for knobs, err in self.skipped:
-            vals = " ".join(f"{KNOBS[k].flag} {'none' if v is None else v}" for k, v in knobs.items())
+            shown = [k for k in knobs if len(self.values.get(k, ())) > 1] or list(knobs)
+            vals = " ".join(f"{KNOBS[k].flag} {'none' if knobs[k] is None else knobs[k]}" for k in shown)
             out.append(f"  skipped: {vals}: {err}")
         return out
 

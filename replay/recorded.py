@@ -83,8 +83,8 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
     if not known:
         return ["agreement with the trace's selected_worker: unknown (no request records one)"]
     best = max(known, key=lambda r: (r["agreement"], -r["config_id"]))
-    lines = [(f"agreement with the trace's selected_worker: best {100 * best['agreement']:.3f}% "
-              f"(config {best['config_id']}), worst {100 * min(r['agreement'] for r in known):.3f}% "
+    lines = [(f"agreement with the trace's selected_worker: best {best['agreement']:.5f} "
+              f"(config {best['config_id']}), worst {min(r['agreement'] for r in known):.5f} "
               f"over {len(known)} configs")]
     if recorded is None:
         lines.append("  the trace records no production config (trace.json router / sim.json config): "
@@ -97,7 +97,7 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
         r = match[0]
         ag = r["agreement"]
         lines.append(f"  config {r['config_id']} is the recorded config ({where}): agreement "
-                     + ("unknown" if ag is None else f"{100 * ag:.3f}%"))
+                     + ("unknown" if ag is None else f"{ag:.5f}"))
     else:
         diffs = []
         for k in knobs:
@@ -122,6 +122,9 @@ def grid_dir_error(path: str | Path) -> str | None:
     p = Path(path)
     if not p.is_dir() or (p / "requests.parquet").exists() or (p / "requests").is_dir():
         return None
+    if (p / "prediction" / "closed_loop_summary.parquet").is_file():
+        return (f"{p}: a calibrate --validate directory (fidelity.json, prediction/), not a trace; its "
+                f"prediction grid is {p / 'prediction'}: router-replay recommend {p} reads it")
     subs = sorted((c for c in p.iterdir() if c.is_dir() and c.name.startswith("config-")),
                   key=lambda c: (len(c.name), c.name))
     if not subs and not (p / "closed_loop_summary.parquet").is_file():

@@ -35,7 +35,7 @@ Exit codes:
   2  unusable input (missing or corrupt directory, bad or missing bound)
 
 \b
-Examples:
+Example:
   router-replay recommend runs/fit/prediction --max-ttft-p99-ms 2000
   router-replay recommend reports/sample --max-p99-waiting 8
 """
@@ -78,13 +78,17 @@ def recommend(run_dir, bound, ttft_ms, wait_ms):
         raise ReplayError("an open-loop run needs --max-p99-waiting N")
     run = analysis.load_run(run_dir)
     recs = analysis.recommend(run, bound)
+    import textwrap
+
     trace = (run.meta.get("trace") or {}).get("path")
-    click.echo(f"note: {closed_loop.open_loop_line(trace)}")
+    click.echo(analysis.format_recommendations(recs, run))
+    notes = [closed_loop.open_loop_line(trace)]
     found, _notes = closed_loop.find_for_run(run.path, run.meta)
     if found is not None:
-        click.echo(f"note: a closed-loop grid of this trace exists: router-replay recommend {found.path} "
-                   "--max-ttft-p99-ms MS")
-    click.echo(analysis.format_recommendations(recs, run))
+        notes.append(f"a closed-loop grid of this trace exists: router-replay recommend {found.path} "
+                     "--max-ttft-p99-ms MS")
+    for n in notes:
+        click.echo(textwrap.fill(f"note: {n}", width=100, subsequent_indent="  ", break_on_hyphens=False))
     sys.exit(0 if all(r.best is not None for r in recs) else 1)
 
 

@@ -182,23 +182,26 @@ def grid_table(table, grid) -> list[str]:
         return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
 
     head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
-    head += ["served hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
+    head += ["served hit %" + (" [95%]" if seeded else ""), "TTFT p50 s",
+             "TTFT p99 s" + (" [95%]" if seeded else ""), "wait mean s"]
     if seeded:
-        head += ["hit % 95%", "p99 s 95%", "stable"]
+        head += ["stable"]
     rows = [head]
     for r in table.iter_rows(named=True):
         row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
-        row += [cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p50"], 1e-3, 2),
-                cell(r["ttft_ms_p99"], 1e-3, 2), cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        hit, p99 = cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p99"], 1e-3, 2)
         if seeded:
-            row += [span(r, "true_hit_rate", 100, 1), span(r, "ttft_ms_p99", 1e-3, 1),
-                    "yes" if r["stable"] else ("?" if r["stable"] is None else
+            hit += f" [{span(r, 'true_hit_rate', 100, 1)}]"
+            p99 += f" [{span(r, 'ttft_ms_p99', 1e-3, 1)}]"
+        row += [hit, cell(r["ttft_ms_p50"], 1e-3, 2), p99, cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        if seeded:
+            row += ["yes" if r["stable"] else ("?" if r["stable"] is None else
                                                "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
         rows.append(row)
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    return [*lines, ("served hit % is true_hit_rate (tokens the engine found cached when it ran the request); "
-                     "sweep's hit_rate is the decision-time estimate")]
+    return [*lines, "served hit % = true_hit_rate (tokens found cached when served); sweep's hit_rate is "
+                    "decision-time"]
 
 
 COMMANDS = [simulate]

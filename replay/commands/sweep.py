@@ -155,7 +155,10 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         from ..closed_loop import open_loop_line
         from ..recorded import agreement_lines, read_recorded
 
-        click.echo(f"note: {open_loop_line(trace_dir)}")
+        import textwrap
+
+        click.echo(textwrap.fill(f"note: {open_loop_line(trace_dir)}", width=100, subsequent_indent="  ",
+                                 break_on_hyphens=False))
         for line in agreement_lines(s, read_recorded(trace_dir), seed=seed, freshness_ms=freshness_ms):
             click.echo(line)
         report = Path(out) / "report.html"
