@@ -56,22 +56,22 @@ def _user_path(d: Path, trace: Path, *extra) -> str:
     return r.output
 
 
+def _scenario(factory, name: str, rate: float) -> Path:
+    d = factory.mktemp(name)
+    _user_path(d, _production(d, 101, rate))
+    return d
+
+
 @pytest.fixture(scope="module")
 def saturated(tmp_path_factory):
     """A fleet near saturation: the seeds disagree for some configs."""
-    d = tmp_path_factory.mktemp("sat")
-    trace = _production(d, 101, 20.0)
-    _user_path(d, trace)
-    return d
+    return _scenario(tmp_path_factory, "sat", 20.0)
 
 
 @pytest.fixture(scope="module")
 def light(tmp_path_factory):
     """A lightly loaded fleet: every gate that never fires is the same config."""
-    d = tmp_path_factory.mktemp("light")
-    trace = _production(d, 101, 2.0)
-    _user_path(d, trace)
-    return d
+    return _scenario(tmp_path_factory, "light", 2.0)
 
 
 def _summary(d: Path) -> pl.DataFrame:
