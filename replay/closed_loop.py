@@ -416,7 +416,12 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
     if b is None:
         lines.append(f"NO CONFIG QUALIFIES: {len(ex['unstable'])} unstable, {len(ex['over_bound'])} above the "
                      f"bound, {len(ex['unknown'])} without a value")
-        cands = [r for r in ex["over_bound"]]
+        if ex["unstable"]:
+            u = max(ex["unstable"], key=lambda r: (_num(r["true_hit_rate"]) or 0.0, -r["config_id"]))
+            lines.append(f"  best unstable config: {u['config']} (config {u['config_id']}), true hit rate "
+                         f"{interval(u, 'true_hit_rate')}, seeds that disagree: "
+                         f"{','.join(map(str, u.get('unstable_seeds') or []))}; run more seeds or a lighter load")
+        cands = list(ex["over_bound"])
         if cands:
             lo = min(cands, key=lambda r: _num(r.get(f"{rec.bound_col}_hi")) or _num(r[rec.bound_col]) or math.inf)
             lines.append(f"  lowest {label} among stable configs: {interval(lo, rec.bound_col, _sec)} ({lo['config']}); "

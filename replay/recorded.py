@@ -88,7 +88,7 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
               f"over {len(known)} configs")]
     if recorded is None:
         lines.append("  the trace records no production config (trace.json router / sim.json config): "
-                     "agreement below 100% cannot be traced to a knob or seed")
+                     "agreement below 1 cannot be traced to a knob or seed")
         return lines
     knobs = [k for k in KNOB_NAMES if k in summary.columns]
     match = [r for r in rows if all(_same(r[k], recorded.knobs.get(k)) for k in knobs)]

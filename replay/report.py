@@ -1234,7 +1234,7 @@ def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
 
 def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
                 max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
-                max_ttft_p99_ms: float | None = None) -> str:
+                max_ttft_p99_ms: float | None = None, beside: int | None = None) -> str:
     """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
     trace (``closed_loop``, else found beside the run or the trace) is shown first."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
@@ -1246,6 +1246,7 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
     if grid is not None and data.closed_loop is None:
         data.closed_loop = grid.summary
     a = ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    a.beside = beside   # the config drawn beside the followed one in the waterfall pair
     figs = _figures(a)
     run = a.meta
     title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
@@ -1298,11 +1299,11 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                + (_fig_html(figs["closed_loop"], "closed_loop") if has_cl and "closed_loop" in figs else "")
                + "</section>")
     sec.append(f'<section id="s8"><h2>8. Provenance</h2>{_provenance_html(a)}</section>')
-    nav = "".join(f'<a href="#s{i}">{_e(n)}</a>' for i, n in enumerate(
-        ["headline", "floor × limit", "mix", "over time", "dp_size", "trade-off", "closed loop",
-         "provenance"], 1))
-    nav = ('<a href="#s0">closed-loop answer</a>' if grid is not None else "") + nav + \
-        '<a href="#s3w">waterfall</a>'
+    links = [("s1", "headline"), ("s2", "floor × limit"), ("s3", "mix"), ("s3w", "waterfall"), ("s4", "over time"),
+             ("s5", "dp_size"), ("s6", "trade-off"), ("s7", "closed loop"), ("s8", "provenance")]
+    if grid is not None:
+        links.insert(0, ("s0", "closed-loop answer"))
+    nav = "".join(f'<a href="#{i}">{_e(n)}</a>' for i, n in links)
 
     sub = f"{data.summary.height} configs · seed {run.get('seed')} · router-replay {run.get('version')}"
     return (
@@ -1318,7 +1319,7 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
 def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
                  force: bool = False, config_id: int | None = None,
                  max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
-                 max_ttft_p99_ms: float | None = None) -> Path:
+                 max_ttft_p99_ms: float | None = None, beside: int | None = None) -> Path:
     """Write the report of a run directory to ``out`` (default ``RUN_DIR/report.html``).
 
     An existing ``out`` is replaced only with ``force``; the file is written
@@ -1333,6 +1334,6 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting, closed_loop=closed_loop,
-                       max_ttft_p99_ms=max_ttft_p99_ms)
+                       max_ttft_p99_ms=max_ttft_p99_ms, beside=beside)
     rundir.write_text_atomic(target, page)
     return target

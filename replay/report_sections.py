@@ -43,9 +43,10 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
     label = cl.BOUNDS[on][1]
     ranked = sorted(grid.summary.iter_rows(named=True),
                     key=lambda r: (-(cl._num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
-    head = ["#", "config", *[k.replace("_", " ") for k in rec.knobs], "true (served) hit rate, 95% interval",
-            f"{label}, 95% interval", "TTFT p50", "queue wait p99", "stable", "qualifies",
-            "open-loop hit rate (decision-time, this run)"]
+    short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+    head = ["#", "config", *[short.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
+            f"{label} [95%]", "TTFT p50", "queue wait p99", "stable", "qualifies",
+            "open loop: decision-time hit rate"]
     ok_ids = {r["config_id"] for r in rec.ranked}
     trs = ["<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
     for i, r in enumerate(ranked, 1):
@@ -71,6 +72,13 @@ def _pair(view) -> tuple[dict, dict | None]:
     --config) and its no-gate baseline (else the next config of the menu)."""
     rows = _menu_rows(view)
     a = view.chosen or rows[0]
+    beside = getattr(view, "beside", None)
+    if beside is not None:
+        if beside not in view.rows:
+            from .errors import ReplayError
+
+            raise ReplayError(f"--beside {beside}: no such config_id in this run")
+        return a, view.rows[beside]
     b = view.baseline_for(a)
     if b is None or b["config_id"] == a["config_id"]:
         b = next((r for r in rows if r["config_id"] != a["config_id"]), None)

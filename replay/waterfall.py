@@ -116,5 +116,9 @@ def drilldown(files: Sequence[Path] | None, config_id: int, n: int = 20) -> pl.D
         return None
     cols = [c for c in DRILL_COLUMNS if c in names]
     lf = pl.concat([pl.scan_parquet(f).select("config_id", *cols) for f in files], how="vertical_relaxed")
-    return (lf.filter((pl.col("config_id") == config_id) & (pl.col("blocks_lost") > 0))
-            .sort(["blocks_lost", "request_id"], descending=[True, False]).head(n).drop("config_id").collect())
+    top = (lf.filter((pl.col("config_id") == config_id) & (pl.col("blocks_lost") > 0))
+           .sort(["blocks_lost", "request_id"], descending=[True, False]).head(n).drop("config_id").collect())
+    if "worker" in top.columns and top.schema["worker"] == pl.String:
+        # a worker is named by host:port: the page references no address it could fetch
+        top = top.with_columns(pl.col("worker").str.replace(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", ""))
+    return top

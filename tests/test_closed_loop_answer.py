@@ -354,3 +354,18 @@ def test_force_replaces_a_seeded_grid(light, tmp_path):
     assert (tmp_path / "g" / "closed_loop_seeds.parquet").is_file()
     r = run(*args, code=2)
     assert "--force" in r.stderr
+
+
+def test_report_beside_picks_the_second_waterfall(saturated, tmp_path):
+    out = tmp_path / "b.html"
+    run("report", saturated / "run", "--out", out, "--config", 1, "--beside", 3)
+    t = _text(out.read_text())
+    a = pl.read_parquet(saturated / "run" / "summary.parquet").sort("config_id")
+    r1, r3 = a.row(1, named=True), a.row(3, named=True)
+    assert "Side by side: config 1 (" in t and ") and config 3 (" in t
+    from replay.waterfall import STEP_TEXT, changed_terms
+
+    for c, v in changed_terms(r3, r1).items():
+        assert f"{STEP_TEXT.get(c, c.replace('_', ' '))} {v:+,}" in t
+    r = run("report", saturated / "run", "--out", tmp_path / "c.html", "--beside", 99, code=2)
+    assert "--beside 99: no such config_id" in r.stderr

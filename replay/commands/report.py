@@ -32,6 +32,8 @@ Example:
                    "(default: the median p99 over the grid).")
 @click.option("--config", "config_id", default=None, type=click.IntRange(min=0),
               help="config_id to follow over time (default: the best under the bound).")
+@click.option("--beside", "beside", default=None, type=click.IntRange(min=0), metavar="ID",
+              help="config_id drawn beside the followed config in the waterfall (default: its no-gate baseline).")
 @click.option("--closed-loop", "closed_loop", default=None, type=click.Path(path_type=str),
               help="Closed-loop grid to show first (default: one found beside the run or its trace).")
 @click.option("--max-ttft-p99-ms", default=None, type=click.FloatRange(min=0), metavar="MS",
@@ -39,7 +41,7 @@ Example:
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @user_errors
-def report(run_dir, out, max_p99_waiting, config_id, closed_loop, max_ttft_p99_ms, force, quiet):
+def report(run_dir, out, max_p99_waiting, config_id, beside, closed_loop, max_ttft_p99_ms, force, quiet):
     """Write RUN_DIR's report: one self-contained HTML page of figures and provenance."""
     import math
     from pathlib import Path
@@ -53,7 +55,7 @@ def report(run_dir, out, max_p99_waiting, config_id, closed_loop, max_ttft_p99_m
     target = out if out is not None else Path(run_dir) / rundir.REPORT
     rundir.guard([(target, "report")], inputs=rundir.run_inputs(run_dir), force=force)
     path = build_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting,
-                        closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms)
+                        closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside)
     if not quiet:
         click.echo(f"wrote {path}")
 
