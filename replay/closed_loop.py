@@ -43,7 +43,8 @@ SIM_TOOL = "router-replay simulate"
 BOUNDS = {"ttft": ("ttft_ms_p99", "TTFT p99"), "queue_wait": ("queue_wait_ms_p99", "queue wait p99")}
 """The closed-loop metrics a recommendation can bound: option key -> (summary column, label)."""
 
-OPEN_LOOP_NOTE = ("open-loop estimate: the recorded loads do not react to the replayed decisions, so a "
+OPEN_LOOP_NOTE = ("open-loop estimate (hit_rate is decision-time): the recorded loads do not react to the "
+                  "replayed decisions, so a "
                   "config that diverts more can only look worse than the recording, and the no-gate "
                   "config ranks first by construction")
 """What an open-loop ranking is, in one line (shown wherever one ranks configs)."""

@@ -24,7 +24,7 @@ def _e(x: Any) -> str:
 
 def open_loop_note_html(trace_path: str | None) -> str:
     """The one line an open-loop ranking carries, as a page note."""
-    return (f'<p class="note open-loop"><b>Open-loop estimate.</b> {_e(cl.OPEN_LOOP_NOTE[len("open-loop estimate: "):])}. '
+    return (f'<p class="note open-loop"><b>Open-loop estimate.</b> {_e(cl.OPEN_LOOP_NOTE.split(": ", 1)[1])} (hit rates in this section are decision-time, <code>hit_rate</code>). '
             f"Closed-loop answer: <code>{_e(cl.closed_loop_command(trace_path))}</code> "
             "(then <code>router-replay report RUN --closed-loop DIR</code>, or put the grid beside the run).</p>")
 

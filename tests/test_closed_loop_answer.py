@@ -369,3 +369,10 @@ def test_report_beside_picks_the_second_waterfall(saturated, tmp_path):
         assert f"{STEP_TEXT.get(c, c.replace('_', ' '))} {v:+,}" in t
     r = run("report", saturated / "run", "--out", tmp_path / "c.html", "--beside", 99, code=2)
     assert "--beside 99: no such config_id" in r.stderr
+
+
+def test_report_finds_the_grid_beside_the_trace(light, tmp_path):
+    """The run lives elsewhere; the grid sits beside the trace it was produced from."""
+    run("sweep", light / "trace", "--out", tmp_path / "elsewhere", "--worker-queue-limit", LIMITS, "-q")
+    t = _text((tmp_path / "elsewhere" / "report.html").read_text()).replace("&#x27;", "'")
+    assert f"closed-loop grid {light / 'fit' / 'prediction'} (matched to this run's trace by sha256)" in t
