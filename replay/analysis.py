@@ -43,6 +43,7 @@ from .metrics import (
     METRICS,
     RECOMMEND_EVIDENCE,
     Metric,
+    knob_text,
     metric,
     metric_table,
 )
@@ -77,17 +78,9 @@ def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
     return "trace files differ"  # pragma: no cover
 
 
-def _fmt_knob(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
 def config_label(row: Mapping[str, Any], knobs: Sequence[str]) -> str:
     """``limit=2 floor=none`` style label of a config from the given knob columns."""
-    return " ".join(f"{_SHORT.get(k, k)}={_fmt_knob(row.get(k))}" for k in knobs)
+    return " ".join(f"{_SHORT.get(k, k)}={knob_text(row.get(k))}" for k in knobs)
 
 
 def varying_knobs(*tables: pl.DataFrame | Sequence[Mapping[str, Any]]) -> list[str]:
@@ -672,7 +665,7 @@ def _bad_knob(name: str, v: Any) -> str | None:
         return None if isinstance(v, bool) else f"is {json.dumps(v)[:40]}, not true or false"
     if kind == "choice":
         choices = KNOBS[name].choices
-        return None if v in choices else f"is {json.dumps(v)[:40]}, not one of {', '.join(choices)}"
+        return None if v in choices and isinstance(v, str) else f"is {json.dumps(v)[:40]}, not one of {', '.join(choices)}"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind == "int" and not isinstance(v, int)):
         return f"is {json.dumps(v)[:40]}, not {'an integer' if kind == 'int' else 'a number'}"
     if kind == "int" and not 0 <= v < 2**64:
@@ -905,9 +898,16 @@ class Recommendation:
         """The router command-line flags of the recommended config (knobs that differ from the defaults)."""
         if self.best is None:
             return ""
-        from .closed_loop import router_flags
-
-        return router_flags(self.best)
+        cfg = RouterConfig(**{k: self.best[k] for k in KNOB_NAMES if k in self.best})
+        parts = []
+        for k, v in cfg.given_flags().items():
+            spec = KNOBS[k]
+            if spec.inverted:
+                if v is False:
+                    parts.append(spec.flag)
+            else:
+                parts.append(f"{spec.flag} {knob_text(v)}")
+        return " ".join(parts) if parts else "(router defaults: no gate)"
 
 
 def _rank_key(r: dict) -> tuple:
@@ -981,8 +981,8 @@ def format_recommendations(recs: Sequence[Recommendation], run: Run, *, width: i
         b = rec.best
         per_rank = ""
         if rec.dp_size is not None and "per_rank_limit" in b:
-            per_rank = (f" (per rank: limit {_fmt_knob(b.get('per_rank_limit'))}, "
-                        f"floor {_fmt_knob(b.get('per_rank_floor'))})")
+            per_rank = (f" (per rank: limit {knob_text(b.get('per_rank_limit'))}, "
+                        f"floor {knob_text(b.get('per_rank_floor'))})")
         lines.append(f"{head}: recommended {b['config']} (config {b['config_id']}){per_rank}")
         lines.append(f"  router flags: {rec.flags()}")
         lines.append(f"  hit rate {fmt_value('hit_rate', b['hit_rate'])} with p99 waiting "

@@ -12,7 +12,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import ReplayError
+from .errors import ParamError, ReplayError
 
 
 class InputError(click.ClickException):
@@ -31,6 +31,8 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except ParamError as err:           # the library names the parameter, the CLI its flag
+            raise InputError(f"{err.flag} {err.text}") from None
         except ReplayError as err:
             raise InputError(str(err)) from None
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import polars as pl
 
-from .config import KNOB_NAMES, KNOBS, RouterConfig
+from .config import KNOB_NAMES
 from .errors import ReplayError
 
 SUMMARY = "closed_loop_summary.parquet"
@@ -311,19 +311,11 @@ class ClosedLoopRecommendation:
 
 
 def router_flags(row: dict) -> str:
-    """The router command-line flags of a config row (the knobs that differ from the defaults)."""
-    from .analysis import _fmt_knob
+    """The router command-line flags of a config row (the knobs that differ from the defaults),
+    as ``recommend`` prints them for an open-loop run."""
+    from .analysis import Recommendation
 
-    cfg = RouterConfig(**{k: row[k] for k in KNOB_NAMES if k in row})
-    parts = []
-    for k, v in cfg.given_flags().items():
-        spec = KNOBS[k]
-        if spec.inverted:
-            if v is False:
-                parts.append(spec.flag)
-        else:
-            parts.append(f"{spec.flag} {_fmt_knob(v)}")
-    return " ".join(parts) if parts else "(router defaults: no gate)"
+    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).flags()
 
 
 def config_text(row: dict, knobs: Sequence[str]) -> str:

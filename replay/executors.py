@@ -23,11 +23,10 @@ import pyarrow.parquet as pq
 from . import engine
 from . import readings as fleet_mod
 from .config import Grid
-from .errors import ReplayError
+from .errors import ParamError
 from .results import DecisionWriter
 from .rundir import DECISIONS, FLEET
-from .trace import Trace
-from .trace import NS, TraceSet
+from .trace import NS, Trace, TraceSet
 
 
 class Background:
@@ -277,7 +276,7 @@ class RayExecutor(Executor):
     def __init__(self, *, address: str | None = None, configs_per_task: int | None = None, retries: int = 2,
                  cpus: int | None = None):
         if configs_per_task is not None and int(configs_per_task) < 1:
-            raise ReplayError(f"configs_per_task must be >= 1, got {configs_per_task}")
+            raise ParamError("configs_per_task", f"must be >= 1, got {configs_per_task}")
         self.address, self.configs_per_task, self.retries, self.cpus = address, configs_per_task, retries, cpus
 
     def prepare(self) -> None:
@@ -305,11 +304,13 @@ def executor(name: str | Executor, **options) -> Executor:
     if isinstance(name, Executor):
         return name
     if name not in EXECUTORS:
-        raise ReplayError(f"executor must be one of {', '.join(EXECUTORS)}, got {name!r}")
+        raise ParamError("executor", f"must be one of {', '.join(EXECUTORS)}, got {name!r}")
     given = {k: v for k, v in options.items() if v is not None}
     cls = EXECUTORS[name]
     if cls is LocalExecutor:
         if given:
-            raise ReplayError(f"{', '.join(sorted(given))} apply to the ray executor, not local")
+            first = sorted(given)[0]
+            raise ParamError(first, "applies to the ray executor, not local (executor='local')",
+                             flag=f"--ray-{first}" if first != "configs_per_task" else "--configs-per-task")
         return cls()
     return cls(**given)

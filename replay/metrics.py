@@ -59,6 +59,7 @@ class Metric:
         cols = set(cols)
         if self.column is not None:
             return pl.col(self.column).cast(pl.Float64) if self.column in cols else None
+        assert self.share is not None, self.name      # a metric is a column or a share
         num, den = self.share
         if num not in cols or den not in cols:
             return None
@@ -152,6 +153,29 @@ HOVER = ("hit_rate", "matched_rate", "owner_rate", "pinned_share", "share_all_qu
 
 DERIVED = ("pinned_share", "share_all_queued", "diverted_share", "fell_back_share", "share_failed")
 """The shares the report adds to the summary table it draws from."""
+
+
+def knob_text(v: Any) -> str:
+    """A knob value (or a bound) as every table and label writes it: ``none``, a whole
+    number without its ``.0``, else the value as Python reads it back (exact)."""
+    if v is None:
+        return "none"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def flag_text(knob: str, v: Any) -> str:
+    """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts
+    ``pressure_guard``; booleans as ``true``/``false``)."""
+    from .config import KNOBS
+
+    spec = KNOBS.get(knob)
+    if spec is not None and spec.inverted and isinstance(v, bool):
+        return "true" if not v else "false"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return knob_text(v)
 
 
 def metric(name: str) -> Metric:

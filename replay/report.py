@@ -34,12 +34,10 @@ from . import __version__, labels, rundir
 from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
-from .rundir import Run, load_run
+from .metrics import flag_text, knob_text
+from .rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401  (names of the run's files)
 from .rundir import unreadable as _unreadable
 
-REPORT = "report.html"
-CLOSED_LOOP = "closed_loop_summary.parquet"
-FLEET = "fleet.parquet"
 LIMIT = "worker_queue_limit"
 FLOOR = "saturation_queue_floor"
 TOP_N = 5
@@ -100,24 +98,6 @@ def _fmt(v: Any, fmt: str) -> str:
     return str(v)
 
 
-def _knob_text(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
-
-
-def _flag_value(knob: str, v: Any) -> str:
-    """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts ``pressure_guard``)."""
-    spec = KNOBS.get(knob)
-    if spec is not None and spec.inverted and isinstance(v, bool):
-        return "true" if not v else "false"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return _knob_text(v)
-
-
 def _num_key(v: Any) -> tuple:
     """Sort knob values with ``none`` first, then ascending."""
     return (0, 0) if v is None else (1, v)
@@ -152,10 +132,10 @@ class ReportView:
             if not math.isfinite(float(max_p99_waiting)):
                 raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
-            self.bound_note = f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} (given)"
+            self.bound_note = f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} (given)"
         elif p99:
             self.bound = float(np.quantile(np.asarray(p99, dtype=float), 0.5, method="inverted_cdf"))
-            self.bound_note = (f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} "
+            self.bound_note = (f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} "
                                "(default: the median p99 over the grid's configs; "
                                "set it with --max-p99-waiting)")
         else:
@@ -182,7 +162,7 @@ class ReportView:
                 pick = self.best or self.rows[min(self.rows)]
                 self.slice = {k: pick[k] for k in self.other_varying}
                 why = "the best config's values"
-            vals = ", ".join(f"{KNOBS[k].flag} {_flag_value(k, v)}" for k, v in self.slice.items())
+            vals = ", ".join(f"{KNOBS[k].flag} {flag_text(k, v)}" for k, v in self.slice.items())
             self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
                                f"the grid figures show the slice {vals} ({why}). "
                                "The trade-off plot shows every config.")
@@ -213,14 +193,14 @@ class ReportView:
         return None
 
     def label(self, row: dict, *, short: bool = False) -> str:
-        lim, fl = _knob_text(row[LIMIT]), _knob_text(row[FLOOR])
+        lim, fl = knob_text(row[LIMIT]), knob_text(row[FLOOR])
         if short:
             text = f"{lim}/{fl}"
         else:
             text = f"limit {lim} · floor {fl}"
             if self.per_rank and row.get("per_rank_limit") is not None:
-                text += f" (per rank {_knob_text(row['per_rank_limit'])}/{_knob_text(row.get('per_rank_floor'))})"
-        extra = [f"{KNOBS[k].flag.lstrip('-')} {_flag_value(k, row[k])}" for k in self.other_varying]
+                text += f" (per rank {knob_text(row['per_rank_limit'])}/{knob_text(row.get('per_rank_floor'))})"
+        extra = [f"{KNOBS[k].flag.lstrip('-')} {flag_text(k, row[k])}" for k in self.other_varying]
         if extra and not short:
             text += " · " + ", ".join(extra)
         return text
@@ -277,13 +257,13 @@ def fig_heatmaps(a: ReportView):
     rows = a.slice_rows
     limits = sorted({r[LIMIT] for r in rows}, key=_num_key)
     floors = sorted({r[FLOOR] for r in rows}, key=_num_key)
-    xs = [_knob_text(f) for f in floors]
-    ys = [_knob_text(v) for v in limits]
+    xs = [knob_text(f) for f in floors]
+    ys = [knob_text(v) for v in limits]
     if a.per_rank:
         pr_l = {r[LIMIT]: r.get("per_rank_limit") for r in rows}
         pr_f = {r[FLOOR]: r.get("per_rank_floor") for r in rows}
-        xs = [f"{_knob_text(f)} ({_knob_text(pr_f.get(f))}/rank)" if f is not None else "none" for f in floors]
-        ys = [f"{_knob_text(v)} ({_knob_text(pr_l.get(v))}/rank)" if v is not None else "none" for v in limits]
+        xs = [f"{knob_text(f)} ({knob_text(pr_f.get(f))}/rank)" if f is not None else "none" for f in floors]
+        ys = [f"{knob_text(v)} ({knob_text(pr_l.get(v))}/rank)" if v is not None else "none" for v in limits]
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
@@ -291,7 +271,7 @@ def fig_heatmaps(a: ReportView):
                     shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
                     vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
-              f"limit {_knob_text(lv)} · floor {_knob_text(fv)}: not a valid router config (skipped)"
+              f"limit {knob_text(lv)} · floor {knob_text(fv)}: not a valid router config (skipped)"
               for fv in floors] for lv in limits]
     for i, m in enumerate(HEATMAP_METRICS):
         z = [[(cell[(lv, fv)].get(m.key) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
@@ -750,7 +730,7 @@ def fig_floor_vs_dp(a: ReportView):
     dp_sizes = sorted({k[0] for k in groups})
     for gi, ((dp, lim), ps) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
         ps = sorted(ps, key=lambda p: p["per_rank_floor"])
-        name = f"dp {dp} · limit {_knob_text(lim)} ({_knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
+        name = f"dp {dp} · limit {knob_text(lim)} ({knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
         color = palette[gi % len(palette)]
         for ci, m in enumerate(metrics):
             fig.add_trace(go.Scatter(
@@ -818,7 +798,7 @@ def fig_tradeoff(a: ReportView):
                 row=1, col=ci + 1)
         if ci == 0 and math.isfinite(a.bound):
             fig.add_vline(x=a.bound, line=dict(color="#555", dash="dash", width=1), row=1, col=1,
-                          annotation_text=f"bound {_knob_text(a.bound)}", annotation_position="top left")
+                          annotation_text=f"bound {knob_text(a.bound)}", annotation_position="top left")
     _base_layout(fig, height=460, legend=dict(orientation="h", y=-0.2, x=0))
     fig.update_layout(margin=dict(b=100))
     fig.update_yaxes(tickformat=".1%", title_text="hit rate", row=1, col=1)
@@ -878,7 +858,7 @@ def fig_closed_loop(a: ReportView):
     fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
                     subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
     if LIMIT in df.columns and FLOOR in df.columns:
-        x = [f"{_knob_text(l)}/{_knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
+        x = [f"{knob_text(l)}/{knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
         if len(set(x)) < len(x) and "config_id" in df.columns:  # other knobs vary too
             x = [f"{v} (#{i})" for v, i in zip(x, df["config_id"].to_list())]
         x_title = "limit / floor"
@@ -1104,7 +1084,7 @@ def _headline_html(a: ReportView) -> str:
                if d("cold_prefill_tokens") is not None and b["cold_prefill_tokens"] else None)
         cells = [
             f'<td class="l">{rank}</td>', f"<td>{r['config_id']}</td>",
-            f"<td>{_e(_knob_text(r[LIMIT]))}</td>", f"<td>{_e(_knob_text(r[FLOOR]))}</td>",
+            f"<td>{_e(knob_text(r[LIMIT]))}</td>", f"<td>{_e(knob_text(r[FLOOR]))}</td>",
             f"<td>{_fmt(r['hit_rate'], 'pct')}{_delta_html(pct('hit_rate'), ' pts', 'high')}</td>",
             f"<td>{_fmt(r['owner_rate'], 'pct')}{_delta_html(pct('owner_rate'), ' pts', 'high')}</td>",
             f"<td>{_fmt(r['pinned_share'], 'pct')}</td>",
@@ -1160,7 +1140,7 @@ def _provenance_html(a: ReportView) -> str:
     if vals:
         out.append("<table><tr><th class=\"l\">knob</th><th class=\"l\">values</th></tr>"
                    + "".join(f'<tr><td class="l"><code>{_e(flags.get(k, k))}</code></td>'
-                             f'<td class="l">{_e(", ".join(_flag_value(k, v) for v in vs))}</td></tr>'
+                             f'<td class="l">{_e(", ".join(flag_text(k, v) for v in vs))}</td></tr>'
                              for k, vs in vals.items()) + "</table>")
     skipped = g.get("skipped") or []
     out.append(f'<p class="note">{g.get("n_configs", a.summary.height)} configs of '

@@ -561,7 +561,7 @@ def _parent_lock(parent: Path) -> Iterator[None]:
 def _debris(out: Path) -> list[tuple[Path, str, int | None]]:
     """(path, "partial"|"old", pid or None) of every sibling a run on ``out`` leaves while it
     works; the pid is None where it cannot be checked (another host, an older version)."""
-    found = []
+    found: list[tuple[Path, str, int | None]] = []
     try:
         entries = os.listdir(out.parent)
     except OSError:
@@ -686,7 +686,12 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
                 return
             old = out.parent / f".{out.name}.old-{_tag()}-{os.urandom(3).hex()}"
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:       # an error or a signal between the renames: the old run goes back
+                if not out.exists():
+                    old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             if out.is_dir():

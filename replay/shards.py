@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 from . import engine
 from . import readings as fleet_mod
 from .errors import ReplayError
+from .executors import Done, Job
 from .results import DecisionWriter
 from .rundir import DECISIONS_DIR, FLEET_PARTS
 from .trace import NS, TraceError, TraceSet
@@ -173,11 +174,9 @@ def _cause(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task: int | None = None,
+def run_ray(job: Job, window_ns: int, *, address: str | None = None, configs_per_task: int | None = None,
             retries: int = 2, cpus: int | None = None):
     """Replay ``job`` (an ``executors.Job``) as Ray tasks; return an ``executors.Done``."""
-    from .executors import Done
-
     ray = require_ray()
     tset: TraceSet = job.source
     bounds = tset.window_bounds(window_ns)

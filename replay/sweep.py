@@ -25,12 +25,11 @@ from typing import Any
 
 import numba
 import polars as pl
-import pyarrow.parquet as pq
 
 from . import executors, rundir
 from . import readings as fleet_mod
 from .config import Grid
-from .errors import ConfigError, ReplayError
+from .errors import ConfigError, ParamError, ReplayError
 from .executors import shard_window  # noqa: F401  (its home was here)
 from .kernels import layout as kacc
 from .results import Accumulator
@@ -43,9 +42,18 @@ from .rundir import (  # noqa: F401
     SUMMARY_CSV,
     decision_files,
 )
-from .trace import NS, REQUESTS, Trace, TraceSet, auto_window, format_window, load_trace, parse_window
+from .trace import (
+    NS,
+    REQUESTS,
+    Trace,
+    TraceSet,
+    auto_window,
+    format_window,
+    load_trace,
+    parse_window,
+    row_counts,
+)
 from .trace import windows as trace_windows
-from .trace.files import list_parts
 
 MAX_SEED = 2**63 - 1
 MAX_INT_KNOB = 2**63 - 1
@@ -140,10 +148,10 @@ def run_sweep(
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
-        raise ReplayError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
+        raise ParamError("seed", f"must be in 0..{MAX_SEED}, got {seed}")
     if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
-        raise ReplayError(f"--freshness-ms must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
-                          f"64 bits), got {freshness_ms}")
+        raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
+                         f"64 bits), got {freshness_ms}")
     if not isinstance(grid, Grid):
         grid = Grid(grid or {}, per_dp_rank=per_dp_rank)
     elif per_dp_rank and not grid.per_dp_rank:
@@ -255,15 +263,10 @@ def _row_counts(trace_dir) -> tuple[int, int] | None:
     """(request rows, load rows) from the Parquet footers alone; None where a file cannot be
     listed or opened (the index pass then names the problem)."""
     try:
-        counts = []
-        for kind in ("requests", "loads"):
-            parts = list_parts(os.fspath(trace_dir), kind)
-            if not parts:
-                return None
-            counts.append(sum(pq.ParquetFile(p.path).metadata.num_rows for p in parts))
-        return counts[0], counts[1]
-    except Exception:  # noqa: BLE001 - any listing or footer problem: let the index pass report it
+        counts = row_counts(trace_dir)
+    except ReplayError:
         return None
+    return counts["requests"], counts["loads"]
 
 
 def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executor, *,

@@ -102,3 +102,14 @@ def test_a_baseline_of_the_old_names_checks_a_new_run(failing_run, tmp_path):
     base.write_text(json.dumps(rec))
     res = CliRunner().invoke(main, ["check", str(failing_run), "--baseline", str(base)])
     assert res.exit_code == 1 and "share_failed" in res.stdout
+
+
+def test_every_row_of_the_table_is_complete():
+    for m in metrics.METRICS.values():
+        assert (m.column is None) != (m.share is None), m.name
+        assert m.kind in ("rate", "count", "value") and m.better in ("higher", "lower", "neither"), m.name
+        assert m.fmt in ("pct", "int", "f2", "si") and m.label and m.description, m.name
+        assert analysis.parse_tolerance(m.name, m.default_tolerance).text == m.default_tolerance
+        assert (m.kind == "rate") == (m.fmt == "pct"), m.name
+    for old, new in metrics.ALIASES.items():
+        assert old not in metrics.METRICS and new in metrics.METRICS

@@ -308,3 +308,17 @@ def test_generate_force_replaces_only_a_trace_it_wrote(tmp_path):
     ok(invoke("generate", t, "--requests", "200", "--force"))
     ok(invoke("validate", t))
     assert sorted(os.listdir(tmp_path)) == ["mine", "t"]
+
+
+def test_a_baseline_of_a_policy_variant_grid_loads_and_a_bad_choice_is_unusable(gen_trace, tmp_path):
+    run = tmp_path / "run"
+    ok(invoke("sweep", gen_trace, "--out", run, "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",
+              "--pin-order", "pressure,locality", "--no-report", "-q"))
+    base = tmp_path / "base.json"
+    ok(invoke("check", run, "--write-baseline", base))
+    assert ok(invoke("check", run, "--baseline", base)).startswith("### router-replay check: PASS")
+    rec = json.loads(base.read_text())
+    assert {c["knobs"]["variant_pin_order"] for c in rec["configs"]} == {"pressure", "locality"}
+    rec["configs"][0]["knobs"]["variant_pin_order"] = "sideways"
+    base.write_text(json.dumps(rec))
+    refused(invoke("check", run, "--baseline", base), "variant_pin_order", "not one of pressure, locality")

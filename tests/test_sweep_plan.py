@@ -9,11 +9,11 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from replay import executors
-from replay.trace import windows as traceset
 from replay.config import ConfigError, Grid
 from replay.errors import ReplayError
 from replay.sweep import plan, run_sweep
 from replay.trace import NS
+from replay.trace import windows as trace_windows
 
 GRID = {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"}
 
@@ -26,8 +26,8 @@ def test_a_small_trace_replays_in_memory_without_an_index(gen_trace):
 
 
 def test_a_trace_over_the_metadata_limit_is_indexed_and_windowed(gen_trace, monkeypatch):
-    monkeypatch.setattr(traceset, "AUTO_IN_MEMORY_REQUESTS", 1000)
-    monkeypatch.setattr(traceset, "AUTO_WINDOW_REQUESTS", 300)
+    monkeypatch.setattr(trace_windows, "AUTO_IN_MEMORY_REQUESTS", 1000)
+    monkeypatch.setattr(trace_windows, "AUTO_WINDOW_REQUESTS", 300)
     p = plan(gen_trace, None, executors.LocalExecutor())
     assert p.tset is not None and p.window_ns >= NS and p.window_ns % NS == 0
     assert p.tset.n_requests == 1500
@@ -55,7 +55,7 @@ def test_a_footer_the_plan_cannot_read_is_named_by_the_index_pass(gen_trace, tmp
 def test_the_executor_interface(gen_trace):
     with pytest.raises(ReplayError, match="executor must be one of local, ray, got 'dask'"):
         executors.executor("dask")
-    with pytest.raises(ReplayError, match="retries apply to the ray executor, not local"):
+    with pytest.raises(ReplayError, match="retries applies to the ray executor, not local"):
         executors.executor("local", retries=3)
     with pytest.raises(ReplayError, match="configs_per_task must be >= 1"):
         executors.executor("ray", configs_per_task=0)
@@ -82,3 +82,24 @@ def test_the_grid_resolves_per_dp_rank_itself(gen_trace):
     assert res.grid.dp_size == 2 and res.run["per_dp_rank"] is True
     assert res.summary["worker_queue_limit"].to_list() == [2, 2, 4, 4]
     assert res.summary["per_rank_limit"].to_list() == [1, 1, 2, 2]
+
+
+def test_library_errors_name_parameters_and_the_cli_names_flags(gen_trace, tmp_path):
+    """run_sweep says ``seed``/``freshness_ms`` (its parameters); the CLI says ``--seed`` /
+    ``--freshness-ms`` for the same mistake."""
+    from click.testing import CliRunner
+
+    from replay.cli import main
+    from replay.errors import ParamError
+
+    with pytest.raises(ParamError, match=r"^seed must be in 0\.\.") as err:
+        run_sweep(gen_trace, GRID, seed=-1)
+    assert err.value.param == "seed" and err.value.flag == "--seed"
+    with pytest.raises(ParamError, match=r"^freshness_ms must be in 0\.\."):
+        run_sweep(gen_trace, GRID, freshness_ms=2**62)
+    with pytest.raises(ParamError, match=r"^retries applies to the ray executor") as err:
+        run_sweep(gen_trace, GRID, ray_retries=1)
+    assert err.value.flag == "--ray-retries"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(tmp_path / "r"),
+                                    "--freshness-ms", str(2**62), "-q"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: --freshness-ms must be in 0..")
