@@ -689,3 +689,14 @@ def test_long_interval_log_warns(tmp_path):
     assert r.exit_code == 2
     assert "warning: interval publishing will write 70,848,032 load rows" in r.output, r.output
     assert 'publish_policy = "on_change"' in r.output
+
+
+def test_refused_combinations_are_listed_in_sim_json(tmp_path):
+    """Issue 11 s.4: the warning names sim.json, and sim.json lists every refused combination."""
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    r = _run(["simulate", str(log), "--out", str(tmp_path / "o"), "--requests", "100",
+              "--worker-queue-limit", "2", "--saturation-queue-floor", "1,3,4,5"])
+    assert r.exit_code == 0, r.output
+    assert "(and 2 more, listed in sim.json)" in r.output
+    meta = json.loads((tmp_path / "o" / "sim.json").read_text())
+    assert len(meta["grid"]["skipped"]) == 3

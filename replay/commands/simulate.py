@@ -95,7 +95,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line()}", err=True)
+        click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
                        prefill_tokens_per_s=prefill_tokens_per_s,
                        decode_tokens_per_s=decode_tokens_per_s,
@@ -126,7 +126,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
     if len(grid.configs) == 1 and seeds is None:
-        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, **kw)
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid, **kw)
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
