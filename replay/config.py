@@ -682,13 +682,13 @@ class Grid:
             out.append(row)
         return out
 
-    def warning_line(self, record: str | None = "run.json") -> str | None:
+    def warning_line(self, listed_in: str | None = "run.json") -> str | None:
         """One warning line about skipped combinations, or None when none was skipped;
-        ``record`` names the file that lists them all (None: :meth:`skipped_lines` follow)."""
+        ``listed_in`` names the file that lists them all (None: :meth:`skipped_lines` follow)."""
         if not self.skipped:
             return None
         more = len(self.skipped) - 1
-        where = f"listed in {record}" if record else "listed below"
+        where = f"listed in {listed_in}" if listed_in else "listed below"
         tail = f" (and {more} more, {where})" if more else ""
         return (
             f"skipped {len(self.skipped)} of {self.n_combinations} configs the router would refuse: "

@@ -334,6 +334,8 @@ def test_validate_dir_may_not_overlap_the_trace(prod, tmp_path):
         assert r.exit_code == 2 and "overlaps the trace" in r.output, r.output
     r = _run(["calibrate", trace, "--out", tmp_path / "v" / "f.toml", "--validate", tmp_path / "v"])
     assert r.exit_code == 2 and "would hold the fleet file" in r.output
+    r = _run(["calibrate", trace, "--out", trace / "requests.parquet", "--force"])
+    assert r.exit_code == 2 and "is a file of the trace" in r.output
     assert sorted(p.name for p in trace.iterdir()) == before
 
 

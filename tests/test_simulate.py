@@ -689,3 +689,32 @@ def test_long_interval_log_warns(tmp_path):
     assert r.exit_code == 2
     assert "warning: interval publishing will write 70,848,032 load rows" in r.output, r.output
     assert 'publish_policy = "on_change"' in r.output
+
+
+def test_refused_combinations_are_listed_in_sim_json(tmp_path):
+    """Issue 11 s.4: the warning names sim.json, and sim.json lists every refused combination."""
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    r = _run(["simulate", str(log), "--out", str(tmp_path / "o"), "--requests", "100",
+              "--worker-queue-limit", "2", "--saturation-queue-floor", "1,3,4,5"])
+    assert r.exit_code == 0, r.output
+    assert "(and 2 more, listed in sim.json)" in r.output
+    meta = json.loads((tmp_path / "o" / "sim.json").read_text())
+    assert len(meta["grid"]["skipped"]) == 3
+
+
+def test_forced_placement_refusals_one_line(tmp_path, small_log, tight_fleet):
+    simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=4), tmp_path / "t")
+    f3 = tmp_path / "f3.toml"
+    f3.write_text("workers = 3\ndp_size = 2\n")
+    f4 = tmp_path / "f4.toml"
+    f4.write_text("workers = 4\ndp_size = 2\nmax_total_num_tokens = 40000\n")
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    for args, text in (
+            ([str(tmp_path / "t"), "--fleet", str(f3)], "the trace has 4 prefill workers, the fleet 3"),
+            ([str(log)], "--forced-placement needs a trace directory"),
+            ([str(tmp_path / "t"), "--fleet", str(f4), "--worker-queue-limit", "2,4"],
+             "--forced-placement runs one config, not a grid")):
+        r = _run(["simulate", *args, "--out", str(tmp_path / "o"), "--forced-placement"])
+        assert r.exit_code == 2 and text in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+        assert not (tmp_path / "o").exists()

@@ -73,6 +73,9 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     from ..simulate.tracelog import read_trace_log
 
     fleet_path = Path(out)
+    if fleet_path.exists() and Path(trace_dir).resolve() in fleet_path.resolve().parents:
+        raise ReplayError(f"--out {out}: is a file of the trace {trace_dir}; write the fleet "
+                          "file elsewhere")
     if fleet_path.exists() and not force:
         raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
     if validate_dir is not None:

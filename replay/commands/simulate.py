@@ -99,7 +99,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     grid = Grid.from_texts(texts)
     single = len(grid.configs) == 1 and seeds is None   # one config writes no grid record
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line(record=None if single else 'sim.json')}", err=True)
+        click.echo(f"warning: {grid.warning_line(None if single else 'sim.json')}", err=True)
         for line in grid.skipped_lines():
             click.echo(line, err=True)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
@@ -132,7 +132,7 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
     if len(grid.configs) == 1 and seeds is None:
-        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, **kw)
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid, **kw)
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "

@@ -64,7 +64,12 @@ class Fitted:
         val = f"{self.value:,.6g}" if isinstance(self.value, float) else f"{self.value}"
         if not self.fitted:
             return f"  {who}: {self.name} = {val}  NOT FITTED ({self.how}; default used)"
-        res = "" if self.residual is None else f", residual {self.residual:.3g}"
+        if self.residual is None:
+            res = ""
+        elif self.name in ("max_total_num_tokens", "max_running_requests"):
+            res = f", {int(self.residual):,} disagree"
+        else:
+            res = f", relative residual {self.residual:.3g}"
         return f"  {who}: {self.name} = {val}  ({self.how}; {self.samples:,} samples{res})"
 
 

@@ -241,7 +241,7 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
         ev.append(t + lag)
         ev.append(w)
         ev.append(b)
-        ev.append(-1)
+        ev.append(-1 - rs[r, RS_LOCAL])   # sign: evicted; magnitude: local rank + 1
         p = parent[b]
         if p >= 0:
             nchild[r, p] -= 1
@@ -311,7 +311,7 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
         ev.append(t + lag)
         ev.append(w)
         ev.append(b)
-        ev.append(1)
+        ev.append(1 + rs[r, RS_LOCAL])    # sign: stored; magnitude: local rank + 1
     rs[r, RS_USED] += st[i, ST_PRIVATE]
     if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
         rs[r, RS_MAX_USED] = rs[r, RS_USED]
@@ -764,7 +764,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = len(ev)
             while ev_head < ne and ev[ev_head] <= t:
-                idx[ev[ev_head + 2], ev[ev_head + 1]] += ev[ev_head + 3]
+                idx[ev[ev_head + 2], ev[ev_head + 1]] += 1 if ev[ev_head + 3] > 0 else -1
                 ev_head += 4
                 stats[SS_INDEX_EVENTS] += 1
             if ev_head == ne and ne > 0:

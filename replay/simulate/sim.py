@@ -308,7 +308,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
              out_dir: str | os.PathLike | None = None, *, seed: int = 0,
              publish_interval_ms: int | None = None, index_lag_ms: int = 0,
              freshness_ms: int = 5000, force: bool = False, placement: np.ndarray | None = None,
-             _inputs: dict | None = None) -> SimResult:
+             grid: Grid | None = None, _inputs: dict | None = None) -> SimResult:
     """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
 
     With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
@@ -317,8 +317,10 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     flags) and ``sim.json`` (parameters, summary, statistics), atomically.
     ``publish_interval_ms`` None takes the fleet's (default 100).
     ``placement`` (one fleet worker index per request, -1 = let the router
-    decide) forces where requests go: validation against a recording.  The
-    result is a pure function of the arguments.
+    decide) forces where requests go: validation against a recording.
+    ``grid`` (the one-config grid it came from) puts its description, with
+    any combinations the router refused, in ``sim.json``.  The result is a
+    pure function of the arguments.
     """
     config = config or RouterConfig()
     config.validate()
@@ -365,6 +367,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                 "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
                 "freshness_ms": int(freshness_ms), "config": config.as_dict(),
                 "fleet": fleet.describe(), "summary": summary, "stats": stat}
+        if grid is not None:
+            meta["grid"] = grid.describe()
         trace_info = {"source": f"router-replay simulate {log.source}", "page_size": int(log.block_size),
                       "router": config.given_flags(),
                       "extra": {"seed": int(seed), "freshness_ms": int(freshness_ms),
