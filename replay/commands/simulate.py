@@ -97,9 +97,8 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
-    single = len(grid.configs) == 1 and seeds is None   # one config writes no grid record
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line(None if single else 'sim.json')}", err=True)
+        click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
         for line in grid.skipped_lines():
             click.echo(line, err=True)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
