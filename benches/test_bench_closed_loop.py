@@ -1,8 +1,8 @@
 """What the closed-loop answer and the waterfall add to a report (issue 11, sections 2-3).
 
-A 300,000-request generated trace swept over 16 configs with decisions (4.8 M
-decision rows); the report is rendered twice, without and with the waterfall
-and the drill-down; the trace's identity (sha256 of its files, what
+A 300,000-request generated trace swept over 12 configs with decisions (3.6 M
+decision rows): the drill-down query and the waterfall figures timed alone,
+then the whole report page; the trace's identity (sha256 of its files, what
 ``simulate`` records so the report can find its grid) is timed alone.
 """
 

@@ -32,6 +32,7 @@ class Recorded:
     seed: int | None
     freshness_ms: int | None
     source: str
+    per_dp_rank: bool = False
 
 
 def _int(v: Any) -> int | None:
@@ -59,7 +60,10 @@ def read_recorded(trace_dir: str | Path) -> Recorded | None:
         except (TypeError, ValueError):
             continue
         extra = rec.get("extra") if name == TRACE_JSON and isinstance(rec.get("extra"), dict) else rec
-        return Recorded(cfg, _int(extra.get("seed")), _int(extra.get("freshness_ms")), str(p))
+        # REPLAY CHOICE: traces/README.md says trace.json's `extra` is never read; the seed and
+        # freshness a producer keeps there (simulate writes them) are read here, as calibrate does
+        return Recorded(cfg, _int(extra.get("seed")), _int(extra.get("freshness_ms")), str(p),
+                        bool(rec.get("per_dp_rank")) if name == TRACE_JSON else False)
     return None
 
 
@@ -91,7 +95,15 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
                      "agreement below 1 cannot be traced to a knob or seed")
         return lines
     knobs = [k for k in KNOB_NAMES if k in summary.columns]
-    match = [r for r in rows if all(_same(r[k], recorded.knobs.get(k)) for k in knobs)]
+    col = {k: k for k in knobs}
+    if recorded.per_dp_rank:
+        # the recorded limit and floor are per-rank numbers: held against the per-rank columns
+        if "per_rank_limit" not in summary.columns or summary["per_rank_limit"].null_count() == summary.height:
+            lines.append("  the trace's config is per dp rank (trace.json per_dp_rank): sweep with --per-dp-rank "
+                         "to compare with it")
+            return lines
+        col.update(worker_queue_limit="per_rank_limit", saturation_queue_floor="per_rank_floor")
+    match = [r for r in rows if all(_same(r[col[k]], recorded.knobs.get(k)) for k in knobs)]
     where = Path(recorded.source).name
     if match:
         r = match[0]
@@ -102,8 +114,8 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
         diffs = []
         for k in knobs:
             want = recorded.knobs.get(k)
-            have = sorted({_fmt(v) for v in summary[k].to_list()})
-            if not any(_same(v, want) for v in summary[k].to_list()):
+            have = sorted({_fmt(v) for v in summary[col[k]].to_list()})
+            if not any(_same(v, want) for v in summary[col[k]].to_list()):
                 diffs.append(f"{KNOBS[k].flag} {_fmt(want)} (this grid: {','.join(have)})")
         what = "; ".join(diffs) if diffs else "the recorded combination of knob values"
         lines.append(f"  no config of this grid is the recorded config ({where}): it differs in {what}")

@@ -376,3 +376,16 @@ def test_report_finds_the_grid_beside_the_trace(light, tmp_path):
     run("sweep", light / "trace", "--out", tmp_path / "elsewhere", "--worker-queue-limit", LIMITS, "-q")
     t = _text((tmp_path / "elsewhere" / "report.html").read_text()).replace("&#x27;", "'")
     assert f"closed-loop grid {light / 'fit' / 'prediction'} (matched to this run's trace by sha256)" in t
+
+
+def test_sweep_reads_the_recorded_config_from_sim_json(light, tmp_path):
+    """Without trace.json, a simulated trace's sim.json says what it was produced under."""
+    trace = tmp_path / "t"
+    shutil.copytree(light / "trace", trace)
+    (trace / "trace.json").unlink()
+    r = run("sweep", trace, "--out", tmp_path / "r", "--worker-queue-limit", "none,4", "--seed", 1)
+    assert "config 1 is the recorded config (sim.json)" in r.output
+    assert f"produced with seed {PROD_SEED} (sim.json); this sweep used --seed 1" in r.output
+    r = run("sweep", trace, "--out", tmp_path / "r2", "--worker-queue-limit", "none,4", "--seed", PROD_SEED,
+            "--freshness-ms", 1000)
+    assert "produced with freshness 5000 ms (sim.json); this sweep used --freshness-ms 1000" in r.output
