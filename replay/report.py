@@ -1214,7 +1214,8 @@ def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
 
 def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
                 max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
-                max_ttft_p99_ms: float | None = None, beside: int | None = None) -> str:
+                max_ttft_p99_ms: float | None = None, beside: int | None = None,
+                max_queue_wait_p99_ms: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
     trace (``closed_loop``, else found beside the run or the trace) is shown first."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
@@ -1237,7 +1238,10 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
         gk = [k for k in a.knobs if k in grid.summary.columns]
         open_rows = {tuple(r.get(k) for k in gk): r for r in a.rows.values()}
         sec.append('<section id="s0"><h2>Closed-loop answer</h2>'
-                   + rs.closed_loop_section(grid, grid_notes, open_rows, gk, bound_ms=max_ttft_p99_ms)
+                   + rs.closed_loop_section(grid, grid_notes, open_rows, gk,
+                                          bound_ms=max_ttft_p99_ms if max_queue_wait_p99_ms is None
+                                          else max_queue_wait_p99_ms,
+                                          on="ttft" if max_queue_wait_p99_ms is None else "queue_wait")
                    + "</section>")
     sec.append(f'<section id="s1"><h2>1. Headline{" (open loop)" if grid is not None else ""}</h2>'
                f"{ol_note}{_headline_html(a)}</section>")
@@ -1299,7 +1303,8 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
 def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
                  force: bool = False, config_id: int | None = None,
                  max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
-                 max_ttft_p99_ms: float | None = None, beside: int | None = None) -> Path:
+                 max_ttft_p99_ms: float | None = None, beside: int | None = None,
+                 max_queue_wait_p99_ms: float | None = None) -> Path:
     """Write the report of a run directory to ``out`` (default ``RUN_DIR/report.html``).
 
     An existing ``out`` is replaced only with ``force``; the file is written
@@ -1314,6 +1319,7 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting, closed_loop=closed_loop,
-                       max_ttft_p99_ms=max_ttft_p99_ms, beside=beside)
+                       max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
+                       max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     rundir.write_text_atomic(target, page)
     return target
