@@ -12,6 +12,10 @@ once, so the file opens offline.  Sections:
 5. floor against dp_size; 6. the hit-rate / pressure trade-off with its
    Pareto front; 7. closed-loop results (when present); 8. provenance.
 
+A closed-loop grid of the run's trace, when one is found or given, comes
+before all of them (``replay/report_sections.py``), and a "Where locality
+goes" section (the waterfall) follows the mix.
+
 From Python (notebooks): :func:`figures` returns the plotly figures,
 :func:`headline` the facts and best-config table, :func:`build_report`
 writes the page.
@@ -886,7 +890,8 @@ def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
             max_p99_waiting: float | None = None) -> dict[str, Any]:
     """The report's plotly figures for a run directory, by name.
 
-    Keys: ``heatmaps``, ``decision_mix``, ``reason_mix``, ``over_time`` (when the
+    Keys: ``heatmaps``, ``decision_mix``, ``reason_mix``, ``waterfall`` and
+    ``waterfall_pair`` (runs with the waterfall columns), ``over_time`` (when the
     run kept decisions), ``floor_vs_dp``, ``tradeoff``, ``closed_loop`` (when a
     ``closed_loop_summary.parquet`` is present).  ``config_id`` picks the
     config shown over time (default: the best under the pressure bound);
