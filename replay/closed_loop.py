@@ -163,6 +163,11 @@ def load_grid(path: str | os.PathLike) -> ClosedLoopGrid:
 # finding the grid of a run's trace
 
 
+def _obj(v: Any) -> dict:
+    """``v`` when it is a JSON object, else an empty one (records read from disk)."""
+    return v if isinstance(v, dict) else {}
+
+
 def log_identity(source: str | os.PathLike) -> dict[str, Any]:
     """What ``sim.json`` records about a trace-directory log so a run of the same trace finds
     the grid: its absolute path and each trace file's sha256 (run.json's ``trace.files``)."""
@@ -182,9 +187,9 @@ def log_identity(source: str | os.PathLike) -> dict[str, Any]:
 
 def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
     """How ``grid`` was produced from the run's trace ("sha256" / "path"), or None."""
-    tr = run_meta.get("trace") if isinstance(run_meta.get("trace"), dict) else {}
+    tr = _obj(run_meta.get("trace"))
     run_files = {n: (i.get("sha256") if isinstance(i, dict) else i) for n, i in (tr.get("files") or {}).items()}
-    ident = grid.meta.get("log_identity") if isinstance(grid.meta.get("log_identity"), dict) else {}
+    ident = _obj(grid.meta.get("log_identity"))
     grid_files = {n: i.get("sha256") for n, i in (ident.get("files") or {}).items() if isinstance(i, dict)}
     if run_files and grid_files:
         common = set(run_files) & set(grid_files)
@@ -203,7 +208,7 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
 
 
 def _candidates(root: Path) -> list[Path]:
-    out = []
+    out: list[Path] = []
     if not root.is_dir():
         return out
     try:
@@ -222,7 +227,7 @@ def find_for_run(run_path: str | os.PathLike, run_meta: dict) -> tuple[ClosedLoo
     """The closed-loop grid of this run's trace, looked for inside and beside the run directory
     and inside and beside the trace directory; with notes naming what was found (or why not)."""
     run_p = Path(run_path)
-    tr = run_meta.get("trace") if isinstance(run_meta.get("trace"), dict) else {}
+    tr = _obj(run_meta.get("trace"))
     places = [run_p, run_p.parent]
     if tr.get("path"):
         t = Path(tr["path"])
@@ -360,7 +365,7 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
             excluded["over_bound"].append(r)
         else:
             ok.append(r)
-    ok.sort(key=lambda r: (-_num(r["true_hit_rate"]), _num(r[col]), r["config_id"]))
+    ok.sort(key=lambda r: (-(_num(r["true_hit_rate"]) or 0.0), _num(r[col]) or 0.0, r["config_id"]))
     return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs)
 
 
@@ -384,7 +389,7 @@ def interval(row: dict, col: str, fmt=_pct) -> str:
 
 def dp_sizes(grid: ClosedLoopGrid) -> dict[int, int]:
     """``{dp_size: workers}`` of the simulated fleet's prefill workers (sim.json)."""
-    ws = ((grid.meta.get("fleet") or {}).get("workers") or []) if isinstance(grid.meta.get("fleet"), dict) else []
+    ws = _obj(grid.meta.get("fleet")).get("workers") or []
     out: dict[int, int] = {}
     for w in ws:
         if isinstance(w, dict) and w.get("role", "prefill") != "decode" and isinstance(w.get("dp_size"), int):

@@ -59,7 +59,8 @@ def read_recorded(trace_dir: str | Path) -> Recorded | None:
             cfg = RouterConfig(**{k: v for k, v in given.items() if k in KNOB_NAMES}).as_dict()
         except (TypeError, ValueError):
             continue
-        extra = rec.get("extra") if name == TRACE_JSON and isinstance(rec.get("extra"), dict) else rec
+        got = rec.get("extra") if name == TRACE_JSON else rec
+        extra: dict = got if isinstance(got, dict) else {}
         # REPLAY CHOICE: traces/README.md says trace.json's `extra` is never read; the seed and
         # freshness a producer keeps there (simulate writes them) are read here, as calibrate does
         return Recorded(cfg, _int(extra.get("seed")), _int(extra.get("freshness_ms")), str(p),
