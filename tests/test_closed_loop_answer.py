@@ -397,3 +397,19 @@ def test_sweep_reads_the_recorded_config_from_sim_json(light, tmp_path):
     r = run("sweep", trace, "--out", tmp_path / "r2", "--worker-queue-limit", "none,4", "--seed", PROD_SEED,
             "--freshness-ms", 1000)
     assert "produced with freshness 5000 ms (sim.json); this sweep used --freshness-ms 1000" in r.output
+
+
+def test_a_corrupt_grid_is_one_line(light, tmp_path):
+    bad = tmp_path / "grid"
+    shutil.copytree(light / "fit" / "prediction", bad)
+    (bad / "closed_loop_summary.parquet").write_bytes(b"not parquet")
+    r = run("recommend", bad, "--max-ttft-p99-ms", 100, code=2)
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert "closed_loop_summary.parquet: unreadable Parquet" in r.stderr
+    pl.DataFrame({"config_id": [0]}).write_parquet(bad / "closed_loop_summary.parquet")
+    r = run("recommend", bad, "--max-ttft-p99-ms", 100, code=2)
+    assert "column 'true_hit_rate': missing" in r.stderr
+    (bad / "closed_loop_summary.parquet").unlink()
+    (tmp_path / "empty").mkdir()
+    r = run("report", light / "run", "--out", tmp_path / "x.html", "--closed-loop", tmp_path / "empty", code=2)
+    assert "not a closed-loop grid" in r.stderr and not (tmp_path / "x.html").exists()
