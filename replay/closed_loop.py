@@ -267,7 +267,7 @@ def find_for_run(run_path: str | os.PathLike, run_meta: dict) -> tuple[ClosedLoo
 # ranking
 
 
-def _num(v: Any) -> float | None:
+def num(v: Any) -> float | None:
     if v is None or isinstance(v, bool):
         return None
     try:
@@ -303,7 +303,7 @@ class ClosedLoopRecommendation:
         b, r = self.best, self.runner_up
         if b is None or r is None or not self.grid.seeded:
             return None
-        lo, hi = _num(b.get("true_hit_rate_lo")), _num(r.get("true_hit_rate_hi"))
+        lo, hi = num(b.get("true_hit_rate_lo")), num(r.get("true_hit_rate_hi"))
         if lo is None or hi is None:
             return None
         return lo > hi
@@ -355,8 +355,8 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
     for r in grid.summary.iter_rows(named=True):
         r = dict(r)
         r["config"] = config_text(r, knobs)
-        hit = _num(r.get("true_hit_rate"))
-        upper = _num(r.get(f"{col}_hi")) if grid.seeded else _num(r.get(col))
+        hit = num(r.get("true_hit_rate"))
+        upper = num(r.get(f"{col}_hi")) if grid.seeded else num(r.get(col))
         if hit is None or upper is None:
             excluded["unknown"].append(r)
         elif grid.seeded and r.get("stable") is not True:
@@ -365,24 +365,24 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
             excluded["over_bound"].append(r)
         else:
             ok.append(r)
-    ok.sort(key=lambda r: (-(_num(r["true_hit_rate"]) or 0.0), _num(r[col]) or 0.0, r["config_id"]))
+    ok.sort(key=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
     return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs)
 
 
-def _pct(v: Any) -> str:
-    x = _num(v)
+def pct(v: Any) -> str:
+    x = num(v)
     return "-" if x is None else f"{100 * x:.2f}%"
 
 
-def _sec(v: Any) -> str:
-    x = _num(v)
+def seconds(v: Any) -> str:
+    x = num(v)
     return "-" if x is None else f"{x / 1000:.2f} s"
 
 
-def interval(row: dict, col: str, fmt=_pct) -> str:
+def interval(row: dict, col: str, fmt=pct) -> str:
     """``mean [lo..hi]`` of a summary column (just the value without an interval)."""
     lo, hi = row.get(f"{col}_lo"), row.get(f"{col}_hi")
-    if _num(lo) is None or _num(hi) is None:
+    if num(lo) is None or num(hi) is None:
         return fmt(row.get(col))
     return f"{fmt(row.get(col))} [{fmt(lo)}..{fmt(hi)}]"
 
@@ -415,14 +415,14 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         lines.append(f"NO CONFIG QUALIFIES: {len(ex['unstable'])} unstable, {len(ex['over_bound'])} above the "
                      f"bound, {len(ex['unknown'])} without a value")
         if ex["unstable"]:
-            u = max(ex["unstable"], key=lambda r: (_num(r["true_hit_rate"]) or 0.0, -r["config_id"]))
+            u = max(ex["unstable"], key=lambda r: (num(r["true_hit_rate"]) or 0.0, -r["config_id"]))
             lines.append(f"  best unstable config: {u['config']} (config {u['config_id']}), true hit rate "
                          f"{interval(u, 'true_hit_rate')}, seeds that disagree: "
                          f"{','.join(map(str, u.get('unstable_seeds') or []))}; run more seeds or a lighter load")
         cands = list(ex["over_bound"])
         if cands:
-            lo = min(cands, key=lambda r: _num(r.get(f"{rec.bound_col}_hi")) or _num(r[rec.bound_col]) or math.inf)
-            lines.append(f"  lowest {label} among stable configs: {interval(lo, rec.bound_col, _sec)} ({lo['config']}); "
+            lo = min(cands, key=lambda r: num(r.get(f"{rec.bound_col}_hi")) or num(r[rec.bound_col]) or math.inf)
+            lines.append(f"  lowest {label} among stable configs: {interval(lo, rec.bound_col, seconds)} ({lo['config']}); "
                          "raise the bound or simulate tighter limits")
         return "\n".join(lines)
     lines.append(f"recommended: {b['config']} (config {b['config_id']})")
@@ -432,8 +432,8 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         lines.append("  deploy per dp_size: " + "; ".join(
             f"dp_size {d} ({n} worker{'s' if n != 1 else ''}): {rec.flags()}" for d, n in sizes.items())
             + " (one router config for the whole simulated fleet)")
-    lines.append(f"  true hit rate {interval(b, 'true_hit_rate')}, {label} {interval(b, rec.bound_col, _sec)}, "
-                 f"TTFT p50 {interval(b, 'ttft_ms_p50', _sec)}"
+    lines.append(f"  true hit rate {interval(b, 'true_hit_rate')}, {label} {interval(b, rec.bound_col, seconds)}, "
+                 f"TTFT p50 {interval(b, 'ttft_ms_p50', seconds)}"
                  + (f", stable over seeds {','.join(map(str, b.get('seeds') or []))}" if g.seeded else ""))
     r = rec.runner_up
     if r is not None:
@@ -441,7 +441,7 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         head = ("NOT DISTINGUISHABLE from the next best within their 95% intervals" if d is False
                 else "next best" if d is None else "better than the next best beyond their 95% intervals")
         lines.append(f"  {head}: {r['config']} (config {r['config_id']}), true hit rate "
-                     f"{interval(r, 'true_hit_rate')}, {label} {interval(r, rec.bound_col, _sec)}")
+                     f"{interval(r, 'true_hit_rate')}, {label} {interval(r, rec.bound_col, seconds)}")
         if d is False:
             lines.append(f"    either is as good on this evidence; its flags: {rec.flags(r)}; more seeds "
                          "(simulate --seeds N) narrow the intervals")

@@ -42,7 +42,7 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
     col = rec.bound_col
     label = cl.BOUNDS[on][1]
     ranked = sorted(grid.summary.iter_rows(named=True),
-                    key=lambda r: (-(cl._num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
+                    key=lambda r: (-(cl.num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
     short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
     head = ["#", "config", *[short.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
             f"{label} [95%]", "TTFT p50", "queue wait p99", "stable", "qualifies",
@@ -56,9 +56,9 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
         st = ("yes" if stable else "–" if stable is None else
               "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + ")")
         cells = [i, r["config_id"], *["none" if r.get(k) is None else r.get(k) for k in rec.knobs],
-                 cl.interval(r, "true_hit_rate"), cl.interval(r, col, cl._sec), cl.interval(r, "ttft_ms_p50", cl._sec),
-                 cl.interval(r, "queue_wait_ms_p99", cl._sec), st, "yes" if r["config_id"] in ok_ids else "no",
-                 cl._pct(o.get("hit_rate")) + f" (config {o['config_id']})" if o else "not in this run"]
+                 cl.interval(r, "true_hit_rate"), cl.interval(r, col, cl.seconds), cl.interval(r, "ttft_ms_p50", cl.seconds),
+                 cl.interval(r, "queue_wait_ms_p99", cl.seconds), st, "yes" if r["config_id"] in ok_ids else "no",
+                 cl.pct(o.get("hit_rate")) + f" (config {o['config_id']})" if o else "not in this run"]
         trs.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     parts.append('<table class="closed">' + "".join(trs) + "</table>")
     parts.append(f'<p class="note">{_e(cl.HIT_NAMES)}: they differ even when the replay agrees with '

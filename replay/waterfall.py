@@ -27,7 +27,7 @@ STEP_TEXT = {f"lost_{s}": s.replace("_", " ") for s in labels.LOSS_STEPS}
 COLUMNS = ("matched_blocks", *TERMS, "selected_blocks")
 MENU_MAX = 40
 """Most configs the per-config menu holds (the page stays small; the rest by --config)."""
-DRILL_COLUMNS = ("request_id", "worker", "decision", "policy_reason", "reason", "lost_to", "matched_blocks",
+DRILL_COLUMNS = ("request_id", "worker", "decision", "reason", "lost_to", "matched_blocks",
                  "selected_blocks", "blocks_lost", "lost_candidates", "lost_queue_gate", "lost_capacity")
 
 
@@ -52,7 +52,7 @@ def _trace(go, row: Mapping[str, Any], name: str, visible: bool = True, showlege
     m = t["matched_blocks"] or 1
     x = ["matched (ceiling)", *(f"lost: {STEP_TEXT[c]}" for c in TERMS), "selected"]
     y = [t["matched_blocks"], *(-t[c] for c in TERMS), t["selected_blocks"]]
-    text = [f"{t['matched_blocks']:,}", *(f"-{t[c]:,} ({100 * t[c] / m:.1f}%)" for c in TERMS),
+    text = [f"{t['matched_blocks']:,}", *(f"-{t[c]:,} ({100 * t[c] / m:.1f}%)" if t[c] else "0" for c in TERMS),
             f"{t['selected_blocks']:,} ({100 * t['selected_blocks'] / m:.1f}%)"]
     return go.Waterfall(x=x, y=y, measure=["absolute", *["relative"] * len(TERMS), "total"], text=text,
                         textposition="outside", name=name, visible=visible, showlegend=showlegend,
