@@ -111,12 +111,17 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
     facts = validate_trace(trace_dir, freshness_ms=freshness_ms, window=window_ns, progress=progress)
     if bar is not None:
         bar.render_finish()
+    from ..capture.summary import capture_facts, capture_lines
+
+    cap = capture_facts(trace_dir)  # an imported trace's capture facts (docs/capture.md)
     if as_json:
         import json
 
-        click.echo(json.dumps(facts.as_dict(), indent=2, sort_keys=True))
+        click.echo(json.dumps({**facts.as_dict(), **({"capture": cap} if cap else {})}, indent=2, sort_keys=True))
     else:
         click.echo(format_report(facts))
+        if cap:
+            click.echo("\n".join(capture_lines(cap)))
 
 
 COMMANDS = [validate]

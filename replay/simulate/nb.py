@@ -578,7 +578,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
                 rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
                 lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
-                forced):
+                forced, cache_log=None):
     """Run one closed-loop simulation.
 
     Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
@@ -596,6 +596,11 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     worker without asking the router (validation against a recording).
 
     Returns ``(rq, m_off, m_worker, m_blocks, loads, n_loads, stats, rs)``.
+
+    ``cache_log`` (optional, a typed list of int64): every cache store and
+    eviction is appended as four values ``(ts + index lag, worker, block,
+    +/-(local rank + 1))``, + for a store, - for an eviction, in the order the
+    KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
     N = req_ts.shape[0]
     R = rank_off[n_workers]
@@ -765,6 +770,9 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             ne = len(ev)
             while ev_head < ne and ev[ev_head] <= t:
                 idx[ev[ev_head + 2], ev[ev_head + 1]] += 1 if ev[ev_head + 3] > 0 else -1
+                if cache_log is not None:
+                    for x in range(4):
+                        cache_log.append(ev[ev_head + x])
                 ev_head += 4
                 stats[SS_INDEX_EVENTS] += 1
             if ev_head == ne and ne > 0:
@@ -872,4 +880,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
             else:
                 _cut_decode(r, t, rs)
+    if cache_log is not None:
+        for x in range(ev_head, len(ev)):
+            cache_log.append(ev[x])
     return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], nl, stats, rs

@@ -129,7 +129,7 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
-                forced: np.ndarray | None = None):
+                forced: np.ndarray | None = None, cache_log=None):
     enc = encode_configs([config])
     k = inputs
     if forced is None:
@@ -141,7 +141,8 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
                           enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
                           int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
                           k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
-                          np.ascontiguousarray(forced, dtype=np.int64))
+                          np.ascontiguousarray(forced, dtype=np.int64),
+                          cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
@@ -308,7 +309,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
              out_dir: str | os.PathLike | None = None, *, seed: int = 0,
              publish_interval_ms: int | None = None, index_lag_ms: int = 0,
              freshness_ms: int = 5000, force: bool = False, placement: np.ndarray | None = None,
-             grid: Grid | None = None, _inputs: dict | None = None) -> SimResult:
+             grid: Grid | None = None, _inputs: dict | None = None,
+             cache_log: bool = False) -> SimResult:
     """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
 
     With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
@@ -320,7 +322,9 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     decide) forces where requests go: validation against a recording.
     ``grid`` (the one-config grid it came from) puts its description, with
     any combinations the router refused, in ``sim.json``.  The result is a
-    pure function of the arguments.
+    pure function of the arguments.  ``cache_log=True`` keeps every
+    cache store and eviction per rank in ``result.extra["cache_log"]``
+    (int64 rows ``(ts + index lag, worker, block, +/-(rank + 1))``).
     """
     config = config or RouterConfig()
     config.validate()
@@ -349,8 +353,14 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
     if not log.n_requests:
         raise ReplayError(f"{log.source}: the log has no request")
+    log_list = None
+    if cache_log:
+        from numba import types
+        from numba.typed import List
+
+        log_list = List.empty_list(types.int64)
     rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
-                                                             index_lag_ms, forced)
+                                                             index_lag_ms, forced, log_list)
     seconds = time.perf_counter() - t0
     req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
     stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
@@ -361,6 +371,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     summary = _summary(log, rq, out_t, stats)
     res = SimResult(config, pl.from_arrow(req_t), pl.from_arrow(loads_t), pl.from_arrow(workers_t),
                     pl.from_arrow(out_t), summary, stat, out, seconds)
+    if log_list is not None:
+        res.extra["cache_log"] = np.asarray(log_list, dtype=np.int64).reshape(-1, 4)
     if out is not None:
         meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),
