@@ -23,219 +23,45 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import polars as pl
-import pyarrow.parquet as pq
 
-from . import __version__
+from . import __version__, rundir
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
-from .outdir import move_into_place, partial_beside, refuse_existing
-from .sweep import DECISIONS, RUN_JSON, SUMMARY, decision_files
+from .metrics import (
+    COMPARE_METRICS,
+    DEFAULT_CHECK_METRICS,
+    DEFAULT_TOLERANCES,
+    LABEL_SHARES,
+    METRICS,
+    RECOMMEND_EVIDENCE,
+    Metric,
+    knob_text,
+    metric,
+    metric_table,
+)
+from .rundir import DECISIONS, Run, load_run, trace_hashes
+from .rundir import first_line as _first_line
+
+__all__ = ["COMPARE_METRICS", "DEFAULT_CHECK_METRICS", "DEFAULT_TOLERANCES", "LABEL_SHARES", "METRICS",
+           "RECOMMEND_EVIDENCE", "Metric", "metric", "metric_table", "Run", "load_run", "trace_hashes",
+           "compare_runs", "write_comparison", "format_comparison", "make_baseline", "write_baseline",
+           "load_baseline", "check_run", "recommend", "format_recommendations"]
 
 # ---------------------------------------------------------------------------
-# Metrics
-
-
-@dataclass(frozen=True)
-class Metric:
-    """One per-config metric derived from the summary table.
-
-    ``kind`` is ``"rate"`` (a fraction in 0..1, shown in percent, differences
-    in points), ``"count"`` or ``"value"`` (a pressure reading).  ``better``
-    is ``"higher"``, ``"lower"`` or ``"neither"`` (a mechanism, such as pins,
-    that is neither good nor bad in itself): it decides what counts as a
-    regression and what as an improvement.  ``default_tolerance`` is the
-    tolerance :func:`check_run` applies when none is given (see
-    :func:`parse_tolerance`).
-    """
-
-    name: str
-    kind: str
-    better: str
-    default_tolerance: str
-    description: str
-    expr: Callable[[set], pl.Expr | None]
-
-
-def _col(name: str):
-    return lambda cols: pl.col(name).cast(pl.Float64) if name in cols else None
-
-
-def _share(num: str, den: str):
-    def expr(cols):
-        if num not in cols or den not in cols:
-            return None
-        d = pl.col(den).cast(pl.Float64)
-        return pl.when(d > 0).then(pl.col(num).cast(pl.Float64) / d).otherwise(None)
-    return expr
-
-
-LABEL_SHARES = ("share_cache_hit", "share_cache_miss", "share_cache_worker_queued", "share_all_queued")
-"""The cache-aware decision-label shares (label count / requests)."""
-
-METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("hit_rate", "rate", "higher", "0.5pt", "selected / query blocks over routed requests", _col("hit_rate")),
-    Metric("matched_rate", "rate", "neither", "0.5pt", "matched / query blocks (the fleet's ceiling)",
-           _col("matched_rate")),
-    Metric("owner_rate", "rate", "higher", "0.5pt", "matched requests landing on a prefix owner",
-           _col("owner_rate")),
-    Metric("share_cache_hit", "rate", "higher", "1pt", "cache_hit label / requests", _share("cache_hit", "requests")),
-    Metric("share_cache_miss", "rate", "lower", "1pt", "cache_miss label / requests",
-           _share("cache_miss", "requests")),
-    Metric("share_cache_worker_queued", "rate", "lower", "1pt", "cache_worker_queued label / requests",
-           _share("cache_worker_queued", "requests")),
-    Metric("share_all_queued", "rate", "lower", "1pt", "all_queued label / requests",
-           _share("all_queued", "requests")),
-    Metric("share_failed", "rate", "lower", "0.1pt", "failed (503) / requests", _share("failed", "requests")),
-    Metric("pinned_share", "rate", "neither", "1pt", "saturation pins / routed requests", _share("pinned", "routed")),
-    Metric("diverted_share", "rate", "neither", "1pt", "diverted / routed requests", _share("diverted", "routed")),
-    Metric("pinned", "count", "neither", "10%", "saturation pins", _col("pinned")),
-    Metric("diverted", "count", "neither", "10%", "requests diverted by the queue gate", _col("diverted")),
-    Metric("selected_waiting_p50", "value", "lower", "10%", "p50 num_waiting_reqs of the chosen worker",
-           _col("selected_waiting_p50")),
-    Metric("selected_waiting_p99", "value", "lower", "10%", "p99 num_waiting_reqs of the chosen worker",
-           _col("selected_waiting_p99")),
-    Metric("selected_waiting_mean", "value", "lower", "10%", "mean num_waiting_reqs of the chosen worker",
-           _col("selected_waiting_mean")),
-    Metric("selected_queue_ms_mean", "value", "lower", "10%", "mean estimated queue ms of the chosen worker",
-           _col("selected_queue_ms_mean")),
-    Metric("cold_prefill_tokens", "count", "lower", "2%", "uncached tokens prefilled at the chosen workers",
-           _col("cold_prefill_tokens")),
-    Metric("agreement", "rate", "neither", "1pt", "replayed worker == the trace's selected_worker",
-           _col("agreement")),
-)}
-"""Every metric the three commands know, by name."""
-
-DEFAULT_CHECK_METRICS = ("hit_rate", "selected_waiting_p99", *LABEL_SHARES)
-"""Metrics a baseline stores when none are chosen."""
-
-DEFAULT_TOLERANCES = {"hit_rate": "0.5pt", "selected_waiting_p99": "10%", **{s: "1pt" for s in LABEL_SHARES}}
-"""The gate's defaults: hit rate may drop 0.5 points, p99 pressure rise 10%, label shares move 1 point."""
-
-COMPARE_METRICS = (
-    "hit_rate", "matched_rate", "owner_rate", *LABEL_SHARES, "share_failed", "pinned", "diverted",
-    "pinned_share", "diverted_share", "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_mean",
-    "selected_queue_ms_mean", "cold_prefill_tokens", "agreement",
-)
-"""Metrics :func:`compare_runs` reports deltas for."""
+# Metrics: the one table lives in replay/metrics.py
 
 LABEL_COLUMNS = ("decision", "policy_reason", "reason")
 """decisions.parquet columns usable as the transition label in :func:`compare_runs`."""
 
 _SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
-
-
-def metric(name: str) -> Metric:
-    """The :class:`Metric` called ``name`` (one-line :class:`ReplayError` if unknown)."""
-    try:
-        return METRICS[name]
-    except KeyError:
-        raise ReplayError(f"unknown metric {name!r}; known: {', '.join(METRICS)}") from None
-
-
-# ---------------------------------------------------------------------------
-# Run directories
-
-
-@dataclass
-class Run:
-    """A finished run directory: its ``run.json``, its summary and where its decisions are."""
-
-    path: Path
-    meta: dict
-    summary: pl.DataFrame
-    decisions: list[Path] | None   # the run's decisions files (one, or one per shard)
-
-    @property
-    def trace_hashes(self) -> dict[str, str]:
-        """``{trace file name: sha256}`` from ``run.json``."""
-        return trace_hashes(self.meta, self.path / RUN_JSON)
-
-    @property
-    def knobs(self) -> list[str]:
-        """The knob columns of the summary, in ``KNOB_NAMES`` order."""
-        return [k for k in KNOB_NAMES if k in self.summary.columns]
-
-    def metrics(self, names: Iterable[str] = COMPARE_METRICS) -> pl.DataFrame:
-        """``config_id``, the knob columns (and ``dp_size``, per-rank values when
-        present), then one Float64 column per metric (null where unknown)."""
-        return metric_table(self.summary, names)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-def load_run(path: str | os.PathLike) -> Run:
-    """Open a run directory written by ``router-replay sweep``.
-
-    Checks that the directory exists and holds a readable ``run.json`` (from
-    router-replay) and ``summary.parquet`` with ``config_id`` and the knob
-    columns; ``decisions.parquet`` is optional, but when present its schema
-    must be readable.  Raises :class:`ReplayError` (one line) otherwise.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise ReplayError(f"{p}: no such run directory")
-    if not p.is_dir():
-        raise ReplayError(f"{p}: not a directory (expected a run directory from 'router-replay sweep')")
-    rj = p / RUN_JSON
-    if not rj.is_file():
-        raise ReplayError(f"{p}: not a run directory (no {RUN_JSON}; expected output of 'router-replay sweep')")
-    try:
-        meta = json.loads(rj.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ReplayError(f"{rj}: unreadable run record ({_first_line(err)})") from None
-    if not isinstance(meta, dict) or meta.get("tool") != "router-replay":
-        raise ReplayError(f"{rj}: not a router-replay run record")
-    trace_hashes(meta, rj)  # validates the trace section
-    sp = p / SUMMARY
-    if not sp.is_file():
-        raise ReplayError(f"{p}: not a run directory (no {SUMMARY})")
-    try:
-        summary = pl.read_parquet(sp)
-    except Exception as err:  # noqa: BLE001 - any reader error is unusable input
-        raise ReplayError(f"{sp}: unreadable Parquet ({_first_line(err)})") from None
-    missing = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor", "requests")
-               if c not in summary.columns]
-    if missing:
-        raise ReplayError(f"{sp}: missing column {missing[0]!r}")
-    if summary.height == 0:
-        raise ReplayError(f"{sp}: no configs")
-    decisions = decision_files(p, meta if isinstance(meta, dict) else None)
-    for dp in decisions or []:
-        try:
-            names = set(pq.read_schema(dp).names)
-        except Exception as err:  # noqa: BLE001
-            raise ReplayError(f"{dp}: unreadable Parquet ({_first_line(err)})") from None
-        need = ("request_id", "config_id", "worker", *LABEL_COLUMNS, "failure")
-        absent = [c for c in need if c not in names]
-        if absent:
-            raise ReplayError(f"{dp}: missing column {absent[0]!r}")
-    return Run(p, meta, summary, decisions)
-
-
-def trace_hashes(meta: Mapping, where: Any = RUN_JSON) -> dict[str, str]:
-    """``{file name: sha256}`` of the trace files recorded in a run or baseline record."""
-    files = (meta.get("trace") or {}).get("files") if isinstance(meta.get("trace"), dict) else None
-    if not isinstance(files, dict) or not files:
-        raise ReplayError(f"{where}: no trace file hashes recorded")
-    out = {}
-    for name, info in files.items():
-        sha = info.get("sha256") if isinstance(info, dict) else info
-        if not isinstance(sha, str):
-            raise ReplayError(f"{where}: no sha256 for trace file {name!r}")
-        out[name] = sha
-    return out
 
 
 def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
@@ -252,30 +78,9 @@ def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
     return "trace files differ"  # pragma: no cover
 
 
-def metric_table(summary: pl.DataFrame, names: Iterable[str] = COMPARE_METRICS) -> pl.DataFrame:
-    """Per-config metrics from a summary table: id and knob columns, then one Float64 column
-    per metric of ``names`` (null where the summary lacks its source columns)."""
-    cols = set(summary.columns)
-    keep = ["config_id", *[k for k in KNOB_NAMES if k in cols],
-            *[c for c in ("dp_size", "per_rank_limit", "per_rank_floor") if c in cols]]
-    exprs = []
-    for n in names:
-        e = metric(n).expr(cols)
-        exprs.append((e if e is not None else pl.lit(None, pl.Float64)).alias(n))
-    return summary.select(*keep, *exprs)
-
-
-def _fmt_knob(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
 def config_label(row: Mapping[str, Any], knobs: Sequence[str]) -> str:
     """``limit=2 floor=none`` style label of a config from the given knob columns."""
-    return " ".join(f"{_SHORT.get(k, k)}={_fmt_knob(row.get(k))}" for k in knobs)
+    return " ".join(f"{_SHORT.get(k, k)}={knob_text(row.get(k))}" for k in knobs)
 
 
 def varying_knobs(*tables: pl.DataFrame | Sequence[Mapping[str, Any]]) -> list[str]:
@@ -348,33 +153,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 1
         return sep.join(out).rstrip()
 
     return [line(headers), *(line(r) for r in rows)]
-
-
-def check_out_dir(out: str | os.PathLike, force: bool) -> None:
-    """Refuse a file in place of output directory ``out``, or an existing non-empty one unless ``force``."""
-    refuse_existing(out, force)
-
-
-def _prepare_out_dir(out: Path, force: bool) -> Path:
-    check_out_dir(out, force)
-    return partial_beside(out)
-
-
-def refuse_file(path: str | os.PathLike, force: bool, what: str = "output file") -> None:
-    """Refuse to replace an existing file unless ``force`` (a directory is always refused)."""
-    path = Path(path)
-    if path.exists() and (path.is_dir() or not force):
-        raise ReplayError(f"{path}: {what} exists (use --force to replace it)" if not path.is_dir()
-                          else f"{path}: is a directory")
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------------
@@ -540,26 +318,29 @@ def _collect_transitions(cmp: Comparison) -> None:
 def write_comparison(cmp: Comparison, out: str | os.PathLike, *, force: bool = False) -> list[Path]:
     """Write ``deltas.parquet`` (and, with decisions in both runs, ``transitions.parquet``
     and ``changed_requests.parquet``) into directory ``out``, built aside and moved into
-    place when complete; an existing non-empty ``out`` is refused unless ``force``."""
+    place when complete; ``out`` is held to :func:`replay.rundir.guard`'s rule."""
     out = Path(out)
-    tmp = _prepare_out_dir(out, force)
+    rundir.guard([(out, "compare")], inputs=[cmp.a.path, cmp.b.path], force=force)
+    tmp = rundir.partial_beside(out)
     try:
-        cmp.deltas.write_parquet(tmp / "deltas.parquet")
-        if cmp.changed is not None:
-            try:
-                cmp.changed.sink_parquet(tmp / "changed_requests.parquet")
-            except (pl.exceptions.PolarsError, OSError) as err:
-                raise ReplayError(f"reading {DECISIONS}: {_first_line(err)}") from None
-            cmp.changed = pl.scan_parquet(out / "changed_requests.parquet")
-            cmp.transitions = transition_counts(pl.scan_parquet(tmp / "changed_requests.parquet"))
-            cmp.transitions.write_parquet(tmp / "transitions.parquet")
-        names = sorted(p.name for p in tmp.iterdir())
-        move_into_place(tmp, out)
+        with rundir.writing(out):
+            cmp.deltas.write_parquet(tmp / "deltas.parquet")
+            if cmp.changed is not None:
+                try:
+                    cmp.changed.sink_parquet(tmp / "changed_requests.parquet")
+                except (pl.exceptions.PolarsError, OSError) as err:
+                    if rundir.no_space(err):
+                        raise
+                    raise ReplayError(f"reading {DECISIONS}: {_first_line(err)}") from None
+                cmp.changed = pl.scan_parquet(out / "changed_requests.parquet")
+                cmp.transitions = transition_counts(pl.scan_parquet(tmp / "changed_requests.parquet"))
+                cmp.transitions.write_parquet(tmp / "transitions.parquet")
+            names = sorted(p.name for p in tmp.iterdir())
+            rundir.move_into_place(tmp, out)
         tmp = None
         return [out / n for n in names]
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        rundir.discard(tmp)
 
 
 _CMP_COLS = (  # header, metric, how
@@ -748,6 +529,12 @@ def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None
     tol = {n: tolerances.get(n) or parse_tolerance(n, DEFAULT_TOLERANCES.get(n, METRICS[n].default_tolerance))
            for n in names}
     table = run.metrics(names)
+    for n in names:
+        unknown = table.filter(pl.col(n).is_null() | pl.col(n).is_nan())
+        if unknown.height:
+            raise ReplayError(f"{run.path}: metric {n} has no value for {unknown.height} config(s) (first: "
+                              f"config {unknown['config_id'][0]}); a baseline holds numbers only, so leave it "
+                              f"out (--metric ...)")
     configs = []
     for r in table.iter_rows(named=True):
         configs.append({
@@ -777,9 +564,10 @@ def write_baseline(run: Run | str | os.PathLike, path: str | os.PathLike, *, for
     """Write :func:`make_baseline` of ``run`` as JSON to ``path`` (refused if it exists
     unless ``force``); return the record."""
     path = Path(path)
-    refuse_file(path, force, "baseline file")
+    run = run if isinstance(run, Run) else load_run(run)
+    rundir.guard([(path, "baseline")], inputs=[run.path], force=force)
     record = make_baseline(run, **kw)
-    write_text_atomic(path, json.dumps(record, indent=2, allow_nan=False) + "\n")
+    rundir.write_text_atomic(path, json.dumps(record, indent=2, allow_nan=False) + "\n")
     return record
 
 
@@ -809,6 +597,14 @@ def load_baseline(path: str | os.PathLike) -> dict:
         missing = [n for n in names if n not in c["metrics"]]
         if missing:
             raise ReplayError(f"{p}: config entry {i} lacks metric {missing[0]!r}")
+        for n in names:
+            why = _bad_value(n, c["metrics"][n])
+            if why:
+                raise ReplayError(f"{p}: config entry {i}: metric {n!r} {why}; the baseline is unusable")
+        for k, v in c["knobs"].items():
+            why = _bad_knob(k, v)
+            if why:
+                raise ReplayError(f"{p}: config entry {i}: knob {k!r} {why}; the baseline is unusable")
     tols = rec.get("tolerances") or {}
     if not isinstance(tols, dict):
         raise ReplayError(f"{p}: tolerances must be an object")
@@ -816,6 +612,47 @@ def load_baseline(path: str | os.PathLike) -> dict:
                           for n in names}
     rec["_path"] = str(p)
     return rec
+
+
+def _bad_value(name: str, v: Any) -> str | None:
+    """Why ``v`` cannot be a stored value of metric ``name`` (None when it can)."""
+    # REPLAY CHOICE: a null is refused too (not read as "nothing to hold the run to"):
+    # a gate that passes because its baseline holds no number is a silent pass.
+    if v is None:
+        return "is null (no value to hold the run to)"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"is {type(v).__name__} {json.dumps(v)[:40]}, not a number"
+    try:
+        x = float(v)
+    except OverflowError:
+        return "is out of range"
+    if not math.isfinite(x):
+        return f"is {x}, not a finite number"
+    if x < 0:
+        return f"is negative ({x:g})"
+    if METRICS[name].kind == "rate" and x > 1:
+        return f"is {x:g}, outside 0..1 for a rate"
+    return None
+
+
+def _bad_knob(name: str, v: Any) -> str | None:
+    if name not in KNOBS:
+        return None           # check_run names unknown knobs
+    kind = KNOBS[name].kind
+    if v is None:
+        return None if KNOBS[name].nullable else "is null"
+    if kind == "bool":
+        return None if isinstance(v, bool) else f"is {json.dumps(v)[:40]}, not true or false"
+    if kind == "choice":
+        choices = KNOBS[name].choices
+        return None if v in choices and isinstance(v, str) else f"is {json.dumps(v)[:40]}, not one of {', '.join(choices)}"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind == "int" and not isinstance(v, int)):
+        return f"is {json.dumps(v)[:40]}, not {'an integer' if kind == 'int' else 'a number'}"
+    if kind == "int" and not 0 <= v < 2**64:
+        return f"is {v}, outside the router's unsigned 64-bit range"
+    if kind == "float" and (abs(v) > 1.7976931348623157e308 or not math.isfinite(float(v))):
+        return "is not a finite number"
+    return None
 
 
 @dataclass
@@ -1009,12 +846,6 @@ def _default(knob: str) -> Any:
 # recommend
 
 
-RECOMMEND_EVIDENCE = ("hit_rate", "owner_rate", "matched_rate", *LABEL_SHARES, "pinned_share", "diverted_share",
-                      "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_mean",
-                      "cold_prefill_tokens")
-"""Metrics shown as the evidence of a recommendation."""
-
-
 @dataclass
 class Recommendation:
     """The answer for one dp_size group (``dp_size`` None: the run's single fleet).
@@ -1055,7 +886,7 @@ class Recommendation:
                 if v is False:
                     parts.append(spec.flag)
             else:
-                parts.append(f"{spec.flag} {_fmt_knob(v)}")
+                parts.append(f"{spec.flag} {knob_text(v)}")
         return " ".join(parts) if parts else "(router defaults: no gate)"
 
 
@@ -1130,8 +961,8 @@ def format_recommendations(recs: Sequence[Recommendation], run: Run, *, width: i
         b = rec.best
         per_rank = ""
         if rec.dp_size is not None and "per_rank_limit" in b:
-            per_rank = (f" (per rank: limit {_fmt_knob(b.get('per_rank_limit'))}, "
-                        f"floor {_fmt_knob(b.get('per_rank_floor'))})")
+            per_rank = (f" (per rank: limit {knob_text(b.get('per_rank_limit'))}, "
+                        f"floor {knob_text(b.get('per_rank_floor'))})")
         lines.append(f"{head}: recommended {b['config']} (config {b['config_id']}){per_rank}")
         lines.append(f"  router flags: {rec.flags()}")
         lines.append(f"  hit rate {fmt_value('hit_rate', b['hit_rate'])} with p99 waiting "

@@ -12,7 +12,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import ReplayError
+from .errors import ParamError, ReplayError
 
 
 class InputError(click.ClickException):
@@ -31,10 +31,47 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except ParamError as err:           # the library names the parameter, the CLI its flag
+            raise InputError(f"{err.flag} {err.text}") from None
         except ReplayError as err:
             raise InputError(str(err)) from None
 
     return wrapper
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so every ``finally`` cleans up on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signum)
+
+
+def _handle_signals() -> None:
+    """SIGTERM and SIGHUP end a command the way SIGINT does (clean up, exit 128 + signal)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _raise_interrupted)
+
+
+def _interrupted_exit(err: BaseException) -> int:
+    """128 + the signal that stopped the command (SIGINT 130, SIGTERM 143, SIGHUP 129):
+    distinct from ``check``'s regression code 1 and the bad-input code 2."""
+    import signal
+
+    found = [e for e in (err, err.__cause__, err.__context__) if isinstance(e, Interrupted)]
+    signum = found[0].signum if found else int(signal.SIGINT)
+    click.echo(f"interrupted ({signal.Signals(signum).name}): nothing of this run was kept", err=True)
+    return 128 + signum
 
 
 class _OneLineErrors(click.Group):
@@ -43,6 +80,7 @@ class _OneLineErrors(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        _handle_signals()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as err:
@@ -52,9 +90,13 @@ class _OneLineErrors(click.Group):
         except click.ClickException as err:
             err.show()
             sys.exit(err.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort as err:
+            if isinstance(err.__cause__ or err.__context__, KeyboardInterrupt):
+                sys.exit(_interrupted_exit(err))
             click.echo("aborted", err=True)
             sys.exit(1)
+        except KeyboardInterrupt as err:     # raised outside click's own handler
+            sys.exit(_interrupted_exit(err))
         sys.exit(rv if isinstance(rv, int) else 0)
 
 

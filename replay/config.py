@@ -527,7 +527,11 @@ class Grid:
         *,
         dp_size: int | None = None,
         policy: str = "cache_aware",
+        per_dp_rank: bool = False,
     ) -> None:
+        self.per_dp_rank: bool = bool(per_dp_rank) or dp_size is not None
+        """Limit and floor values are per-rank numbers (``--per-dp-rank``); :meth:`resolve`
+        scales them by the fleet's dp_size when ``dp_size`` is not given yet."""
         given: dict[str, list] = {}
         for name, vals in (values or {}).items():
             spec = knob_spec(name)
@@ -607,6 +611,18 @@ class Grid:
         """The same grid with its limit and floor values read per rank and
         multiplied by ``dp_size`` (``--per-dp-rank``); a new Grid."""
         return Grid(self._input, dp_size=dp_size, policy=self.policy)
+
+    def as_per_rank(self) -> "Grid":
+        """The same values read per rank (``--per-dp-rank``), to be scaled by :meth:`resolve`."""
+        return Grid(self._input, policy=self.policy, per_dp_rank=True)
+
+    def resolve(self, fleet_dp_sizes: Sequence[int]) -> "Grid":
+        """The grid for a fleet whose workers have ``fleet_dp_sizes``: a per-rank grid
+        not yet scaled is scaled by the fleet's one dp_size (:func:`fleet_dp_size`);
+        any other grid is returned as it is."""
+        if not self.per_dp_rank or self.dp_size is not None:
+            return self
+        return self.scaled_per_dp_rank(fleet_dp_size(list(fleet_dp_sizes)))
 
     # -- access -----------------------------------------------------------------------
 

@@ -21,24 +21,23 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
-import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from . import __version__, labels
+from . import __version__, labels, rundir
+from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
-from .sweep import decision_files
+from .metrics import flag_text, knob_text
+from .rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401  (names of the run's files)
+from .rundir import unreadable as _unreadable
 
-REPORT = "report.html"
-CLOSED_LOOP = "closed_loop_summary.parquet"
-FLEET = "fleet.parquet"
 LIMIT = "worker_queue_limit"
 FLOOR = "saturation_queue_floor"
 TOP_N = 5
@@ -62,41 +61,23 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", siz
 
 @dataclass(frozen=True)
 class Metric:
+    """A metric as the page shows it: its key, label and format (from replay/metrics.py)."""
+
     key: str
     label: str
     fmt: str          # "pct", "int", "f2", "si"
-    better: str       # "high" or "low"
+    better: str       # "high" or "low": the heatmap's colour direction
+
+
+def _shown(name: str, hover: bool = False) -> Metric:
+    m = metrics_mod.METRICS[name]
+    return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
 
 
 # the heatmap metrics (issue 4, section 2), in page order
-HEATMAP_METRICS = (
-    Metric("hit_rate", "hit rate", "pct", "high"),
-    Metric("owner_rate", "owner rate", "pct", "high"),
-    Metric("pin_share", "pin share", "pct", "low"),
-    Metric("all_queued_share", "all_queued share", "pct", "low"),
-    Metric("diverted_share", "diverted share", "pct", "low"),
-    Metric("selected_waiting_p99", "p99 waiting at chosen worker", "int", "low"),
-    Metric("selected_waiting_mean", "mean waiting at chosen worker", "f2", "low"),
-    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
-)
+HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
 # everything a hover shows about one config
-HOVER_METRICS = (
-    Metric("hit_rate", "hit rate", "pct", "high"),
-    Metric("matched_rate", "matched rate (ceiling)", "pct", "high"),
-    Metric("owner_rate", "owner rate", "pct", "high"),
-    Metric("pin_share", "pin share", "pct", "low"),
-    Metric("all_queued_share", "all_queued share", "pct", "low"),
-    Metric("diverted_share", "diverted share", "pct", "low"),
-    Metric("fell_back_share", "fell-back share", "pct", "low"),
-    Metric("failed_share", "failed share", "pct", "low"),
-    Metric("selected_waiting_p50", "p50 waiting", "int", "low"),
-    Metric("selected_waiting_p99", "p99 waiting", "int", "low"),
-    Metric("selected_waiting_mean", "mean waiting", "f2", "low"),
-    Metric("selected_waiting_uncached_mean", "mean waiting uncached tokens", "si", "low"),
-    Metric("selected_queue_ms_mean", "mean est. queue ms", "f2", "low"),
-    Metric("cold_prefill_tokens", "cold prefill tokens", "si", "low"),
-    Metric("agreement", "agreement with production", "pct", "high"),
-)
+HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
 
 
 def _fmt(v: Any, fmt: str) -> str:
@@ -117,118 +98,26 @@ def _fmt(v: Any, fmt: str) -> str:
     return str(v)
 
 
-def _knob_text(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
-
-
-def _flag_value(knob: str, v: Any) -> str:
-    """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts ``pressure_guard``)."""
-    spec = KNOBS.get(knob)
-    if spec is not None and spec.inverted and isinstance(v, bool):
-        return "true" if not v else "false"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return _knob_text(v)
-
-
 def _num_key(v: Any) -> tuple:
     """Sort knob values with ``none`` first, then ascending."""
     return (0, 0) if v is None else (1, v)
 
 
 # ---------------------------------------------------------------------------
-# loading
-@dataclass
-class RunData:
-    """A run directory read back: provenance, summary and the optional parts."""
-
-    path: Path
-    run: dict
-    summary: pl.DataFrame
-    decisions: list[Path] | None   # one file, or one per shard
-    # fleet.parquet, scanned lazily (one row per request: never read whole); a
-    # DataFrame works too.  ``.collect()`` it to get the table.
-    fleet: pl.LazyFrame | pl.DataFrame | None
-    closed_loop: pl.DataFrame | None
-    notes: list[str] = field(default_factory=list)
-
-
-def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Read a run directory written by ``router-replay sweep`` (ReplayError on anything else)."""
-    p = Path(run_dir)
-    if not p.exists():
-        raise ReplayError(f"{p}: run directory not found")
-    if not p.is_dir():
-        raise ReplayError(f"{p}: not a directory (expected a run directory written by router-replay sweep)")
-    rj, sm = p / "run.json", p / "summary.parquet"
-    if not rj.is_file() or not sm.is_file():
-        raise ReplayError(f"{p}: not a run directory (no run.json and summary.parquet; "
-                          "write one with router-replay sweep)")
-    try:
-        run = json.loads(rj.read_text())
-    except (OSError, ValueError) as err:
-        raise ReplayError(f"{rj}: unreadable run record ({type(err).__name__})") from None
-    if not isinstance(run, dict) or run.get("tool") != "router-replay":
-        raise ReplayError(f"{rj}: not a router-replay run record")
-    summary = _read_parquet(sm)
-    for col in ("config_id", LIMIT, FLOOR, "hit_rate", "selected_waiting_p99"):
-        if col not in summary.columns:
-            raise ReplayError(f"{sm}: column '{col}': missing (not a router-replay summary)")
-    dec = decision_files(p, run)
-    fleet_path = p / FLEET
-    fleet = _scan_parquet(fleet_path) if fleet_path.is_file() else None
-    cl_path = p / CLOSED_LOOP
-    closed = _read_parquet(cl_path) if cl_path.is_file() else None
-    return RunData(p, run, summary, dec, fleet, closed)
-
-
-def _unreadable(path: Path, err: Exception) -> ReplayError:
-    msg = " ".join(str(err).split())[:200]
-    return ReplayError(f"{path}: unreadable Parquet ({type(err).__name__}: {msg})")
-
-
-def _read_parquet(path: Path) -> pl.DataFrame:
-    try:
-        return pl.read_parquet(path)
-    except Exception as err:  # polars / arrow raise many kinds
-        raise _unreadable(path, err) from None
-
-
-def _scan_parquet(path: Path) -> pl.LazyFrame:
-    """A lazy scan of a (possibly request-sized) table; its footer is read now, so a file
-    that is not Parquet fails here rather than halfway through the page."""
-    try:
-        lf = pl.scan_parquet(path)
-        lf.collect_schema()
-    except Exception as err:  # polars / arrow raise many kinds
-        raise _unreadable(path, err) from None
-    return lf
-
+# loading: one reader of run directories, replay/rundir.py
 
 # ---------------------------------------------------------------------------
 # the analysis shared by figures, headline and page
-class Analysis:
+class ReportView:
     """Derived columns, the slice shown in the grid figures, the best configs and baselines."""
 
-    def __init__(self, data: RunData, *, config_id: int | None = None,
+    def __init__(self, data: Run, *, config_id: int | None = None,
                  max_p99_waiting: float | None = None):
         self.data = data
-        self.run = data.run
+        self.meta = data.meta
         s = data.summary
-        routed = pl.col("routed").cast(pl.Float64)
-        share = lambda c: pl.when(routed > 0).then(pl.col(c) / routed).otherwise(None)  # noqa: E731
-        s = s.with_columns(
-            pin_share=share("pinned"),
-            all_queued_share=share("all_queued"),
-            diverted_share=share("diverted"),
-            fell_back_share=share("fell_back"),
-            failed_share=pl.when(pl.col("requests") > 0)
-            .then(pl.col("failed") / pl.col("requests").cast(pl.Float64)).otherwise(None),
-        )
+        s = s.with_columns(metrics_mod.METRICS[n].expr(s.columns).alias(n) for n in metrics_mod.DERIVED
+                           if metrics_mod.METRICS[n].expr(s.columns) is not None)
         if "agreement" not in s.columns:
             s = s.with_columns(agreement=pl.lit(None, dtype=pl.Float64))
         self.per_rank = "per_rank_floor" in s.columns
@@ -240,11 +129,13 @@ class Analysis:
         # the pressure bound and the best configs under it
         p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
         if max_p99_waiting is not None:
+            if not math.isfinite(float(max_p99_waiting)):
+                raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
-            self.bound_note = f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} (given)"
+            self.bound_note = f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} (given)"
         elif p99:
             self.bound = float(np.quantile(np.asarray(p99, dtype=float), 0.5, method="inverted_cdf"))
-            self.bound_note = (f"p99 waiting at the chosen worker ≤ {_knob_text(self.bound)} "
+            self.bound_note = (f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} "
                                "(default: the median p99 over the grid's configs; "
                                "set it with --max-p99-waiting)")
         else:
@@ -271,7 +162,7 @@ class Analysis:
                 pick = self.best or self.rows[min(self.rows)]
                 self.slice = {k: pick[k] for k in self.other_varying}
                 why = "the best config's values"
-            vals = ", ".join(f"{KNOBS[k].flag} {_flag_value(k, v)}" for k, v in self.slice.items())
+            vals = ", ".join(f"{KNOBS[k].flag} {flag_text(k, v)}" for k, v in self.slice.items())
             self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
                                f"the grid figures show the slice {vals} ({why}). "
                                "The trade-off plot shows every config.")
@@ -302,14 +193,14 @@ class Analysis:
         return None
 
     def label(self, row: dict, *, short: bool = False) -> str:
-        lim, fl = _knob_text(row[LIMIT]), _knob_text(row[FLOOR])
+        lim, fl = knob_text(row[LIMIT]), knob_text(row[FLOOR])
         if short:
             text = f"{lim}/{fl}"
         else:
             text = f"limit {lim} · floor {fl}"
             if self.per_rank and row.get("per_rank_limit") is not None:
-                text += f" (per rank {_knob_text(row['per_rank_limit'])}/{_knob_text(row.get('per_rank_floor'))})"
-        extra = [f"{KNOBS[k].flag.lstrip('-')} {_flag_value(k, row[k])}" for k in self.other_varying]
+                text += f" (per rank {knob_text(row['per_rank_limit'])}/{knob_text(row.get('per_rank_floor'))})"
+        extra = [f"{KNOBS[k].flag.lstrip('-')} {flag_text(k, row[k])}" for k in self.other_varying]
         if extra and not short:
             text += " · " + ", ".join(extra)
         return text
@@ -360,19 +251,19 @@ def _base_layout(fig, *, height: int, title: str | None = None, **kw) -> None:
         fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font_size=15))
 
 
-def fig_heatmaps(a: Analysis):
+def fig_heatmaps(a: ReportView):
     """One heatmap per metric over floor (x) x limit (y); ``none`` is its own row/column."""
     go = _go()
     rows = a.slice_rows
     limits = sorted({r[LIMIT] for r in rows}, key=_num_key)
     floors = sorted({r[FLOOR] for r in rows}, key=_num_key)
-    xs = [_knob_text(f) for f in floors]
-    ys = [_knob_text(v) for v in limits]
+    xs = [knob_text(f) for f in floors]
+    ys = [knob_text(v) for v in limits]
     if a.per_rank:
         pr_l = {r[LIMIT]: r.get("per_rank_limit") for r in rows}
         pr_f = {r[FLOOR]: r.get("per_rank_floor") for r in rows}
-        xs = [f"{_knob_text(f)} ({_knob_text(pr_f.get(f))}/rank)" if f is not None else "none" for f in floors]
-        ys = [f"{_knob_text(v)} ({_knob_text(pr_l.get(v))}/rank)" if v is not None else "none" for v in limits]
+        xs = [f"{knob_text(f)} ({knob_text(pr_f.get(f))}/rank)" if f is not None else "none" for f in floors]
+        ys = [f"{knob_text(v)} ({knob_text(pr_l.get(v))}/rank)" if v is not None else "none" for v in limits]
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
@@ -380,7 +271,7 @@ def fig_heatmaps(a: Analysis):
                     shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
                     vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
-              f"limit {_knob_text(lv)} · floor {_knob_text(fv)}: not a valid router config (skipped)"
+              f"limit {knob_text(lv)} · floor {knob_text(fv)}: not a valid router config (skipped)"
               for fv in floors] for lv in limits]
     for i, m in enumerate(HEATMAP_METRICS):
         z = [[(cell[(lv, fv)].get(m.key) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
@@ -411,11 +302,11 @@ def _int_axis(values) -> dict:
     return dict(tickformat=",d", dtick=max(1, math.ceil(span / 6)))
 
 
-def _ordered_configs(a: Analysis) -> list[dict]:
+def _ordered_configs(a: ReportView) -> list[dict]:
     return sorted(a.slice_rows, key=lambda r: (_num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
 
 
-def fig_mix(a: Analysis, kind: str):
+def fig_mix(a: ReportView, kind: str):
     """Stacked shares per config: decision labels (``kind="decision"``) or policy reasons."""
     go = _go()
     rows = _ordered_configs(a)
@@ -661,7 +552,7 @@ def decision_counts(files: list[Path], ids: list[int], fleet: pl.LazyFrame | pl.
     return _add_counts(parts)
 
 
-def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFrame]:
+def over_time_frames(a: ReportView, config_ids: list[int]) -> dict[int, pl.DataFrame]:
     """Per config and interval: label shares, pin and gate counts, the fleet's readings."""
     data = a.data
     if data.decisions is None or data.fleet is None:
@@ -684,7 +575,7 @@ def over_time_frames(a: Analysis, config_ids: list[int]) -> dict[int, pl.DataFra
     return out
 
 
-def over_time_configs(a: Analysis) -> list[int]:
+def over_time_configs(a: ReportView) -> list[int]:
     """Configs offered over time: the chosen one first, then the best under the bound, the
     best with a floor set, and the chosen config's no-gate baseline (at most six)."""
     ids = [a.chosen["config_id"]] + [r["config_id"] for r in a.best_rows]
@@ -708,7 +599,7 @@ def over_time_configs(a: Analysis) -> list[int]:
     return head + (others[: 6 - 1 - len(keep_floor) - len(keep_base)]) + keep_floor + keep_base
 
 
-def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
+def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
     """Label shares per interval, pin and gate shares, and the fleet's smallest fresh queue
     reading beside the floor; a dropdown switches between ``config_ids`` (first shown)."""
     go = _go()
@@ -796,7 +687,7 @@ def fig_over_time(a: Analysis, config_ids: list[int] | None = None):
     return fig
 
 
-def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
+def _dp_lines(a: ReportView) -> tuple[list[dict], str]:
     """Points for the floor-vs-dp figure and the note on where dp_size came from."""
     rows = [r for r in a.slice_rows if r[FLOOR] is not None and r[LIMIT] is not None]
     pts = []
@@ -807,7 +698,7 @@ def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
         sizes = sorted({p["dp"] for p in pts})
         src = "per-rank values from this --per-dp-rank run"
     else:
-        dps = (a.run.get("trace", {}).get("facts", {}) or {}).get("dp_sizes") or {}
+        dps = (a.meta.get("trace", {}).get("facts", {}) or {}).get("dp_sizes") or {}
         sizes = sorted(int(k) for k in dps if int(k) > 0) or [1]
         for dp in sizes:
             for r in rows:
@@ -824,7 +715,7 @@ def _dp_lines(a: Analysis) -> tuple[list[dict], str]:
     return pts, note
 
 
-def fig_floor_vs_dp(a: Analysis):
+def fig_floor_vs_dp(a: ReportView):
     """Metrics against the per-rank floor, one line per (dp_size, limit)."""
     go = _go()
     pts, _note = _dp_lines(a)
@@ -839,7 +730,7 @@ def fig_floor_vs_dp(a: Analysis):
     dp_sizes = sorted({k[0] for k in groups})
     for gi, ((dp, lim), ps) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
         ps = sorted(ps, key=lambda p: p["per_rank_floor"])
-        name = f"dp {dp} · limit {_knob_text(lim)} ({_knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
+        name = f"dp {dp} · limit {knob_text(lim)} ({knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
         color = palette[gi % len(palette)]
         for ci, m in enumerate(metrics):
             fig.add_trace(go.Scatter(
@@ -869,7 +760,7 @@ def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
     return front
 
 
-def fig_tradeoff(a: Analysis):
+def fig_tradeoff(a: ReportView):
     """Hit rate against pressure (p99 and mean waiting), every config; Pareto fronts highlighted."""
     go = _go()
     rows = [r for r in a.rows.values() if r["hit_rate"] is not None]
@@ -907,7 +798,7 @@ def fig_tradeoff(a: Analysis):
                 row=1, col=ci + 1)
         if ci == 0 and math.isfinite(a.bound):
             fig.add_vline(x=a.bound, line=dict(color="#555", dash="dash", width=1), row=1, col=1,
-                          annotation_text=f"bound {_knob_text(a.bound)}", annotation_position="top left")
+                          annotation_text=f"bound {knob_text(a.bound)}", annotation_position="top left")
     _base_layout(fig, height=460, legend=dict(orientation="h", y=-0.2, x=0))
     fig.update_layout(margin=dict(b=100))
     fig.update_yaxes(tickformat=".1%", title_text="hit rate", row=1, col=1)
@@ -917,7 +808,7 @@ def fig_tradeoff(a: Analysis):
     return fig
 
 
-def _closed_loop_join(a: Analysis) -> tuple[pl.DataFrame | None, str]:
+def _closed_loop_join(a: ReportView) -> tuple[pl.DataFrame | None, str]:
     """The closed-loop table with this run's open-loop estimate of the same configs.
 
     Configs are matched on the knob columns both tables have (config ids are
@@ -956,7 +847,7 @@ def _closed_hit_col(df: pl.DataFrame) -> str | None:
     return None
 
 
-def fig_closed_loop(a: Analysis):
+def fig_closed_loop(a: ReportView):
     """Closed-loop hit rate and TTFT beside the open-loop estimate, per config."""
     go = _go()
     df, note = _closed_loop_join(a)
@@ -967,7 +858,7 @@ def fig_closed_loop(a: Analysis):
     fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
                     subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
     if LIMIT in df.columns and FLOOR in df.columns:
-        x = [f"{_knob_text(l)}/{_knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
+        x = [f"{knob_text(l)}/{knob_text(f)}" for l, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list())]
         if len(set(x)) < len(x) and "config_id" in df.columns:  # other knobs vary too
             x = [f"{v} (#{i})" for v, i in zip(x, df["config_id"].to_list())]
         x_title = "limit / floor"
@@ -991,7 +882,7 @@ def fig_closed_loop(a: Analysis):
 
 
 # ---------------------------------------------------------------------------
-def figures(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
             max_p99_waiting: float | None = None) -> dict[str, Any]:
     """The report's plotly figures for a run directory, by name.
 
@@ -1001,11 +892,11 @@ def figures(run_dir: str | os.PathLike | RunData, *, config_id: int | None = Non
     config shown over time (default: the best under the pressure bound);
     ``max_p99_waiting`` sets that bound (default: the median p99 of the grid).
     """
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    return _figures(Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    return _figures(ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
 
 
-def _figures(a: Analysis) -> dict[str, Any]:
+def _figures(a: ReportView) -> dict[str, Any]:
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
            "reason_mix": fig_mix(a, "policy")}
     if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
@@ -1017,15 +908,15 @@ def _figures(a: Analysis) -> dict[str, Any]:
     return out
 
 
-def headline(run_dir: str | os.PathLike | RunData, *, max_p99_waiting: float | None = None) -> dict:
+def headline(run_dir: str | os.PathLike | Run, *, max_p99_waiting: float | None = None) -> dict:
     """Trace facts, the pressure bound and the best configs (with deltas vs the no-gate baseline)."""
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    a = Analysis(data, max_p99_waiting=max_p99_waiting)
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    a = ReportView(data, max_p99_waiting=max_p99_waiting)
     return {"facts": _facts(a), "bound": a.bound, "bound_note": a.bound_note, "best": _best_table(a)}
 
 
-def _facts(a: Analysis) -> dict:
-    tr = a.run.get("trace", {})
+def _facts(a: ReportView) -> dict:
+    tr = a.meta.get("trace", {})
     f = tr.get("facts") or {}
     return {
         "requests": f.get("requests", tr.get("requests")),
@@ -1041,12 +932,12 @@ def _facts(a: Analysis) -> dict:
     }
 
 
-DELTA_METRICS = (("hit_rate", "pts"), ("owner_rate", "pts"), ("pin_share", "pts"),
+DELTA_METRICS = (("hit_rate", "pts"), ("owner_rate", "pts"), ("pinned_share", "pts"),
                  ("selected_waiting_p99", "abs"), ("selected_waiting_mean", "abs"),
                  ("cold_prefill_tokens", "rel"))
 
 
-def _best_table(a: Analysis) -> pl.DataFrame:
+def _best_table(a: ReportView) -> pl.DataFrame:
     recs = []
     for rank, r in enumerate(a.best_rows, 1):
         b = a.baseline_for(r)
@@ -1120,7 +1011,7 @@ def _delta_html(v: float | None, unit: str, better: str) -> str:
     return f' <span class="{"pos" if good else "neg"}">({_e(txt)})</span>'
 
 
-def _headline_html(a: Analysis) -> str:
+def _headline_html(a: ReportView) -> str:
     f = _facts(a)
     cards = []
 
@@ -1185,10 +1076,10 @@ def _headline_html(a: Analysis) -> str:
                if d("cold_prefill_tokens") is not None and b["cold_prefill_tokens"] else None)
         cells = [
             f'<td class="l">{rank}</td>', f"<td>{r['config_id']}</td>",
-            f"<td>{_e(_knob_text(r[LIMIT]))}</td>", f"<td>{_e(_knob_text(r[FLOOR]))}</td>",
+            f"<td>{_e(knob_text(r[LIMIT]))}</td>", f"<td>{_e(knob_text(r[FLOOR]))}</td>",
             f"<td>{_fmt(r['hit_rate'], 'pct')}{_delta_html(pct('hit_rate'), ' pts', 'high')}</td>",
             f"<td>{_fmt(r['owner_rate'], 'pct')}{_delta_html(pct('owner_rate'), ' pts', 'high')}</td>",
-            f"<td>{_fmt(r['pin_share'], 'pct')}</td>",
+            f"<td>{_fmt(r['pinned_share'], 'pct')}</td>",
             f"<td>{_fmt(r['selected_waiting_p99'], 'int')}{_delta_html(d('selected_waiting_p99'), '', 'low')}</td>",
             f"<td>{_fmt(r['selected_waiting_mean'], 'f2')}{_delta_html(d('selected_waiting_mean'), '', 'low')}</td>",
             f"<td>{_fmt(r['cold_prefill_tokens'], 'si')}{_delta_html(rel, '%', 'low')}</td>",
@@ -1209,8 +1100,8 @@ def _duration(s: float) -> str:
     return f"{s:.1f} s"
 
 
-def _provenance_html(a: Analysis) -> str:
-    run = a.run
+def _provenance_html(a: ReportView) -> str:
+    run = a.meta
     tr = run.get("trace", {})
     rows = [("tool", f"{run.get('tool', '')} {run.get('version', '')}"),
             ("report built by", f"router-replay {__version__}"),
@@ -1241,7 +1132,7 @@ def _provenance_html(a: Analysis) -> str:
     if vals:
         out.append("<table><tr><th class=\"l\">knob</th><th class=\"l\">values</th></tr>"
                    + "".join(f'<tr><td class="l"><code>{_e(flags.get(k, k))}</code></td>'
-                             f'<td class="l">{_e(", ".join(_flag_value(k, v) for v in vs))}</td></tr>'
+                             f'<td class="l">{_e(", ".join(flag_text(k, v) for v in vs))}</td></tr>'
                              for k, vs in vals.items()) + "</table>")
     skipped = g.get("skipped") or []
     out.append(f'<p class="note">{g.get("n_configs", a.summary.height)} configs of '
@@ -1255,7 +1146,7 @@ def _provenance_html(a: Analysis) -> str:
     return "\n".join(out)
 
 
-def _closed_loop_html(a: Analysis) -> tuple[str, bool]:
+def _closed_loop_html(a: ReportView) -> tuple[str, bool]:
     df, note = _closed_loop_join(a)
     if df is None:
         return f'<p class="note">No closed-loop results: {_e(note)}.</p>', False
@@ -1297,15 +1188,15 @@ def _fig_html(fig, key: str) -> str:
 FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "closed_loop")
 
 
-def render_html(run_dir: str | os.PathLike | RunData, *, config_id: int | None = None,
+def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
                 max_p99_waiting: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline)."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
 
-    data = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
-    a = Analysis(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    a = ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
     figs = _figures(a)
-    run = a.run
+    run = a.meta
     title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
     sec: list[str] = []
     sec.append(f'<section id="s1"><h2>1. Headline</h2>{_headline_html(a)}</section>')
@@ -1376,12 +1267,5 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.partial"
-    try:
-        with open(tmp, "x", encoding="utf-8") as fh:  # ordinary file mode (umask), unlike mkstemp
-            fh.write(page)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    rundir.write_text_atomic(target, page)
     return target

@@ -43,11 +43,11 @@ import pyarrow.parquet as pq
 from . import engine
 from . import readings as fleet_mod
 from .errors import ReplayError
+from .executors import Done, Job
 from .results import DecisionWriter
+from .rundir import DECISIONS_DIR, FLEET_PARTS
 from .trace import NS, TraceError, TraceSet
 
-DECISIONS_DIR = "decisions"
-FLEET_PARTS = "fleet-parts"
 FAULT_ENV = "ROUTER_REPLAY_FAULT_SHARDS"
 
 
@@ -174,11 +174,9 @@ def _cause(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task: int | None = None,
+def run_ray(job: Job, window_ns: int, *, address: str | None = None, configs_per_task: int | None = None,
             retries: int = 2, cpus: int | None = None):
-    """Replay ``job`` (see ``sweep._Job``) as Ray tasks; return a ``sweep._Done``."""
-    from .sweep import _Done
-
+    """Replay ``job`` (an ``executors.Job``) as Ray tasks; return an ``executors.Done``."""
     ray = require_ray()
     tset: TraceSet = job.source
     bounds = tset.window_bounds(window_ns)
@@ -313,5 +311,5 @@ def run_ray(job, window_ns: int, *, address: str | None = None, configs_per_task
         "task_peak_rss_bytes": int(max(task_rss, default=0)),
     }
     has_selected = tset.has_selected
-    return _Done(totals, facts, has_selected, files if job.decisions else None, len(bounds),
+    return Done(totals, facts, has_selected, files if job.decisions else None, len(bounds),
                  t_done - t_ready, t_end - t_join, execution)

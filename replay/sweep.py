@@ -6,45 +6,88 @@ config), ``decisions.parquet`` (one row per request and config, optional),
 queue reading, see ``replay/readings.py``), ``run.json`` (provenance) and
 ``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
-a run that looks finished.
+a run that looks finished (``replay/rundir.py`` owns the directory and its rule).
+
+:func:`run_sweep` checks the arguments, asks :func:`plan` whether the trace
+replays whole or window by window, hands a :class:`replay.executors.Job` to an
+executor (local or Ray), and writes what comes back.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import math
-
 import numba
-import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
-from . import __version__, engine
+from . import executors, rundir
 from . import readings as fleet_mod
-from .config import Grid, fleet_dp_size
-from .errors import ReplayError
-from .outdir import move_into_place, partial_beside, refuse_existing
-from .results import Accumulator, DecisionWriter
-from .trace import REQUESTS, Trace, load_trace
-from .trace import NS, TraceSet, auto_window, format_window, parse_window
+from .config import Grid
+from .errors import ConfigError, ParamError, ReplayError
+from .executors import shard_window  # noqa: F401  (its home was here)
+from .kernels import layout as kacc
+from .results import Accumulator
+from .rundir import (  # noqa: F401
+    DECISIONS,
+    FLEET,
+    REPORT,
+    RUN_JSON,
+    SUMMARY,
+    SUMMARY_CSV,
+    decision_files,
+)
+from .trace import (
+    NS,
+    REQUESTS,
+    Trace,
+    TraceSet,
+    auto_window,
+    format_window,
+    load_trace,
+    parse_window,
+    row_counts,
+)
+from .trace import windows as trace_windows
 
-SUMMARY = "summary.parquet"
-SUMMARY_CSV = "summary.csv"
-DECISIONS = "decisions.parquet"
-RUN_JSON = "run.json"
-FLEET = fleet_mod.FLEET
-REPORT = "report.html"
 MAX_SEED = 2**63 - 1
+MAX_INT_KNOB = 2**63 - 1
+"""Largest integer knob value the replay holds (its kernels count in int64; the router takes
+u64, but no queue or token count comes near 2**63)."""
+MAX_FRESHNESS_MS = (2**63 - 1) // 1_000_000
+"""Largest --freshness-ms whose nanoseconds fit the kernels' int64 timestamps (about 292 years)."""
+MAX_CONFIGS = 10_000
+"""Most configs one sweep replays: each keeps its counters and a 4096-bucket queue histogram per
+thread block (about 33 KB x 2 blocks per thread), so memory grows with configs x threads."""
+
+
+def check_grid(grid: Grid, threads: int | None = None) -> None:
+    """Refuse, before any trace work, a grid the kernels cannot hold: an integer knob above
+    :data:`MAX_INT_KNOB`, or more than :data:`MAX_CONFIGS` configs (one line, the limit and why)."""
+    from .config import KNOBS
+
+    n = len(grid.configs)
+    if n > MAX_CONFIGS:
+        blocks = 2 * (threads or numba.get_num_threads())
+        per = 8 * (kacc.N_ACC + kacc.WAIT_HIST + kacc.N_DIV) * blocks
+        raise ConfigError(f"the grid has {n:,} configs, more than the {MAX_CONFIGS:,} one sweep takes: each "
+                          f"config keeps {per // 1024:,} KiB of counters here ({blocks} thread blocks), "
+                          f"{n * per / 2**30:.1f} GiB for this grid; split it into several sweeps")
+    for name, spec in KNOBS.items():
+        if spec.kind != "int":
+            continue
+        for cfg in grid.configs:
+            v = getattr(cfg, name)
+            if v is not None and v > MAX_INT_KNOB:
+                scaled = f" ({v // grid.dp_size} per rank x dp_size {grid.dp_size})" if grid.dp_size else ""
+                raise ConfigError(f"{spec.flag}: {v}{scaled} is above {MAX_INT_KNOB} (2**63-1), the largest value the "
+                                  f"replay's 64-bit counters hold (no queue comes near it; "
+                                  f"{'use none for no limit' if spec.nullable else 'give a smaller value'})")
 
 
 @dataclass
@@ -55,38 +98,8 @@ class SweepResult:
     run_dir: Path | None
     run: dict[str, Any]
     grid: Grid
-    trace: Any                  # the Trace, or the TraceSet of a windowed sweep
+    trace: Trace | TraceSet     # the Trace, or the TraceSet of a windowed sweep
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> list[Path] | None:
-    """The decisions files of a run: ``run.json``'s ``decisions`` (one file, or
-    the list a sharded sweep writes), else ``decisions.parquet`` if present;
-    None when the run kept no decisions (or a listed file is gone)."""
-    p = Path(run_dir)
-    if run is None:
-        try:
-            run = json.loads((p / RUN_JSON).read_text())
-        except (OSError, ValueError):
-            run = {}
-    listed = run.get("decisions", DECISIONS) if isinstance(run, Mapping) else DECISIONS
-    if not listed:
-        return None
-    files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
-    return files if all(f.is_file() for f in files) else None
-
-
-def check_run_dir(out: Path, force: bool) -> None:
-    """Refuse an existing non-empty RUN_DIR unless ``force``; refuse a file in its place."""
-    refuse_existing(out, force, "run directory")
-
-
-def fleet_dp(trace) -> int:
-    """The single dp_size of the fleet (workers table, else ranks observed), for --per-dp-rank."""
-    sizes = list(trace.fleet_dp_sizes().values())
-    if not sizes:
-        raise ReplayError("--per-dp-rank: the trace has no fleet workers")
-    return fleet_dp_size(sizes)
 
 
 def run_sweep(
@@ -106,10 +119,10 @@ def run_sweep(
     on_start: Callable[[int], None] | None = None,
     status: Callable[[str], None] | None = None,
     window: int | str | None = "auto",
-    executor: str = "local",
+    executor: str | executors.Executor = "local",
     ray_address: str | None = None,
     configs_per_task: int | None = None,
-    ray_retries: int = 2,
+    ray_retries: int | None = None,
     ray_cpus: int | None = None,
 ) -> SweepResult:
     """Replay a trace under every config of a grid in one pass.
@@ -130,22 +143,23 @@ def run_sweep(
     windows (and blocks of ``configs_per_task`` configs) as Ray tasks
     (``replay/shards.py``; ``ray_address`` joins an existing cluster, else a
     local Ray with ``ray_cpus`` CPUs starts; a failing task is retried
-    ``ray_retries`` times).  ``status(text)`` hears what a long windowed
+    ``ray_retries`` times, default 2); an :class:`replay.executors.Executor` may be given instead.  ``status(text)`` hears what a long windowed
     sweep is doing before its progress starts.
     """
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
-        raise ReplayError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
-    if int(freshness_ms) < 0:
-        raise ReplayError(f"--freshness-ms must be >= 0, got {freshness_ms}")
-    if executor not in ("local", "ray"):
-        raise ReplayError(f"--executor must be local or ray, got {executor!r}")
-    if executor == "ray":
-        from .shards import require_ray
-
-        require_ray()           # before a long index pass, not after
-    if configs_per_task is not None and int(configs_per_task) < 1:
-        raise ReplayError(f"--configs-per-task must be >= 1, got {configs_per_task}")
+        raise ParamError("seed", f"must be in 0..{MAX_SEED}, got {seed}")
+    if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
+        raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
+                         f"64 bits), got {freshness_ms}")
+    if not isinstance(grid, Grid):
+        grid = Grid(grid or {}, per_dp_rank=per_dp_rank)
+    elif per_dp_rank and not grid.per_dp_rank:
+        grid = grid.as_per_rank()
+    check_grid(grid, threads)
+    ex = executors.executor(executor, address=ray_address, configs_per_task=configs_per_task,
+                            retries=ray_retries, cpus=ray_cpus)
+    ex.prepare()                # before a long index pass, not after
     if isinstance(window, str):
         try:
             window = parse_window(window)
@@ -153,68 +167,50 @@ def run_sweep(
             raise ReplayError(str(err)) from None
     out_path = Path(out) if out is not None else None
     if out_path is not None:
-        check_run_dir(out_path, force)
+        rundir.guard([(out_path, "run")], inputs=[trace.path if isinstance(trace, Trace) else trace],
+                     force=force, say=status)
     freshness_ns = int(freshness_ms) * 1_000_000
-    tset: TraceSet | None = None
-    hashed = None
     if isinstance(trace, Trace):
-        if executor != "local" or window:
+        if ex.needs_windows or window:
             raise ReplayError("a loaded Trace replays in memory with the local executor; "
                               "pass the trace directory to window or shard it")
-        window_ns = 0
+        the_plan = Plan(0, None, "a loaded trace")
     else:
+        the_plan = plan(trace, window, ex, status=status)
+    tset = the_plan.tset
+    hashed = None
+    if tset is None:
+        source = trace if isinstance(trace, Trace) else load_trace(trace, model=model)
+    else:
+        source = tset
+        if model is not None and model not in tset.model_counts:
+            raise ReplayError(f"{REQUESTS}: column 'model': no request has model {model!r} "
+                              f"(models: {', '.join(tset.models)})")
         if status is not None:
-            status(f"indexing {trace}")
-        tset = TraceSet.open(trace, hash_files=False)
-        window_ns = auto_window(tset) if window is None else int(window)
-        if executor == "ray" and window_ns == 0:
-            window_ns = shard_window(tset)
-        if window_ns and (window_ns < NS or window_ns % NS):
-            raise ReplayError("--window must be a whole number of seconds (>= 1 s)")
-        if window_ns == 0:
-            trace = load_trace(trace, model=model)
-            tset = None
-        else:
-            if model is not None and model not in tset.model_counts:
-                raise ReplayError(f"{REQUESTS}: column 'model': no request has model {model!r} "
-                                  f"(models: {', '.join(tset.models)})")
-            if status is not None:
-                status(f"{tset.n_requests:,} requests, {tset.n_load_rows:,} load rows in "
-                       f"{len(tset.requests) + len(tset.loads)} files")
-            # the files' sha256 (run.json) are computed while the windows replay
-            hashed = _Background(tset.hashed_files)
-            if status is not None:
-                n_win = len(tset.window_bounds(window_ns))
-                status(f"replaying in {n_win} windows of {format_window(window_ns)}"
-                       + (" as Ray tasks" if executor == "ray" else ""))
-    source = trace if tset is None else tset
+            status(f"{tset.n_requests:,} requests, {tset.n_load_rows:,} load rows in "
+                   f"{len(tset.requests) + len(tset.loads)} files")
+        # the files' sha256 (run.json) are computed while the windows replay
+        hashed = executors.Background(tset.hashed_files)
+        if status is not None:
+            status(f"replaying in {len(tset.window_bounds(the_plan.window_ns))} windows of "
+                   f"{format_window(the_plan.window_ns)}" + (" as Ray tasks" if ex.name == "ray" else ""))
+    window_ns = the_plan.window_ns
     t_load = time.perf_counter()
-    if isinstance(grid, Grid):
-        if per_dp_rank and grid.dp_size is None:
-            grid = grid.scaled_per_dp_rank(fleet_dp(source))
-    else:
-        grid = Grid(grid or {}, dp_size=fleet_dp(source) if per_dp_rank else None)
+    grid = grid.resolve(list(source.fleet_dp_sizes().values()))
+    check_grid(grid, threads)         # again: --per-dp-rank scaling may overflow
     configs = grid.configs
     tmp_dir: Path | None = None
     if out_path is not None:
-        tmp_dir = partial_beside(out_path)
+        tmp_dir = rundir.partial_beside(out_path)
     try:
         n_requests = (source.n_requests if tset is None or model is None
                       else tset.model_counts.get(model, 0))
         if on_start is not None:
             on_start(n_requests)
-        job = _Job(source=source, configs=configs, grid=grid, seed=int(seed), freshness_ns=freshness_ns,
-                   model=model, threads=threads, progress=progress, out_dir=tmp_dir,
-                   decisions=decisions and tmp_dir is not None)
-        if tset is None:
-            done = _replay_in_memory(job)
-        elif executor == "local":
-            done = _replay_windows(job, window_ns)
-        else:
-            from . import shards
-
-            done = shards.run_ray(job, window_ns, address=ray_address, configs_per_task=configs_per_task,
-                                  retries=ray_retries, cpus=ray_cpus)
+        job = executors.Job(source=source, configs=configs, grid=grid, seed=int(seed), freshness_ns=freshness_ns,
+                            model=model, threads=threads, progress=progress, out_dir=tmp_dir,
+                            decisions=decisions and tmp_dir is not None)
+        done = ex.replay(job, window_ns)
         if hashed is not None:
             tset.files = hashed.result()
         summary = Accumulator(len(configs), done.totals).summary(
@@ -225,61 +221,84 @@ def run_sweep(
             "accumulate_and_write_s": round(done.t_write, 4),
             "total_s": round(time.perf_counter() - t0, 4),
         }
-        run = _run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
+        run = rundir.run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
                           decisions=done.decision_files if job.decisions else None,
-                          per_dp_rank=per_dp_rank, timings=timings)
+                          per_dp_rank=grid.per_dp_rank, timings=timings)
         run["trace"]["requests"] = n_requests if tset is not None else source.n_requests
         run["trace"]["layout"] = _layout(source)
-        run["execution"] = {"executor": executor, "window_s": window_ns // NS if window_ns else None,
+        run["execution"] = {"executor": ex.name, "window_s": window_ns // NS if window_ns else None,
                             "windows": done.windows, **done.execution}
         run["trace"]["facts"] = fleet_mod.trace_facts(source, None, None, freshness_ns, merged=done.facts)
         run["fleet"] = FLEET if out_path is not None else None
         run["report"] = REPORT if out_path is not None and report else None
         if tmp_dir is not None and out_path is not None:
-            summary.write_parquet(tmp_dir / SUMMARY)
-            summary.write_csv(tmp_dir / SUMMARY_CSV)
-            (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
-            if report:
-                _write_report(tmp_dir, run)
-            move_into_place(tmp_dir, out_path)
+            with rundir.writing(out_path):
+                summary.write_parquet(tmp_dir / SUMMARY)
+                summary.write_csv(tmp_dir / SUMMARY_CSV)
+                (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
+                if report:
+                    _write_report(tmp_dir, run)
+                rundir.move_into_place(tmp_dir, out_path)
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, source, timings)
+    except (OSError, pl.exceptions.PolarsError, RuntimeError) as err:
+        if tmp_dir is None or not rundir.no_space(err):   # the decisions writer ran out of disk
+            raise
+        raise rundir.write_error(err, out_path) from None
     finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        rundir.discard(tmp_dir)
 
 
-class _Background:
-    """``fn()`` on a daemon thread (a failed sweep does not wait for it at exit)."""
+@dataclass
+class Plan:
+    """How a sweep reads its trace: whole, in memory (``window_ns`` 0, no index), or window
+    by window from the index ``tset``.  ``why`` says which rule decided."""
 
-    def __init__(self, fn):
-        import threading
-
-        self._out: dict = {}
-
-        def run():
-            try:
-                self._out["value"] = fn()
-            except BaseException as err:  # raised by result()
-                self._out["error"] = err
-
-        self._thread = threading.Thread(target=run, name="background", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if "error" in self._out:
-            raise self._out["error"]
-        return self._out["value"]
+    window_ns: int
+    tset: TraceSet | None
+    why: str
 
 
-def shard_window(tset: TraceSet, shards: int = 8) -> int:
-    """The Ray executor's default window for a trace that fits in memory: the
-    span cut into about ``shards`` whole-second pieces."""
-    if tset.ts_min is None:
-        return NS
-    span_s = (tset.ts_max - tset.ts_min) / NS
-    return max(1, int(math.ceil((span_s + 1) / shards))) * NS
+def _row_counts(trace_dir) -> tuple[int, int] | None:
+    """(request rows, load rows) from the Parquet footers alone; None where a file cannot be
+    listed or opened (the index pass then names the problem)."""
+    try:
+        counts = row_counts(trace_dir)
+    except ReplayError:
+        return None
+    return counts["requests"], counts["loads"]
+
+
+def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executor, *,
+         status: Callable[[str], None] | None = None) -> Plan:
+    """Decide memory or windows for a sweep of ``trace_dir``.
+
+    ``window`` None (auto): a trace whose files' metadata says it fits
+    (``AUTO_IN_MEMORY_REQUESTS`` requests and ``AUTO_IN_MEMORY_LOAD_ROWS`` load
+    rows) replays in memory without an index pass; a larger one is indexed and
+    cut into windows of a few million rows.  ``0``: in memory.  A positive
+    window: indexed and cut into windows of that length.  An executor that
+    needs windows (Ray) always gets them.
+    """
+    if window and (window < NS or window % NS):
+        raise ReplayError("--window must be a whole number of seconds (>= 1 s)")
+    if not ex.needs_windows:
+        if window == 0:
+            return Plan(0, None, "--window none")
+        if window is None:
+            counts = _row_counts(trace_dir)
+            if (counts and counts[0] <= trace_windows.AUTO_IN_MEMORY_REQUESTS
+                    and counts[1] <= trace_windows.AUTO_IN_MEMORY_LOAD_ROWS):
+                return Plan(0, None, f"{counts[0]:,} requests and {counts[1]:,} load rows fit in memory")
+    if status is not None:
+        status(f"indexing {trace_dir}")
+    tset = TraceSet.open(trace_dir, hash_files=False)
+    window_ns = auto_window(tset) if window is None else int(window)
+    if window_ns == 0:
+        window_ns = ex.default_window(tset)
+    if window_ns == 0:
+        return Plan(0, None, "the index says it fits in memory")
+    return Plan(window_ns, tset, "windows")
 
 
 def _layout(source) -> str:
@@ -290,189 +309,6 @@ def _layout(source) -> str:
     return "set" if any("/" in n for n in names) else "files"
 
 
-@dataclass
-class _Job:
-    """What every executor needs to replay a trace (in memory or window by window)."""
-
-    source: Any                      # Trace or TraceSet
-    configs: list
-    grid: Grid
-    seed: int
-    freshness_ns: int
-    model: str | None
-    threads: int | None
-    progress: Callable[[int], None] | None
-    out_dir: Path | None             # the unfinished run dir (None: nothing written)
-    decisions: bool
-
-
-@dataclass
-class _Done:
-    totals: engine.Totals
-    facts: fleet_mod.FleetFacts
-    has_selected: bool
-    decision_files: Any = None       # DECISIONS, or a list of files (Ray)
-    windows: int = 1
-    t_kernel: float = 0.0
-    t_write: float = 0.0
-    execution: dict = field(default_factory=dict)
-
-
-class _FleetSink:
-    """fleet.parquet, appended window by window (nothing when there is no run dir)."""
-
-    def __init__(self, out_dir: Path | None):
-        self.path = None if out_dir is None else out_dir / FLEET
-        self.writer = None
-        self.empty = None
-
-    def write(self, trace: Trace, min_waiting, fresh) -> None:
-        if self.path is None:
-            return
-        table = fleet_mod.fleet_table(trace, min_waiting, fresh).to_arrow()
-        if trace.n_requests == 0:
-            self.empty = self.empty or table
-            return
-        if self.writer is None:
-            self.writer = pq.ParquetWriter(str(self.path), table.schema, compression="zstd")
-        elif table.schema != self.writer.schema:
-            table = table.cast(self.writer.schema)
-        self.writer.write_table(table)
-
-    def close(self) -> None:
-        if self.path is None:
-            return
-        if self.writer is None:
-            empty = self.empty if self.empty is not None else fleet_mod.empty_fleet_table().to_arrow()
-            pq.write_table(empty, str(self.path))
-        else:
-            self.writer.close()
-            self.writer = None
-
-
-def _replay_one(job: _Job, trace: Trace, totals: engine.Totals, writer: DecisionWriter | None,
-                fleet_sink: _FleetSink, facts: fleet_mod.FleetFacts, pool: ThreadPoolExecutor,
-                pending: list, clock: dict) -> None:
-    """Replay one Trace (the whole trace or a window) into the shared totals,
-    decisions writer, fleet table and facts."""
-    mark = time.perf_counter()
-    mins, fresh = [], []
-    for chunk in engine.iter_chunks(trace, job.configs, seed=job.seed, freshness_ns=job.freshness_ns,
-                                    threads=job.threads, keep=writer is not None, totals=totals,
-                                    progress=job.progress):
-        now = time.perf_counter()
-        clock["kernel"] += now - mark
-        mins.append(chunk.fleet_min)
-        fresh.append(chunk.fleet_fresh)
-        if writer is not None:
-            # chunk k is written on a background thread while the kernels
-            # (which release the GIL) replay chunk k+1; one write in flight
-            if pending:
-                pending.pop().result()
-            pending.append(pool.submit(writer.write, chunk, trace))
-        mark = time.perf_counter()
-        clock["write"] += mark - now
-    now = time.perf_counter()
-    min_waiting, fresh = engine.chunk_readings(mins, fresh)
-    facts.add(trace.req_ts, min_waiting)
-    fleet_sink.write(trace, min_waiting, fresh)
-    clock["write"] += time.perf_counter() - now
-
-
-def _replay_local(job: _Job, traces) -> _Done:
-    totals = engine.new_totals(len(job.configs), threads=job.threads)
-    facts = fleet_mod.FleetFacts()
-    writer = (DecisionWriter(str(job.out_dir / DECISIONS), job.source, job.grid.config_ids)
-              if job.decisions else None)
-    fleet_sink = _FleetSink(job.out_dir)
-    clock = {"kernel": 0.0, "write": 0.0}
-    pending: list = []
-    n = 0
-    has_selected = False
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="decisions") as pool:
-            for trace in traces:
-                n += 1
-                has_selected |= trace.req_selected_worker is not None
-                _replay_one(job, trace, totals, writer, fleet_sink, facts, pool, pending, clock)
-                if pending:             # the writer still reads this window's ids
-                    pending.pop().result()
-                del trace               # let the window go before the next is read
-            now = time.perf_counter()
-            if pending:
-                pending.pop().result()
-            if writer is not None:
-                writer.close()
-            fleet_sink.close()
-            clock["write"] += time.perf_counter() - now
-    finally:
-        if writer is not None:
-            writer.close()
-    return _Done(totals, facts, has_selected, DECISIONS, n, clock["kernel"], clock["write"])
-
-
-def _replay_in_memory(job: _Job) -> _Done:
-    return _replay_local(job, [job.source])
-
-
-def _prefetched(windows, depth: int = 1):
-    """Yield the windows' traces, reading (and encoding) the next window on a
-    background thread while the current one is replayed: Parquet decoding and
-    the kernels both release the GIL.  At most ``depth`` windows wait; an
-    error while reading is raised here, in order."""
-    import queue
-    import threading
-
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    END = object()
-
-    def produce():
-        try:
-            for win in windows:
-                trace = win.trace
-                del win
-                while not stop.is_set():
-                    try:
-                        q.put((trace, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                del trace
-                if stop.is_set():
-                    return
-            q.put((END, None))
-        except BaseException as err:  # handed to the consumer, raised there
-            q.put((None, err))
-
-    thread = threading.Thread(target=produce, name="window-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            trace, err = q.get()
-            if err is not None:
-                raise err
-            if trace is END:
-                return
-            yield trace
-            del trace
-    finally:
-        stop.set()
-        while thread.is_alive():      # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                pass
-            thread.join(timeout=0.1)
-
-
-def _replay_windows(job: _Job, window_ns: int) -> _Done:
-    tset: TraceSet = job.source
-    done = _replay_local(job, _prefetched(tset.iter_windows(window_ns, model=job.model)))
-    done.has_selected = tset.has_selected
-    return done
-
-
 def _write_report(tmp_dir: Path, run: dict) -> None:
     """Build report.html inside the unfinished run dir; on failure note it in run.json."""
     from .report import build_report
@@ -480,6 +316,8 @@ def _write_report(tmp_dir: Path, run: dict) -> None:
     try:
         build_report(tmp_dir, tmp_dir / REPORT)
     except Exception as err:  # the sweep's results stand without their report
+        if rundir.no_space(err):
+            raise
         (tmp_dir / REPORT).unlink(missing_ok=True)
         run["report"] = None
         run["report_error"] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -495,35 +333,3 @@ def _config_rows(grid: Grid) -> list[dict]:
             row.update({k: r[k] for k in extra})
         rows.append(row)
     return rows
-
-
-def _run_record(trace, grid: Grid, **kw) -> dict:
-    return {
-        "tool": "router-replay",
-        "version": __version__,
-        "status": "complete",
-        "created_unix": int(time.time()),
-        "trace": {
-            "path": str(trace.path),
-            "files": trace.files,
-            "requests": trace.n_requests,
-            "workers": trace.n_workers,
-            "models": list(trace.models),
-        },
-        "grid": grid.describe(),
-        "config_ids": list(grid.config_ids),
-        "seed": int(kw["seed"]),
-        "freshness_ms": int(kw["freshness_ms"]),
-        "model": kw["model"],
-        "per_dp_rank": bool(kw["per_dp_rank"]),
-        "dp_size": grid.dp_size,
-        "decisions": kw["decisions"],
-        "timings": kw["timings"],
-        "machine": {
-            "python": platform.python_version(),
-            "numba": numba.__version__,
-            "numpy": np.__version__,
-            "polars": pl.__version__,
-            "threads": numba.get_num_threads(),
-        },
-    }

@@ -237,9 +237,9 @@ def test_figures_from_library(run_dir):
 
 def test_over_time_counts(run_dir):
     """Per-interval counts of the over-time figure add up to the config's summary."""
-    from replay.report import Analysis, over_time_frames
+    from replay.report import ReportView, over_time_frames
 
-    a = Analysis(load_run(run_dir))
+    a = ReportView(load_run(run_dir))
     s = pl.read_parquet(run_dir / "summary.parquet")
     pinned = s.filter(pl.col("pinned") > 0)["config_id"][0]
     frames = over_time_frames(a, [pinned])[pinned]
@@ -253,12 +253,12 @@ def test_over_time_counts(run_dir):
 def test_pins_only_where_no_fresh_reading_is_below_the_floor(run_dir):
     """The engine pins a request only when fleet.parquet shows no fresh reading below the floor
     (spec 3.6), and the over-time figure's 'pin allowed' counts are exactly those requests."""
-    from replay.report import Analysis, over_time_frames
+    from replay.report import ReportView, over_time_frames
 
     s = pl.read_parquet(run_dir / "summary.parquet").filter(pl.col("pinned") > 0)
     fl = pl.read_parquet(run_dir / "fleet.parquet")
     dec = pl.read_parquet(run_dir / "decisions.parquet", columns=["request_id", "config_id", "policy_reason"])
-    a = Analysis(load_run(run_dir))
+    a = ReportView(load_run(run_dir))
     frames = over_time_frames(a, s["config_id"].to_list())
     for cid, floor in zip(s["config_id"], s["saturation_queue_floor"]):
         d = dec.filter(pl.col("config_id") == cid).join(fl, on="request_id", maintain_order="left")
@@ -370,7 +370,7 @@ def test_closed_loop_section(run_dir, tmp_path):
 
 
 def test_report_command_errors(run_dir, trace_dir, tmp_path):
-    one_line_error(invoke("report", tmp_path / "missing"), "run directory not found")
+    one_line_error(invoke("report", tmp_path / "missing"), "no such run directory")  # one reader, one message (issue 9)
     one_line_error(invoke("report", trace_dir), "not a run directory")
     f = tmp_path / "file.txt"
     f.write_text("x")
@@ -538,14 +538,14 @@ def _check_over_time(run_dir: Path, monkeypatch, *, batch: int | None = None, jo
     """Every config's over-time frame equals the brute-force numbers; ``joins``: how many
     config groups must take the join on request_id (0: all matched by position)."""
     from replay import report
-    from replay.report import Analysis, over_time_frames
+    from replay.report import ReportView, over_time_frames
 
     calls = []
     joined = report._joined_counts
     monkeypatch.setattr(report, "_joined_counts", lambda *a, **k: calls.append(1) or joined(*a, **k))
     if batch is not None:
         monkeypatch.setattr(report, "BATCH", batch)
-    a = Analysis(load_run(run_dir))
+    a = ReportView(load_run(run_dir))
     ids = sorted(a.rows)
     want = _over_time_reference(run_dir, {c: a.rows[c]["saturation_queue_floor"] for c in ids})
     frames = over_time_frames(a, ids)
@@ -567,7 +567,7 @@ def test_over_time_reads_nothing_request_sized(run_dir, monkeypatch):
     """No frame as large as the fleet table is ever materialized for the over-time figure: every
     collect returns at most a slice or a per-interval table, and nothing is read whole."""
     from replay import report
-    from replay.report import Analysis, over_time_frames
+    from replay.report import ReportView, over_time_frames
 
     n = pl.read_parquet(run_dir / "fleet.parquet").height
     heights = []
@@ -583,7 +583,7 @@ def test_over_time_reads_nothing_request_sized(run_dir, monkeypatch):
 
     data = load_run(run_dir)
     assert isinstance(data.fleet, pl.LazyFrame)
-    a = Analysis(data)
+    a = ReportView(data)
     monkeypatch.setattr(report, "BATCH", 97)
     monkeypatch.setattr(pl.LazyFrame, "collect", spy)
     monkeypatch.setattr(pl, "read_parquet", no_read)

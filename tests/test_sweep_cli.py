@@ -285,9 +285,10 @@ def test_empty_run_dir_is_used(gen_trace, tmp_path):
 
 
 def test_force_replaces_run_dir(gen_trace, tmp_path):
+    # issue 14: --force replaces only a run sweep wrote (a folder of foreign files is refused,
+    # tests/test_nothing_lost.py), so the run replaced here is a real one
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
+    sweep(gen_trace, out, "--worker-queue-limit", "2")
     sweep(gen_trace, out, "--worker-queue-limit", "4", "--force")
     assert set(os.listdir(out)) == OUTPUTS
     assert read(out)[0]["worker_queue_limit"].to_list() == [4]

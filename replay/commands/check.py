@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 import click
 
+from .. import metrics
 from ..cli import user_errors
 
 _EPILOG = """
@@ -19,10 +21,7 @@ decision-label shares 1pt. Only a move in a metric's bad direction beyond its
 tolerance fails; improvements never fail.
 
 \b
-Metrics: hit_rate, matched_rate, owner_rate, share_cache_hit, share_cache_miss,
-share_cache_worker_queued, share_all_queued, share_failed, pinned_share,
-diverted_share, pinned, diverted, selected_waiting_p50, selected_waiting_p99,
-selected_waiting_mean, selected_queue_ms_mean, cold_prefill_tokens, agreement.
+""" + textwrap.fill(f"Metrics: {metrics.help_list()}.", 80) + """
 
 \b
 Exit codes:
@@ -86,15 +85,16 @@ def check(run_dir, baseline, write_baseline, metrics, tolerance, max_hit_rate_dr
     """Check RUN_DIR against a baseline under tolerances; exit 0 (ok), 1 (regression), 2 (bad input)."""
     from pathlib import Path
 
-    from .. import analysis
+    from .. import analysis, rundir
     from ..errors import ReplayError
 
     if (baseline is None) == (write_baseline is None):
         raise ReplayError("give exactly one of --baseline FILE (check) or --write-baseline FILE")
+    rundir.guard([(write_baseline, "baseline"), (junit, "junit"), (markdown, "markdown")],
+                 inputs=[run_dir, baseline], force=force)
     if write_baseline is not None:
         if junit or markdown:
             raise ReplayError("--junit and --markdown apply to checking (--baseline), not --write-baseline")
-        analysis.refuse_file(Path(write_baseline), force, "baseline file")
         tol = _tolerances(tolerance, max_hit_rate_drop, max_p99_rise, max_label_share_change,
                           set(metrics) if metrics else None)
         rec = analysis.write_baseline(run_dir, write_baseline, force=force, metrics=list(metrics) or None,
@@ -104,18 +104,15 @@ def check(run_dir, baseline, write_baseline, metrics, tolerance, max_hit_rate_dr
         return 0
     if metrics:
         raise ReplayError("--metric applies to --write-baseline; a check uses the metrics the baseline stores")
-    for f in (junit, markdown):
-        if f is not None:
-            analysis.refuse_file(Path(f), force, "output file")
     base = analysis.load_baseline(baseline)
     tol = _tolerances(tolerance, max_hit_rate_drop, max_p99_rise, max_label_share_change, set(base["metrics"]))
     res = analysis.check_run(run_dir, base, tolerances=tol)
     text = res.markdown()
     click.echo(text, nl=False)
     if junit is not None:
-        analysis.write_text_atomic(Path(junit), res.junit_xml())
+        rundir.write_text_atomic(Path(junit), res.junit_xml())
     if markdown is not None:
-        analysis.write_text_atomic(Path(markdown), text)
+        rundir.write_text_atomic(Path(markdown), text)
     if res.regressions:
         click.echo(f"check failed: {len(res.regressions)} regression(s)", err=True)
     sys.exit(res.exit_code)

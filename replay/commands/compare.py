@@ -39,10 +39,9 @@ Example:
 @user_errors
 def compare(run_a, run_b, out, label, limit, force):
     """Compare run RUN_B with run RUN_A of the same trace, config by config."""
-    from .. import analysis
+    from .. import analysis, rundir
 
-    if out is not None:
-        analysis.check_out_dir(out, force)  # refuse before any work
+    rundir.guard([(out, "compare")], inputs=[run_a, run_b], force=force)  # refuse before any work
     cmp = analysis.compare_runs(run_a, run_b, label=label)
     written = analysis.write_comparison(cmp, out, force=force) if out is not None else []
     click.echo(analysis.format_comparison(cmp, limit=limit))

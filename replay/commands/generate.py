@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from ..cli import user_errors
-from ..errors import ReplayError
 
 
 @click.command("generate")
@@ -27,7 +25,7 @@ from ..errors import ReplayError
               help="Write a trace set instead: requests/ and loads/ folders with one Parquet file "
                    "per SECONDS of trace time, generated one at a time (bounded memory), named "
                    "date=YYYY-MM-DD/part-HH.parquet for --partition-s 3600.")
-@click.option("--force", is_flag=True, help="Write into a non-empty OUT_DIR.")
+@click.option("--force", is_flag=True, help="Replace a trace OUT_DIR written by generate before.")
 @user_errors
 def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_matches, seed,
              rate_per_s, no_router_inflight, partition_s, force) -> None:
@@ -38,26 +36,39 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
       router-replay generate big --requests 100000000 --workers 64 --dp-size 2 \\
           --rate 1000 --partition-s 3600
     """
+    from .. import rundir
     from ..generate import generate_trace
 
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ReplayError(f"{out_dir}: exists and is not a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise ReplayError(f"{out_dir}: directory is not empty (use --force to write into it)")
+    rundir.guard([(out_dir, "trace")], force=force)
+    # built aside and swapped in whole: an interrupted or failed run leaves the old trace as it was
+    tmp = rundir.partial_beside(out_dir)
+    try:
+        with rundir.writing(out_dir):
+            if partition_s is not None:
+                info = _generate_set(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                                     sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
+                                     rate_per_s=rate_per_s, partition_s=partition_s,
+                                     router_inflight=not no_router_inflight)
+            else:
+                info = generate_trace(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                                      sample_interval_ms=sample_interval_ms, max_matches=max_matches,
+                                      seed=seed, rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
+            rundir.move_into_place(tmp, out_dir)
+        tmp = None
+    finally:
+        rundir.discard(tmp)
     if partition_s is not None:
-        _generate_set(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
-                      sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
-                      rate_per_s=rate_per_s, partition_s=partition_s, router_inflight=not no_router_inflight)
+        click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
+                   f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
+                   f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
+                   f"{info['span_s']} s")
         return
-    info = generate_trace(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
-                          sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
-                          rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
     click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows, "
                f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
                f"{info['span_s']} s")
 
 
-def _generate_set(out_dir, **kwargs) -> None:
+def _generate_set(tmp, **kwargs) -> dict:
     from ..generate import generate_trace_set, plan_trace_set
 
     bar = None
@@ -72,14 +83,10 @@ def _generate_set(out_dir, **kwargs) -> None:
             bar.update(k - bar.pos)
 
     try:
-        info = generate_trace_set(out_dir, progress=progress, **kwargs)
+        return generate_trace_set(tmp, progress=progress, **kwargs)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
-               f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
-               f"{info['workers']} workers x dp {info['dp_size']} + {info['decode_peers']} decode peer(s), "
-               f"{info['span_s']} s")
 
 
 COMMANDS = [generate]

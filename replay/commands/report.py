@@ -31,8 +31,17 @@ Example:
 @user_errors
 def report(run_dir, out, max_p99_waiting, config_id, force, quiet):
     """Write RUN_DIR's report: one self-contained HTML page of figures and provenance."""
+    import math
+    from pathlib import Path
+
+    from .. import rundir
+    from ..errors import ReplayError
     from ..report import build_report
 
+    if max_p99_waiting is not None and not math.isfinite(max_p99_waiting):
+        raise ReplayError(f"--max-p99-waiting must be a finite number >= 0, got {max_p99_waiting!r}")
+    target = out if out is not None else Path(run_dir) / rundir.REPORT
+    rundir.guard([(target, "report")], inputs=rundir.run_inputs(run_dir), force=force)
     path = build_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting)
     if not quiet:
         click.echo(f"wrote {path}")

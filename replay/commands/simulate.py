@@ -81,11 +81,14 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
 
     import numpy as np
 
+    from .. import rundir
     from ..errors import ReplayError
-    from ..simulate import load_fleet, read_log, simulate as run_one, simulate_grid
+    from ..simulate import load_fleet, read_log, simulate_grid
+    from ..simulate import simulate as run_one
     from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
+    rundir.guard([(out, "sim")], inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     from ..simulate.seeds import parse_seeds
     try:

@@ -84,11 +84,12 @@ def _knob_options(fn):
 def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, window,
           executor, ray_address, ray_cpus, configs_per_task, ray_retries, force, quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
+    from .. import rundir
     from ..errors import ReplayError
-    from ..sweep import check_run_dir, run_sweep
+    from ..sweep import check_grid, run_sweep
     from ..trace import NS, format_window, parse_window
 
-    check_run_dir(Path(out), force)
+    rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
     try:
         window_ns = parse_window(window)
     except ValueError as err:
@@ -98,9 +99,10 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         if value is not None and executor != "ray":
             raise ReplayError(f"{flag} needs --executor ray")
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
-    grid_spec = Grid.from_texts(texts) if not per_dp_rank else texts
-    if isinstance(grid_spec, Grid) and grid_spec.warning_line() and not quiet:
-        click.echo(f"warning: {grid_spec.warning_line()}", err=True)
+    grid = Grid.from_texts(texts, per_dp_rank=per_dp_rank)   # scaled by the fleet's dp_size in run_sweep
+    check_grid(grid, threads)
+    if not per_dp_rank and grid.warning_line() and not quiet:
+        click.echo(f"warning: {grid.warning_line()}", err=True)
     show_bar = not quiet and sys.stderr.isatty()
     bar = None
 
@@ -119,11 +121,12 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
             click.echo(text, err=True)
 
     try:
-        result = run_sweep(trace_dir, grid_spec, out=out, seed=seed, freshness_ms=freshness_ms,
-                           model=model, decisions=decisions, per_dp_rank=per_dp_rank, force=force, report=report,
+        result = run_sweep(trace_dir, grid, out=out, seed=seed, freshness_ms=freshness_ms,
+                           model=model, decisions=decisions, force=force, report=report,
                            threads=threads, progress=progress, on_start=on_start, status=status, window=window_ns,
                            executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
-                           configs_per_task=configs_per_task, ray_retries=ray_retries)
+                           configs_per_task=configs_per_task,
+                           ray_retries=ray_retries if executor == "ray" else None)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
