@@ -794,3 +794,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# for other modules that register output kinds (replay/capture/outguard.py)
+read_json = _read_json
+foreign_entries = _foreign_entries
