@@ -69,13 +69,17 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
               help="CPUs of the local Ray (default: all).")
+@click.option("--capture-out", "capture_out", type=click.Path(path_type=str), default=None,
+              help="Also write the run as a live fleet would have left it (KV events, LoadStat rows, a router "
+                   "token export, engine request exports: docs/capture.md), for `router-replay import`. "
+                   "One config only.")
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
 def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
-             threads, executor, ray_address, ray_cpus, force, quiet, **knobs):
+             threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
@@ -88,7 +92,8 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
     from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
-    rundir.guard([(out, "sim")], inputs=[log, fleet_path], force=force)
+    rundir.guard([(out, "sim"), *([(capture_out, "capture")] if capture_out else [])],
+                 inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     from ..simulate.seeds import parse_seeds
     try:
@@ -130,8 +135,19 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
                    err=True)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
+    if capture_out and (len(grid.configs) != 1 or seeds is not None):
+        raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
     if len(grid.configs) == 1 and seeds is None:
-        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid, **kw)
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
+                    cache_log=capture_out is not None, **kw)
+        if capture_out:
+            from ..capture import outguard  # noqa: F401  (registers the capture output kinds)
+            from ..capture.from_sim import write_capture
+
+            write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
+            if not quiet:
+                click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
+                           "docs/capture.md)")
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
