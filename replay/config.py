@@ -682,12 +682,13 @@ class Grid:
             out.append(row)
         return out
 
-    def warning_line(self) -> str | None:
-        """One warning line about skipped combinations, or None when none was skipped."""
+    def warning_line(self, listed_in: str = "run.json") -> str | None:
+        """One warning line about skipped combinations, or None when none was skipped;
+        ``listed_in`` names the file that lists them all."""
         if not self.skipped:
             return None
         more = len(self.skipped) - 1
-        tail = f" (and {more} more, listed in run.json)" if more else ""
+        tail = f" (and {more} more, listed in {listed_in})" if more else ""
         return (
             f"skipped {len(self.skipped)} of {self.n_combinations} configs the router would refuse: "
             f"{self.skipped[0].error}{tail}"

@@ -15,6 +15,7 @@ from replay.cli import main
 from replay.config import RouterConfig
 from replay.simulate import (FleetSpec, build_fleet, generate_log, load_fleet, read_azure,
                              read_mooncake, simulate, simulate_grid, write_mooncake_jsonl)
+from replay.errors import ReplayError
 from replay.simulate.logs import LogError, RequestLog
 from replay.sweep import run_sweep
 
@@ -350,3 +351,370 @@ def test_fleet_file_and_overrides(tmp_path):
     j = tmp_path / "f.json"
     j.write_text(json.dumps({"workers": 2}))
     assert len(load_fleet(j).prefill) == 2
+
+
+# ---------------------------------------------------------------------------
+# engine model options (issue 10 s.5): each keeps sweep's agreement at 1.0
+
+def _fleet(**kw):
+    base = dict(workers=4, dp_size=2, prefill_tokens_per_s=6000, max_running_requests=8,
+                max_total_num_tokens=40_000)
+    base.update(kw)
+    return build_fleet(FleetSpec(**base))
+
+
+@pytest.mark.parametrize("engine", [
+    {"publish_policy": "on_change"},
+    {"publish_policy": "on_change", "idle_publish_ms": 250},
+    {"chunked_prefill_size": 1024},
+    {"schedule_policy": "lpm"},
+    {"decode_step_ms_per_request": 0.5},
+    {"publish_policy": "on_change", "chunked_prefill_size": 512, "schedule_policy": "lpm",
+     "decode_step_ms_per_request": 0.3},
+])
+def test_fidelity_engine_options(tmp_path, small_log, engine):
+    res = simulate(small_log, _fleet(**engine), RouterConfig(worker_queue_limit=4), tmp_path / "t",
+                   seed=5)
+    assert (res.outcomes["completions"] == 1).all()
+    assert res.stats["ss_neg_queue"] == 0 and res.stats["max_kv_used_minus_capacity"] <= 0
+    _assert_fidelity(res, tmp_path / "t", seed=5)
+
+
+def test_engine_defaults_are_the_original_model(small_log, tight_fleet):
+    """The option defaults, spelled out, give the same run as a fleet that does not name them."""
+    spelled = _fleet(decode_step_ms_per_request=0.0, chunked_prefill_size=0, schedule_policy="fcfs",
+                     publish_policy="interval", publish_interval_ms=100)
+    a = simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=3))
+    b = simulate(small_log, spelled, RouterConfig(worker_queue_limit=3))
+    assert a.loads.equals(b.loads) and a.outcomes.equals(b.outcomes)
+
+
+def _one_rank(**kw):
+    base = dict(workers=1, dp_size=1, prefill_tokens_per_s=1000, decode_tokens_per_s=100,
+                max_running_requests=64, max_total_num_tokens=10**6, publish_policy="on_change")
+    base.update(kw)
+    return build_fleet(FleetSpec(**base))
+
+
+def _log(rows, block_size=512):
+    """rows: (ts_ms, input_tokens, output_tokens, hash ids)."""
+    sizes = [len(r[3]) for r in rows]
+    off = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=off[1:])
+    return RequestLog(np.array([r[0] * 1_000_000 for r in rows], dtype=np.int64),
+                      np.array([r[1] for r in rows], dtype=np.int64),
+                      np.array([r[2] for r in rows], dtype=np.int64), off,
+                      np.array([h for r in rows for h in r[3]], dtype=np.int64),
+                      np.arange(len(rows), dtype=np.int64), block_size, "test")
+
+
+def test_chunked_prefill_steps():
+    """A 2000-token prompt at chunk 512 is computed in 4 steps (512, 512, 512, 464) at 1000
+    tokens/s: its first token comes after the same 2 s, and no step computes more than 512."""
+    log = _log([(0, 2000, 3, [1, 2, 3, 4])])
+    whole = simulate(log, _one_rank())
+    chunked = simulate(log, _one_rank(chunked_prefill_size=512))
+    assert whole.outcomes["ttft_ms"][0] == pytest.approx(2000.0)
+    assert chunked.outcomes["ttft_ms"][0] == pytest.approx(2000.0)
+    steps = np.diff(chunked.loads["total_prefill_uncached_tokens"].to_numpy())
+    assert sorted(steps[steps > 0].tolist()) == [464, 512, 512, 512]
+    assert np.diff(whole.loads["total_prefill_uncached_tokens"].to_numpy()).max() == 2000
+    # a prompt queued behind it joins the last chunk's step with the 48 tokens left of the
+    # budget (512 - 464) and finishes its other 52 in the next step
+    log2 = _log([(0, 2000, 3, [1, 2, 3, 4]), (1, 100, 3, [9])])
+    o = simulate(log2, _one_rank(chunked_prefill_size=512)).outcomes
+    assert o["admit_ts"][1] == o["first_token_ts"][0] - 512 * 1_000_000
+    assert o["first_token_ts"][1] == o["first_token_ts"][0] + 52 * 1_000_000
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    """One running slot: B (cold) and C (shares A's prefix) wait behind A; lpm serves C first,
+    fcfs serves B first."""
+    rows = [(0, 1024, 200, [1, 2]),      # A: runs, caches blocks 1, 2
+            (10, 1024, 5, [7, 8]),       # B: nothing cached
+            (20, 1536, 5, [1, 2, 3])]    # C: 2 of 3 blocks cached once A is in
+    order = {}
+    for policy in ("fcfs", "lpm"):
+        r = simulate(_log(rows), _one_rank(max_running_requests=1, schedule_policy=policy))
+        admit = r.outcomes["admit_ts"].to_list()
+        order[policy] = sorted(range(3), key=lambda i: admit[i])
+    assert order["fcfs"] == [0, 1, 2]
+    assert order["lpm"] == [0, 2, 1]
+
+
+def test_decode_step_grows_with_batch():
+    """Two requests decoding together: each step lasts 1/decode_tokens_per_s + slope.  The
+    second one's 100 ms prefill pauses the first (prefill priority); then both decode their
+    10 tokens in the same 10 steps."""
+    rows = [(0, 100, 11, [1]), (0, 100, 11, [2])]
+    base = simulate(_log(rows), _one_rank())
+    slow = simulate(_log(rows), _one_rank(decode_step_ms_per_request=4.0))
+    for r, step_ms in ((base, 10.0), (slow, 14.0)):
+        o = r.outcomes
+        assert (o["latency_ms"] - o["ttft_ms"]).to_list() == pytest.approx(
+            [100 + 10 * step_ms, 10 * step_ms])
+
+
+def test_forced_placement_is_obeyed(small_log, tight_fleet):
+    want = np.arange(small_log.n_requests, dtype=np.int64) % 4
+    r = simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=2), placement=want)
+    urls = tight_fleet.urls
+    assert r.outcomes["worker"].to_list() == [urls[w] for w in want]
+    assert (r.outcomes["completions"] == 1).all()
+    with pytest.raises(ReplayError, match="not a prefill worker"):
+        simulate(small_log, tight_fleet, placement=np.full(small_log.n_requests, 9))
+
+
+def test_on_change_rows_do_not_grow_with_idle_time():
+    """Issue 10 s.5: a log with a long idle span costs no more load rows with on-change
+    publishing (interval publishing would write one row per rank per interval)."""
+    a = generate_log(300, seed=2, rate_per_s=20.0)
+
+    def gap(hours):
+        ts = a.ts_ns.copy()
+        ts[150:] += int(hours * 3600e9)
+        return RequestLog(ts, a.input_tokens, a.output_tokens, a.hash_off,
+                          a.block_key[a.hash_ids], a.request_id, a.block_size, "gap")
+
+    fleet = _fleet(publish_policy="on_change")
+    rows = [simulate(gap(h), fleet, RouterConfig()).stats["load_rows"] for h in (1, 123)]
+    assert rows[0] == rows[1]
+    assert rows[1] < 12 * a.n_requests   # bounded by the events, not by the span
+    # what idle time still shows: every rank publishes before the first request after the gap
+    r = simulate(gap(123), fleet, RouterConfig())
+    assert (r.outcomes["reason"].is_not_null()).all()
+
+
+def test_new_trace_columns_and_trace_json(tmp_path, small_log, tight_fleet):
+    res = simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=4), tmp_path / "t", seed=3)
+    req = pl.read_parquet(tmp_path / "t" / "requests.parquet")
+    assert req.schema["hash_ids"] == pl.List(pl.Int64)
+    assert req["hash_ids"].list.len().to_list() == req["query_blocks"].to_list()
+    o = res.outcomes
+    assert req["cached_tokens"].to_list() == o["cached_tokens"].to_list()
+    assert req["ttft_ms"].to_list() == o["ttft_ms"].to_list()
+    assert req["latency_ms"].to_list() == o["latency_ms"].to_list()
+    assert req["output_tokens"].to_list() == small_log.output_tokens.tolist()
+    assert pl.read_parquet(tmp_path / "t" / "workers.parquet")["page_size"].to_list() == [512] * 4
+    info = json.loads((tmp_path / "t" / "trace.json").read_text())
+    assert info["router"] == {"worker_queue_limit": 4} and info["page_size"] == 512
+    assert info["extra"]["seed"] == 3
+
+
+def test_trace_dir_as_log_round_trips(tmp_path, small_log, tight_fleet):
+    """simulate DIR (a trace) reads arrivals, lengths and block hashes back: the same run."""
+    simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=4), tmp_path / "t")
+    fleet = tmp_path / "f.toml"
+    fleet.write_text("workers = 4\ndp_size = 2\nprefill_tokens_per_s = 6000\n"
+                     "max_running_requests = 8\nmax_total_num_tokens = 40000\n")
+    r = _run(["simulate", str(tmp_path / "t"), "--fleet", str(fleet), "--out", str(tmp_path / "again"),
+              "--worker-queue-limit", "4", "-q"])
+    assert r.exit_code == 0, r.output
+    a = pl.read_parquet(tmp_path / "t" / "requests.parquet")
+    b = pl.read_parquet(tmp_path / "again" / "requests.parquet")
+    assert a.drop("ts").equals(b.drop("ts"))
+    r = _run(["simulate", str(tmp_path / "t"), "--fleet", str(fleet), "--out", str(tmp_path / "forced"),
+              "--forced-placement", "-q"])
+    assert r.exit_code == 0, r.output
+    f = pl.read_parquet(tmp_path / "forced" / "requests.parquet")
+    assert f["selected_worker"].to_list() == a["selected_worker"].to_list()
+
+
+@pytest.mark.parametrize("content, text", [
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+     '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1\n', "line 2: not valid JSON"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+     '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+     '{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}\n',
+     "line 3: field 'timestamp' must be a number"),
+    ('{"timestamp": 1e300, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n',
+     "column 'timestamp' row 0"),
+])
+def test_bad_jsonl_names_the_line(tmp_path, content, text):
+    p = tmp_path / "log.jsonl"
+    p.write_text(content)
+    r = _run(["simulate", str(p), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and text in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fleet_text, args, text", [
+    ("workers = 3\n[[worker]]\nindex = 1\n[[worker]]\nindex = 1\n", [],
+     "two [[worker]] tables with index = 1"),
+    ("max_total_num_tokens = 100000000000000000000\n", [], "max_total_num_tokens must be"),
+    ("prefill_tokens_per_s = 1e-300\n", [], "prefill_tokens_per_s must be"),
+    ("schedule_policy = \"sjf\"\n", [], "schedule_policy must be"),
+    ("publish_interval_ms = 0\n", [], "publish_interval_ms must be"),
+    ("workers = 2\n", ["--worker-queue-limit", "99999999999999999999"], "beyond the simulator's range"),
+    ("workers = 2\n", ["--index-lag-ms", "99999999999999999999"], "--index-lag-ms must be"),
+])
+def test_fleet_and_knob_overflow_refused(tmp_path, fleet_text, args, text):
+    f = tmp_path / "f.toml"
+    f.write_text(fleet_text)
+    r = _run(["simulate", str(ROOT / "traces" / "sample-log" / "requests.jsonl"), "--fleet", str(f),
+              "--out", str(tmp_path / "o"), "--requests", "50", *args])
+    assert r.exit_code == 2 and text in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------
+# several seeds per config (issue 11 s.1)
+
+def test_grid_seeds_cli(tmp_path):
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    outs = []
+    for threads in ("1", "2"):
+        out = tmp_path / f"g{threads}"
+        r = _run(["simulate", str(log), "--fleet", str(fleet), "--out", str(out), "--requests", "500",
+                  "--worker-queue-limit", "2,4", "--seeds", "3", "--seed", "5", "--threads", threads])
+        assert r.exit_code == 0, r.output
+        assert "stable" in r.output
+        outs.append(pl.read_parquet(out / "closed_loop_summary.parquet"))
+    s = outs[0]
+    assert s.equals(outs[1])   # independent of threads
+    assert s.height == 2 and s["seeds"].to_list() == [[5, 6, 7]] * 2
+    per = pl.read_parquet(tmp_path / "g1" / "closed_loop_seeds.parquet")
+    assert per.height == 6
+    one = simulate(read_mooncake(log, limit=500), load_fleet(fleet), RouterConfig(worker_queue_limit=4),
+                   seed=6)
+    row = per.filter((pl.col("worker_queue_limit") == 4) & (pl.col("seed") == 6)).row(0, named=True)
+    assert row["true_hit_rate"] == one.summary["true_hit_rate"]
+    assert row["ttft_ms_p99"] == one.summary["ttft_ms_p99"]
+    for m in ("true_hit_rate", "ttft_ms_p99", "queue_wait_ms_mean"):
+        vals = per.filter(pl.col("worker_queue_limit") == 2)[m].to_numpy()
+        got = s.filter(pl.col("worker_queue_limit") == 2).row(0, named=True)
+        assert got[m] == pytest.approx(vals.mean())
+        assert got[f"{m}_lo"] <= got[m] <= got[f"{m}_hi"]
+    assert (tmp_path / "g1" / "config-1" / "seed-7" / "loads.parquet").is_file()
+    r = _run(["simulate", str(log), "--out", str(tmp_path / "bad"), "--seeds", "1,1"])
+    assert r.exit_code == 2 and "listed twice" in r.output
+
+
+def test_seed_aggregate_flags_a_meltdown():
+    from replay.simulate.seeds import aggregate
+
+    rows = [{"config_id": 0, "seed": s, "true_hit_rate": h, "ttft_ms_p99": p}
+            for s, h, p in ((0, 0.90, 13_000.0), (1, 0.62, 650_000.0), (2, 0.899, 13_500.0),
+                            (3, 0.901, 12_800.0))]
+    rows += [{"config_id": 1, "seed": s, "true_hit_rate": 0.8 + s * 1e-4, "ttft_ms_p99": 9000.0 + s}
+             for s in range(4)]
+    t = aggregate(rows, [])
+    a, b = t.row(0, named=True), t.row(1, named=True)
+    assert a["stable"] is False and a["unstable_seeds"] == [1]
+    assert b["stable"] is True and b["unstable_seeds"] == []
+    assert a["true_hit_rate"] == pytest.approx((0.90 + 0.62 + 0.899 + 0.901) / 4)
+    h = np.array([0.90, 0.62, 0.899, 0.901])
+    half = 3.182 * h.std(ddof=1) / 2          # Student t, 3 degrees of freedom
+    assert a["true_hit_rate_lo"] == pytest.approx(h.mean() - half)
+    assert a["true_hit_rate_hi"] == pytest.approx(h.mean() + half)
+    assert aggregate(rows[:1], []).row(0, named=True)["stable"] is None   # one seed cannot tell
+
+
+# ---------------------------------------------------------------------------
+# the jitted event loop against the same source run as plain Python
+
+_PLAIN = """
+import sys
+from replay.config import RouterConfig
+from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
+log = generate_log(150, seed=3, rate_per_s=30.0)
+fleet = build_fleet(FleetSpec(workers=3, dp_size=2, prefill_tokens_per_s=6000,
+                              max_running_requests=4, max_total_num_tokens=20_000,
+                              publish_policy=sys.argv[2], chunked_prefill_size=700,
+                              schedule_policy="lpm", decode_step_ms_per_request=0.4))
+r = simulate(log, fleet, RouterConfig(worker_queue_limit=2), sys.argv[1], seed=4, index_lag_ms=30)
+assert r.stats["ss_evictions"] > 0
+"""
+
+
+@pytest.mark.parametrize("publish", ["interval", "on_change"])
+def test_kernel_equals_plain_python(tmp_path, publish):
+    import os
+    import subprocess
+    import sys
+
+    outs = {}
+    for mode in ("jit", "plain"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        if mode == "plain":
+            env["NUMBA_DISABLE_JIT"] = "1"
+        out = tmp_path / mode
+        p = subprocess.run([sys.executable, "-c", _PLAIN, str(out), publish], env=env, check=False,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        outs[mode] = out
+    for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
+        assert (outs["jit"] / name).read_bytes() == (outs["plain"] / name).read_bytes(), name
+
+
+def test_grid_seeds_on_ray_equal_local(tmp_path):
+    """--executor ray (a real local Ray) gives the same closed-loop summary and traces."""
+    pytest.importorskip("ray")
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    common = [str(log), "--fleet", str(fleet), "--requests", "400", "--worker-queue-limit", "2,4",
+              "--seeds", "0,9", "-q"]
+    r = _run(["simulate", *common, "--out", str(tmp_path / "local")])
+    assert r.exit_code == 0, r.output
+    r = _run(["simulate", *common, "--out", str(tmp_path / "ray"), "--executor", "ray",
+              "--ray-cpus", "1"])
+    assert r.exit_code == 0, r.output
+    a = pl.read_parquet(tmp_path / "local" / "closed_loop_summary.parquet")
+    b = pl.read_parquet(tmp_path / "ray" / "closed_loop_summary.parquet")
+    assert a.equals(b)
+    for sub in ("config-0/seed-9", "config-1/seed-0"):
+        for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
+            assert ((tmp_path / "local" / sub / name).read_bytes()
+                    == (tmp_path / "ray" / sub / name).read_bytes()), (sub, name)
+
+
+def test_long_interval_log_warns(tmp_path):
+    """A sparse log over 123 hours under interval publishing would hold ~71 M rows: the CLI says
+    so before running (and the run under on-change publishing is small)."""
+    p = tmp_path / "sparse.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": int(i * 123 * 3600e3 / 9), "input_length": 600,
+                                     "output_length": 4, "hash_ids": [i, 100 + i]}) + "\n"
+                         for i in range(10)))
+    f = tmp_path / "f.toml"
+    f.write_text('workers = 8\ndp_size = 2\npublish_policy = "on_change"\n')
+    r = _run(["simulate", str(p), "--fleet", str(f), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    assert pl.read_parquet(tmp_path / "o" / "loads.parquet").height < 1000
+    # interval publishing: the warning comes first (this log then stops on a request too big
+    # for the KV capacity, so the test allocates nothing)
+    f.write_text("workers = 8\ndp_size = 2\nmax_total_num_tokens = 500\n")
+    r = _run(["simulate", str(p), "--fleet", str(f), "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 2
+    assert "warning: interval publishing will write 70,848,032 load rows" in r.output, r.output
+    assert 'publish_policy = "on_change"' in r.output
+
+
+def test_refused_combinations_are_listed_in_sim_json(tmp_path):
+    """Issue 11 s.4: the warning names sim.json, and sim.json lists every refused combination."""
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    r = _run(["simulate", str(log), "--out", str(tmp_path / "o"), "--requests", "100",
+              "--worker-queue-limit", "2", "--saturation-queue-floor", "1,3,4,5"])
+    assert r.exit_code == 0, r.output
+    assert "(and 2 more, listed in sim.json)" in r.output
+    meta = json.loads((tmp_path / "o" / "sim.json").read_text())
+    assert len(meta["grid"]["skipped"]) == 3
+
+
+def test_forced_placement_refusals_one_line(tmp_path, small_log, tight_fleet):
+    simulate(small_log, tight_fleet, RouterConfig(worker_queue_limit=4), tmp_path / "t")
+    f3 = tmp_path / "f3.toml"
+    f3.write_text("workers = 3\ndp_size = 2\n")
+    f4 = tmp_path / "f4.toml"
+    f4.write_text("workers = 4\ndp_size = 2\nmax_total_num_tokens = 40000\n")
+    log = ROOT / "traces" / "sample-log" / "requests.jsonl"
+    for args, text in (
+            ([str(tmp_path / "t"), "--fleet", str(f3)], "the trace has 4 prefill workers, the fleet 3"),
+            ([str(log)], "--forced-placement needs a trace directory"),
+            ([str(tmp_path / "t"), "--fleet", str(f4), "--worker-queue-limit", "2,4"],
+             "--forced-placement runs one config, not a grid")):
+        r = _run(["simulate", *args, "--out", str(tmp_path / "o"), "--forced-placement"])
+        assert r.exit_code == 2 and text in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+        assert not (tmp_path / "o").exists()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import click
 
 from ..cli import user_errors
@@ -10,7 +13,11 @@ from .sweep import _knob_options
 
 _EXAMPLE = """
 LOG is a Mooncake request log (JSONL or Parquet: timestamp ms, input_length,
-output_length, hash_ids) or an Azure LLM CSV (synthetic prefixes, seeded).
+output_length, hash_ids), an Azure LLM CSV (synthetic prefixes, seeded), or a
+trace directory with requests.parquet hash_ids and output_tokens (arrivals,
+lengths and block hashes; the block size is the trace's page_size).
+--forced-placement sends each request of a trace directory to the worker that
+production chose (selected_worker) instead of asking the router.
 Router knobs take the values `sweep` takes; one config writes the trace into
 DIR, a grid writes DIR/config-<id>/ per config and DIR/closed_loop_summary.parquet.
 
@@ -22,8 +29,11 @@ Example:
 """
 
 
+BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
+
+
 @click.command(epilog=_EXAMPLE)
-@click.argument("log", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("log", type=click.Path(path_type=str))
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Fleet file (TOML, or JSON by suffix); flags below override it.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=str),
@@ -38,45 +48,88 @@ Example:
 @click.option("--decode-peers", type=int, default=None, help="Decode workers listed in workers.parquet.")
 @click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "azure"]), default="auto",
               show_default=True, help="Log format (auto: .csv is azure, else mooncake).")
-@click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per hash_ids block (default 512; a trace directory's page_size).")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Simulate only the first N requests of the log.")
-@click.option("--publish-interval-ms", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--index-lag-ms", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--freshness-ms", type=click.IntRange(min=0), default=5000, show_default=True)
+@click.option("--publish-interval-ms", type=int, default=None,
+              help="Interval publishing: ms between samples (default: the fleet's, else 100).")
+@click.option("--forced-placement", is_flag=True,
+              help="Trace directory LOG only: place requests where production did.")
+@click.option("--index-lag-ms", type=int, default=0, show_default=True)
+@click.option("--freshness-ms", type=int, default=5000, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--seeds", "seeds_text", default=None, metavar="N|S1,S2,...",
+              help="Run every config under N seeds (--seed, --seed+1, ...) or the listed ones: "
+                   "means, 95% intervals and a stable verdict per config.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Parallel simulations for a grid.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run a grid's simulations in local threads or as Ray tasks (same results).")
+@click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
+@click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
+              help="CPUs of the local Ray (default: all).")
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
 def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
-             publish_interval_ms, index_lag_ms, freshness_ms, seed, threads, force, quiet, **knobs):
+             publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
+             threads, executor, ray_address, ray_cpus, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
+    import numpy as np
+
     from .. import rundir
+    from ..errors import ReplayError
     from ..simulate import load_fleet, read_log, simulate_grid
     from ..simulate import simulate as run_one
-    from ..simulate.sim import _check_out
+    from ..simulate.sim import _check_out, interval_rows
+    from ..simulate.tracelog import is_trace_dir, read_trace_log
 
     rundir.guard([(out, "sim")], inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
+    from ..simulate.seeds import parse_seeds
+    try:
+        seeds = parse_seeds(seeds_text, seed)
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line()}", err=True)
+        click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
                        prefill_tokens_per_s=prefill_tokens_per_s,
                        decode_tokens_per_s=decode_tokens_per_s,
                        max_running_requests=max_running_requests,
                        max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
-    req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size, limit=limit)
+    placement = None
+    if is_trace_dir(log):
+        rec = read_trace_log(log, block_size=block_size, limit=limit)
+        req_log = rec.log
+        if forced_placement:
+            if len(rec.urls) != len(fleet.prefill):
+                raise ReplayError(f"--forced-placement: the trace has {len(rec.urls)} prefill "
+                                  f"workers, the fleet {len(fleet.prefill)}")
+            if not (rec.placement >= 0).any():
+                raise ReplayError(f"{log}: no selected_worker recorded; --forced-placement needs it")
+            placement = np.where(rec.placement >= 0, np.array(fleet.prefill)[rec.placement], -1)
+    elif forced_placement:
+        raise ReplayError("--forced-placement needs a trace directory as LOG")
+    else:
+        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
+    rows = interval_rows(req_log, fleet, publish_interval_ms)
+    if rows > BIG_INTERVAL_ROWS and not quiet:
+        click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
+                   f"{rows * 104 / 2**30:.1f} GiB in memory per config) for a log spanning "
+                   f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
+                   "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
+                   err=True)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
-    if len(grid.configs) == 1:
-        r = run_one(req_log, fleet, grid.configs[0], out, **kw)
+    if len(grid.configs) == 1 and seeds is None:
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid, **kw)
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
@@ -84,13 +137,56 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
             click.echo(f"true hit rate {s['true_hit_rate']:.4f}, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
                        f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
         return
-    table = simulate_grid(req_log, fleet, grid, out, threads=threads, **kw)
+    if placement is not None:
+        raise ReplayError("--forced-placement runs one config, not a grid")
+    n_jobs = len(grid.configs) * (len(seeds) if seeds else 1)
+    with grid_progress(n_jobs, quiet) as progress:
+        table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
+                              progress=progress, executor=executor, ray_address=ray_address,
+                              ray_cpus=ray_cpus, **kw)
     if not quiet:
-        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs -> {out}")
-        cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor",
-                            "true_hit_rate", "ttft_ms_p50", "ttft_ms_p99", "queue_wait_ms_mean")
-                if c in table.columns]
-        click.echo(str(table.select(cols)))
+        n_seeds = f" x {len(seeds)} seeds" if seeds else ""
+        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "
+                   f"-> {out}")
+        for line in grid_table(table, grid):
+            click.echo(line)
+
+
+@contextlib.contextmanager
+def grid_progress(n: int, quiet: bool, label: str = "simulating"):
+    """A progress bar over ``n`` simulations on a terminal (stderr); nothing when piped."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=n, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def grid_table(table, grid) -> list[str]:
+    """The closed-loop summary as a readable table: knobs, served hit rate (%), TTFT and queue
+    wait (s), with the 95% interval and the stable verdict when several seeds ran."""
+    knobs = [k for k in KNOBS if k in table.columns and len(grid.values[k]) > 1]
+    seeded = "stable" in table.columns
+
+    def cell(v, scale=1.0, digits=1):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    head = ["config"] + knobs + ["true hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
+    if seeded:
+        head += ["hit 95% interval", "p99 95% interval", "stable"]
+    rows = [head]
+    for r in table.iter_rows(named=True):
+        row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
+        row += [cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p50"], 1e-3, 2),
+                cell(r["ttft_ms_p99"], 1e-3, 2), cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        if seeded:
+            row += [f"{cell(r['true_hit_rate_lo'], 100, 2)}..{cell(r['true_hit_rate_hi'], 100, 2)}",
+                    f"{cell(r['ttft_ms_p99_lo'], 1e-3, 2)}..{cell(r['ttft_ms_p99_hi'], 1e-3, 2)}",
+                    "yes" if r["stable"] else ("?" if r["stable"] is None else
+                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
+        rows.append(row)
+    widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
 
 
 COMMANDS = [simulate]

@@ -11,6 +11,14 @@ Format (TOML; the same keys in a JSON object)::
     max_total_num_tokens = 200000    # per rank: KV capacity in tokens
     decode_peers = 0                 # decode workers listed in workers.parquet (see docs/simulator.md)
 
+    # engine model options (docs/simulator.md); the defaults are the original model
+    decode_step_ms_per_request = 0.0 # a decode step grows by this per running request beyond the first
+    chunked_prefill_size = 0         # SGLang's --chunked-prefill-size (0: whole prompts in one step)
+    schedule_policy = "fcfs"         # waiting-queue order: "fcfs" or "lpm" (SGLang's policies)
+    publish_policy = "interval"      # "interval": every publish_interval_ms; "on_change": as SGLang
+    publish_interval_ms = 100        # interval policy (the --publish-interval-ms flag overrides it)
+    idle_publish_ms = 1000           # on_change policy: a heartbeat after this long without a change
+
     [[worker]]                       # optional per-worker overrides, by index
     index = 3
     prefill_tokens_per_s = 6000
@@ -49,6 +57,13 @@ class WorkerSpec:
     max_total_num_tokens: int
     role: str = "plain"
     model: str = "default"
+    decode_step_ms_per_request: float = 0.0
+    chunked_prefill_size: int = 0
+    schedule_policy: str = "fcfs"
+
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+PUBLISH_POLICIES = ("interval", "on_change")
 
 
 @dataclass(frozen=True)
@@ -63,11 +78,20 @@ class FleetSpec:
     max_total_num_tokens: int = 200_000
     decode_peers: int = 0
     model: str = "default"
+    decode_step_ms_per_request: float = 0.0
+    chunked_prefill_size: int = 0
+    schedule_policy: str = "fcfs"
+    publish_policy: str = "interval"
+    publish_interval_ms: int | None = None
+    idle_publish_ms: int = 1000
 
 
 _KEYS = {f.name for f in fields(FleetSpec)}
+_ENGINE_KEYS = ("decode_step_ms_per_request", "chunked_prefill_size", "schedule_policy")
 _WORKER_KEYS = {"index", "dp_size", "prefill_tokens_per_s", "decode_tokens_per_s",
-                "max_running_requests", "max_total_num_tokens"}
+                "max_running_requests", "max_total_num_tokens", *_ENGINE_KEYS}
+DEFAULT_PUBLISH_INTERVAL_MS = 100
+_MAX_INT = 2**53  # knobs, intervals and capacities beyond this are refused (int64 ns arithmetic)
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,11 @@ class Fleet:
     @property
     def prefill(self) -> list[int]:
         return [i for i, w in enumerate(self.workers) if w.role != "decode"]
+
+    @property
+    def publish_interval_ms(self) -> int:
+        v = self.spec.publish_interval_ms
+        return DEFAULT_PUBLISH_INTERVAL_MS if v is None else int(v)
 
     def describe(self) -> dict:
         return {"spec": self.spec.__dict__.copy(),
@@ -104,14 +133,27 @@ def _check(spec: FleetSpec, where: str) -> None:
 
     if not isinstance(spec.workers, int) or spec.workers < 1 or spec.workers > 999:
         bad("workers", "an integer in 1..999")
-    for k in ("dp_size", "max_running_requests", "max_total_num_tokens"):
+    for k in ("dp_size", "max_running_requests", "max_total_num_tokens", "idle_publish_ms"):
         v = getattr(spec, k)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            bad(k, "an integer >= 1")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > _MAX_INT:
+            bad(k, "an integer in 1..2**53")
+    v = spec.publish_interval_ms
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > 10**9):
+        bad("publish_interval_ms", "an integer in 1..10**9")
+    v = spec.chunked_prefill_size
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > _MAX_INT:
+        bad("chunked_prefill_size", "an integer >= 0 (0: off)")
     for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
         v = getattr(spec, k)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
-            bad(k, "a finite number > 0")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1e-3 <= v <= 1e12:
+            bad(k, "a number in 0.001..1e12")
+    v = spec.decode_step_ms_per_request
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
+        bad("decode_step_ms_per_request", "a finite number >= 0")
+    if spec.schedule_policy not in SCHEDULE_POLICIES:
+        bad("schedule_policy", " or ".join(repr(p) for p in SCHEDULE_POLICIES))
+    if spec.publish_policy not in PUBLISH_POLICIES:
+        bad("publish_policy", " or ".join(repr(p) for p in PUBLISH_POLICIES))
     if not isinstance(spec.decode_peers, int) or spec.decode_peers < 0 or spec.decode_peers > 999:
         bad("decode_peers", "an integer in 0..999")
     if not isinstance(spec.model, str) or not spec.model:
@@ -128,7 +170,8 @@ def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, A
         kw = dict(dp_size=spec.dp_size, prefill_tokens_per_s=float(spec.prefill_tokens_per_s),
                   decode_tokens_per_s=float(spec.decode_tokens_per_s),
                   max_running_requests=spec.max_running_requests,
-                  max_total_num_tokens=spec.max_total_num_tokens)
+                  max_total_num_tokens=spec.max_total_num_tokens,
+                  **{k: getattr(spec, k) for k in _ENGINE_KEYS})
         for k, v in (overrides_by_index or {}).get(i, {}).items():
             kw[k] = v
         w = WorkerSpec(prefill_url(i), role=role, model=spec.model, **kw)
@@ -165,7 +208,12 @@ def load_fleet(path: str | os.PathLike | None = None, **overrides: Any) -> Fleet
         if unknown:
             raise FleetError(f"{where}: unknown [[worker]] key {sorted(unknown)[0]!r}; "
                              f"known: {', '.join(sorted(_WORKER_KEYS))}")
-        per_worker[int(entry["index"])] = {k: v for k, v in entry.items() if k != "index"}
+        idx = entry["index"]
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            raise FleetError(f"{where}: [[worker]] index must be an integer, got {idx!r}")
+        if idx in per_worker:
+            raise FleetError(f"{where}: two [[worker]] tables with index = {idx}")
+        per_worker[idx] = {k: v for k, v in entry.items() if k != "index"}
     unknown = set(data) - _KEYS
     if unknown:
         raise FleetError(f"{where}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_KEYS))}")

@@ -35,6 +35,8 @@ from ..errors import ReplayError
 
 NS_PER_MS = 1_000_000
 DEFAULT_BLOCK_SIZE = 512
+MAX_TIMESTAMP_MS = 1e12   # later stamps would overflow the simulator's int64 nanosecond clock
+MAX_TOKENS = 1e12
 
 
 class LogError(ReplayError):
@@ -63,6 +65,7 @@ class RequestLog:
     source: str = ""
     block_parent: np.ndarray = field(default=None)  # type: ignore[assignment]
     block_tokens: np.ndarray = field(default=None)  # type: ignore[assignment]
+    block_key: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = self.ts_ns.shape[0]
@@ -124,16 +127,16 @@ class RequestLog:
         btok = np.zeros(nb, dtype=np.int64)
         np.maximum.at(btok, dense, tok)
         self.hash_ids = dense
+        self.block_key = uniq.astype(np.int64)
         self.block_parent = parent
         self.block_tokens = btok
 
     def head(self, n: int) -> "RequestLog":
         """The first ``n`` requests (arrival order)."""
         n = min(int(n), self.n_requests)
-        # original ids are gone after densifying; dense ids are valid ids too
         return RequestLog(self.ts_ns[:n].copy(), self.input_tokens[:n].copy(),
                           self.output_tokens[:n].copy(), self.hash_off[:n + 1].copy(),
-                          self.hash_ids[:self.hash_off[n]].copy(), self.request_id[:n].copy(),
+                          self.block_key[self.hash_ids[:self.hash_off[n]]], self.request_id[:n].copy(),
                           self.block_size, self.source)
 
 
@@ -149,7 +152,18 @@ def _from_frame(df: pl.DataFrame, source: str, block_size: int) -> RequestLog:
             raise LogError(f"{source}: column {c!r} must be numeric, got {df[c].dtype}")
         if (df[c] < 0).any():
             raise LogError(f"{source}: column {c!r} row {int((df[c] < 0).arg_max())}: must be >= 0")
-    ts = (df["timestamp"].cast(pl.Float64).to_numpy() * NS_PER_MS).round().astype(np.int64)
+    tms = df["timestamp"].cast(pl.Float64).to_numpy()
+    big = np.nonzero(~(tms <= MAX_TIMESTAMP_MS))[0]
+    if big.size:
+        raise LogError(f"{source}: column 'timestamp' row {int(big[0])}: {tms[big[0]]} ms is beyond "
+                       f"{MAX_TIMESTAMP_MS:.0e} ms (about 31 years): refused")
+    for c in ("input_length", "output_length"):
+        v = df[c].cast(pl.Float64).to_numpy()
+        big = np.nonzero(v > MAX_TOKENS)[0]
+        if big.size:
+            raise LogError(f"{source}: column {c!r} row {int(big[0])}: {int(v[big[0]])} tokens is "
+                           f"more than {MAX_TOKENS:.0e}: refused")
+    ts = (tms * NS_PER_MS).round().astype(np.int64)
     hashes = df["hash_ids"].fill_null([])
     sizes = hashes.list.len().to_numpy().astype(np.int64)
     off = np.zeros(df.height + 1, dtype=np.int64)
@@ -176,10 +190,36 @@ def read_mooncake(path: str | os.PathLike, *, block_size: int = DEFAULT_BLOCK_SI
                                            "output_length": pl.Int64,
                                            "hash_ids": pl.List(pl.Int64)})
     except Exception as err:  # polars raises many kinds; one line for the user
-        raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
+        where = _bad_jsonl_line(p) if p.suffix != ".parquet" else None
+        raise LogError(f"{p}: {where or 'cannot read: ' + str(err).splitlines()[0]}") from None
     if limit is not None:
         df = df.head(int(limit))
     return _from_frame(df, str(p), block_size)
+
+
+_JSONL_TYPES = {"timestamp": (int, float), "input_length": (int,), "output_length": (int,),
+                "hash_ids": (list,)}
+
+
+def _bad_jsonl_line(p: Path) -> str | None:
+    """The first line of a JSONL log that is not a valid request, said in one line (error path)."""
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError as err:
+                return f"line {n}: not valid JSON ({str(err).splitlines()[0]})"
+            if not isinstance(rec, dict):
+                return f"line {n}: expected a JSON object"
+            for k, types in _JSONL_TYPES.items():
+                v = rec.get(k)
+                if v is None or isinstance(v, bool) or not isinstance(v, types):
+                    return f"line {n}: field {k!r} must be {'a list of integers' if k == 'hash_ids' else 'a number'}, got {v!r}"
+                if k == "hash_ids" and not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                    return f"line {n}: field 'hash_ids' must be a list of integers"
+    return None
 
 
 # ---------------------------------------------------------------------------

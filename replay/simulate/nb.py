@@ -25,12 +25,18 @@ import numpy as np
 from numba import types
 from numba.typed import List
 
-from ..kernels._jit import njit
+import numba
+
+from ..kernels._jit import JIT, njit
 from ..kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from ..kernels.layout import LoadColumns
 from ..kernels.snapshot import R_NCOLS, S_NCOLS, advance_dirty_nb, refresh_nb
 
 INF = np.int64(1) << 62
+
+# the smallest helpers of the hot loops are inlined (no call, no reference counting of
+# their array arguments); inlining the larger ones doubled the compile time for 15%
+inline = numba.njit(inline="always", **JIT)
 
 # per-rank scalars
 RS_WORKER = 0
@@ -58,7 +64,23 @@ RS_MAX_USED = 21      # largest RS_USED seen
 RS_MAX_QLEN = 22
 RS_STEP_START = 23    # start of the current step
 RS_STEP_K = 24        # decode steps the current step stands for (see _start_step)
-RS_NCOLS = 25
+RS_DECODE_SLOPE = 25  # ns a decode step grows by per running request beyond the first
+RS_CHUNK = 26         # chunked_prefill_size (0: off)
+RS_CHUNK_REQ = 27     # request whose prefill continues in the next step (-1: none)
+RS_POLICY = 28        # waiting-queue order: POLICY_FCFS or POLICY_LPM
+RS_PUB_DELAY = 29     # on-change publishing: delay from a change to its sample (0: interval mode)
+RS_PUB_IDLE = 30      # on-change publishing: heartbeat after this long without a change
+RS_DUE_KIND = 31      # what RS_NEXT_SAMPLE is: DUE_CHANGE or DUE_HEARTBEAT
+RS_HB_PENDING = 32    # time of a heartbeat not yet written (-1: none; see _flush_heartbeats)
+RS_HB_INF = 33        # router_inflight when that heartbeat was due
+RS_LAST_ROW = 34      # index of the rank's latest written sample (-1: none)
+RS_NCOLS = 35
+
+POLICY_FCFS = 0
+POLICY_LPM = 1
+LPM_MAX_QUEUE = 128   # SGLang falls back to FCFS order above this many waiting requests
+DUE_CHANGE = 0
+DUE_HEARTBEAT = 1
 
 # per-request state
 ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
@@ -66,7 +88,8 @@ ST_QNEXT = 1
 ST_REMAIN = 2
 ST_PRIVATE = 3        # tokens outside shared blocks (partial tail + output), reserved on admission
 ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
-ST_NCOLS = 5
+ST_PF_LEFT = 5        # prompt tokens still to compute (chunked prefill)
+ST_NCOLS = 6
 
 # per-request outputs
 RQ_WORKER = 0
@@ -110,7 +133,7 @@ SS_INDEX_EVENTS = 6
 SS_NCOLS = 7
 
 
-@njit
+@inline
 def _grow2(a, need):
     cap = a.shape[1]
     if need <= cap:
@@ -123,7 +146,7 @@ def _grow2(a, need):
     return b
 
 
-@njit
+@inline
 def _grow1(a, need):
     cap = a.shape[0]
     if need <= cap:
@@ -138,12 +161,12 @@ def _grow1(a, need):
 
 # ---------------------------------------------------------------------------
 # LRU heap of evictable leaves: (last_use, block) min-heap per rank
-@njit
+@inline
 def _before(k1, b1, k2, b2):
     return k1 < k2 or (k1 == k2 and b1 < b2)
 
 
-@njit
+@inline
 def _heap_push(hk, hb, rs, r, key, blk):
     i = rs[r, RS_HN]
     rs[r, RS_HN] = i + 1
@@ -158,7 +181,7 @@ def _heap_push(hk, hb, rs, r, key, blk):
     hb[r, i] = blk
 
 
-@njit
+@inline
 def _heap_pop(hk, hb, rs, r):
     key = hk[r, 0]
     blk = hb[r, 0]
@@ -185,12 +208,12 @@ def _heap_pop(hk, hb, rs, r):
     return key, blk
 
 
-@njit
+@inline
 def _evictable_leaf(present, lock, nchild, r, b):
     return present[r, b] == 1 and lock[r, b] == 0 and nchild[r, b] == 0
 
 
-@njit
+@inline
 def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
     """Offer block ``b`` to rank ``r``'s LRU heap; rebuild the heap from the cache when full."""
     if rs[r, RS_HN] >= hk.shape[1]:
@@ -203,7 +226,7 @@ def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
     _heap_push(hk, hb, rs, r, last_use[r, b], b)
 
 
-@njit
+@inline
 def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag, w,
                stats):
     """Evict rank ``r``'s least recently used evictable leaf; False when there is none."""
@@ -228,14 +251,14 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
     return False
 
 
-@njit
+@inline
 def _lock(r, b, lock, rs, btok):
     if lock[r, b] == 0:
         rs[r, RS_EVICTABLE] -= btok[b]
     lock[r, b] += 1
 
 
-@njit
+@inline
 def _unlock(r, b, lock, rs, btok):
     lock[r, b] -= 1
     if lock[r, b] == 0:
@@ -300,14 +323,77 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
     return True
 
 
+@inline
+def _changed(r, t, rs):
+    """Rank ``r``'s published load changed at ``t``: with on-change publishing,
+    a sample is due ``RS_PUB_DELAY`` later (several changes inside that delay
+    share one sample, as SGLang's throttle does)."""
+    delay = rs[r, RS_PUB_DELAY]
+    if delay > 0:
+        due = t + delay
+        if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT or rs[r, RS_NEXT_SAMPLE] > due:
+            rs[r, RS_NEXT_SAMPLE] = due
+            rs[r, RS_DUE_KIND] = DUE_CHANGE
+
+
+@njit
+def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
+    """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
+    (ties: arrival order), SGLang's ``lpm`` policy; above ``LPM_MAX_QUEUE``
+    waiting requests the order is left alone (SGLang's fallback to FCFS)."""
+    n = rs[r, RS_QLEN]
+    if n < 2 or n > LPM_MAX_QUEUE:
+        return
+    ids = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
+    i = rs[r, RS_QHEAD]
+    k = 0
+    while i >= 0 and k < n:
+        lo = h_off[i]
+        m = h_off[i + 1] - lo
+        d = 0
+        c = 0
+        while d < m and present[r, h_ids[lo + d]] == 1:
+            c += btok[h_ids[lo + d]]
+            d += 1
+        # insertion: descending cached tokens, then ascending request index
+        x = k
+        while x > 0 and (key[x - 1] < c or (key[x - 1] == c and ids[x - 1] > i)):
+            key[x] = key[x - 1]
+            ids[x] = ids[x - 1]
+            x -= 1
+        key[x] = c
+        ids[x] = i
+        k += 1
+        i = st[i, ST_QNEXT]
+    rs[r, RS_QHEAD] = ids[0]
+    for x in range(k - 1):
+        st[ids[x], ST_QNEXT] = ids[x + 1]
+    st[ids[k - 1], ST_QNEXT] = -1
+    rs[r, RS_QTAIL] = ids[k - 1]
+
+
 @njit
 def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
                 present, lock, nchild, last_use, hk, hb, ev, lag, stats):
-    """Start rank ``r``'s next step at ``t``: admit FCFS while running and KV allow; a prefill
-    step if anything was admitted, else a decode step if anything runs, else idle."""
+    """Start rank ``r``'s next step at ``t``: admit in queue order while running and KV allow;
+    a prefill step if any prompt tokens are to compute, else a decode step if anything runs,
+    else idle.  With ``chunked_prefill_size`` a step computes at most that many prompt
+    tokens: an unfinished prompt goes first in the next step, and no more is admitted."""
     tokens = 0
     admitted = 0
-    while rs[r, RS_QHEAD] >= 0 and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]:
+    budget = rs[r, RS_CHUNK] if rs[r, RS_CHUNK] > 0 else INF
+    c = rs[r, RS_CHUNK_REQ]
+    if c >= 0:
+        take = min(st[c, ST_PF_LEFT], budget)
+        st[c, ST_PF_LEFT] -= take
+        tokens += take
+        budget -= take
+        if st[c, ST_PF_LEFT] == 0:
+            rs[r, RS_CHUNK_REQ] = -1
+    if rs[r, RS_POLICY] == POLICY_LPM and budget > 0:
+        _lpm_order(r, h_off, h_ids, btok, st, rs, present)
+    while budget > 0 and rs[r, RS_QHEAD] >= 0 and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]:
         i = rs[r, RS_QHEAD]
         if not _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild,
                           last_use, hk, hb, ev, lag, stats):
@@ -324,9 +410,17 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
         rq[i, RQ_ADMIT] = t
         run_ids[r, rs[r, RS_RUN_N]] = i
         rs[r, RS_RUN_N] += 1
-        tokens += max(req_L[i] - rq[i, RQ_CACHED_TOKENS], 1)
+        need = max(req_L[i] - rq[i, RQ_CACHED_TOKENS], 1)
+        take = min(need, budget)
+        st[i, ST_PF_LEFT] = need - take
+        if need > take:
+            rs[r, RS_CHUNK_REQ] = i
+        tokens += take
+        budget -= take
         admitted += 1
     if admitted > 0:
+        _changed(r, t, rs)
+    if tokens > 0:
         dur = np.int64(np.ceil(tokens * 1e9 / prefill_tps[r]))
         dur = max(dur, np.int64(1))
         rs[r, RS_KIND] = 1
@@ -345,31 +439,32 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
             for x in range(1, rs[r, RS_RUN_N]):
                 k = min(k, st[run_ids[r, x], ST_REMAIN])
             k = max(k, 1)
+        dur = rs[r, RS_DECODE_NS] + rs[r, RS_DECODE_SLOPE] * (rs[r, RS_RUN_N] - 1)
         rs[r, RS_KIND] = 2
-        rs[r, RS_STEP_DUR] = rs[r, RS_DECODE_NS]
+        rs[r, RS_STEP_DUR] = dur
         rs[r, RS_STEP_START] = t
         rs[r, RS_STEP_K] = k
-        rs[r, RS_END] = t + k * rs[r, RS_DECODE_NS]
+        rs[r, RS_END] = t + k * dur
     else:
         rs[r, RS_KIND] = 0
         rs[r, RS_END] = INF
     stats[SS_STEPS] += 1
 
 
-@njit
+@inline
 def _cut_decode(r, t, rs):
     """A request was queued on rank ``r`` at ``t``: a multi-step decode event ends
     at the first step boundary the one-step-at-a-time model would admit it at
     (a boundary at exactly ``t`` has already passed: step ends come first)."""
     if rs[r, RS_KIND] == 2 and rs[r, RS_STEP_K] > 1:
-        d = rs[r, RS_DECODE_NS]
+        d = rs[r, RS_STEP_DUR]
         m = (t - rs[r, RS_STEP_START]) // d + 1
         if m < rs[r, RS_STEP_K]:
             rs[r, RS_STEP_K] = m
             rs[r, RS_END] = rs[r, RS_STEP_START] + m * d
 
 
-@njit
+@inline
 def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
               rinf, stats):
     lo = h_off[i]
@@ -402,7 +497,7 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
     while k < rs[r, RS_RUN_N]:
         i = run_ids[r, k]
         finished = False
-        if kind == 1 and st[i, ST_STATUS] == 2:
+        if kind == 1 and st[i, ST_STATUS] == 2 and st[i, ST_PF_LEFT] == 0:
             rq[i, RQ_FIRST] = t
             st[i, ST_STATUS] = 3
             st[i, ST_REMAIN] = req_out[i] - 1
@@ -419,16 +514,71 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
             rs[r, RS_RUN_N] = last
         else:
             k += 1
+    if kind == 1 or done > 0:
+        _changed(r, t, rs)
     _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids, present,
                 lock, nchild, last_use, hk, hb, ev, lag, stats)
     return done
+
+
+@inline
+def _write_sample(loads, tail, nl, t, r, rs, rinf):
+    """Write rank ``r``'s current load as sample ``nl`` stamped ``t``."""
+    w = rs[r, RS_WORKER]
+    loads[LD_TS, nl] = t
+    loads[LD_WORKER, nl] = w
+    loads[LD_RANK, nl] = rs[r, RS_LOCAL]
+    loads[LD_RUNNING, nl] = rs[r, RS_RUN_N]
+    loads[LD_WAITING, nl] = rs[r, RS_QLEN]
+    busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
+    loads[LD_TOKENS, nl] = busy
+    loads[LD_MAXTOT, nl] = rs[r, RS_CAP]
+    loads[LD_WU, nl] = rs[r, RS_QWU]
+    loads[LD_TOTAL, nl] = busy + rs[r, RS_QTOK]
+    loads[LD_MAXRUN, nl] = rs[r, RS_MAXRUN]
+    loads[LD_PTOK, nl] = rs[r, RS_PTOK]
+    loads[LD_PBUSY, nl] = rs[r, RS_PBUSY_NS] // 1000
+    loads[LD_INFLIGHT, nl] = rinf[w]
+    tail[nl] = True
+    rs[r, RS_LAST_ROW] = nl
+
+
+@njit
+def _flush_heartbeats(loads, tail, nl, t, rs, R):
+    """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
+
+    On-change publishing: a heartbeat repeats the rank's previous sample but
+    for its stamp and ``router_inflight``.  It is held back until something
+    happens after it (another sample or an arrival); a heartbeat superseded by
+    the rank's next heartbeat before anything happened is not written, since no
+    decision could see it (the rank table keeps the latest sample per rank, and
+    its throughput delta is zero either way).  So idle time costs no rows.
+    """
+    while True:
+        best = -1
+        for r in range(R):
+            p = rs[r, RS_HB_PENDING]
+            if p >= 0 and p <= t and (best < 0 or p < rs[best, RS_HB_PENDING]):
+                best = r
+        if best < 0:
+            return nl
+        src = rs[best, RS_LAST_ROW]
+        for c in range(LD_NCOLS):
+            loads[c, nl] = loads[c, src]
+        loads[LD_TS, nl] = rs[best, RS_HB_PENDING]
+        loads[LD_INFLIGHT, nl] = rs[best, RS_HB_INF]
+        tail[nl] = True
+        rs[best, RS_LAST_ROW] = nl
+        rs[best, RS_HB_PENDING] = -1
+        nl += 1
 
 
 @njit
 def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
                 rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
-                lag_ns, heap_cap, cache_log=None):
+                lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
+                forced, cache_log=None):
     """Run one closed-loop simulation.
 
     Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
@@ -437,6 +587,13 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     Workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones; ranks
     of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``knobs`` is the
     ``kernels.layout.KnobArrays`` of one config (``replay.engine.encode_configs``).
+    Engine options per rank:
+    ``rank_decode_slope`` (ns per extra running request in a decode step),
+    ``rank_chunk`` (chunked_prefill_size, 0 off), ``rank_policy`` (POLICY_*).
+    ``pub_delay`` > 0 selects on-change publishing (a sample ``pub_delay`` after
+    a change, a heartbeat after ``pub_idle`` without one) instead of one sample
+    every ``publish_ns``.  ``forced[i] >= 0`` places request ``i`` on that
+    worker without asking the router (validation against a recording).
 
     Returns ``(rq, m_off, m_worker, m_blocks, loads, n_loads, stats, rs)``.
 
@@ -465,6 +622,14 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
         rs[r, RS_QHEAD] = -1
         rs[r, RS_QTAIL] = -1
         rs[r, RS_END] = INF
+        rs[r, RS_DECODE_SLOPE] = rank_decode_slope[r]
+        rs[r, RS_CHUNK] = rank_chunk[r]
+        rs[r, RS_CHUNK_REQ] = -1
+        rs[r, RS_POLICY] = rank_policy[r]
+        rs[r, RS_PUB_DELAY] = pub_delay
+        rs[r, RS_PUB_IDLE] = pub_idle
+        rs[r, RS_HB_PENDING] = -1
+        rs[r, RS_LAST_ROW] = -1
         max_run = max(max_run, rank_maxrun[r])
     st = np.zeros((N, ST_NCOLS), dtype=np.int64)
     rq = np.full((N, RQ_NCOLS), -1, dtype=np.int64)
@@ -479,7 +644,9 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     last_use = np.zeros((R, B), dtype=np.int64)
     hk = np.zeros((R, heap_cap), dtype=np.int64)
     hb = np.zeros((R, heap_cap), dtype=np.int64)
-    idx = np.zeros((n_workers, B), dtype=np.int32)
+    # block-major, so one block's holders are one cache line (the matches walk below)
+    idx = np.zeros((B, n_workers), dtype=np.int32)
+    depth = np.zeros(max(nf, 1), dtype=np.int64)
     ev = List.empty_list(types.int64)
     ev_head = 0
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
@@ -487,8 +654,11 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     # --- outputs
     # sized for the samples up to the last arrival, plus a quarter (it grows if
     # the drain takes longer): growing by doubling touches far more memory
+    on_change = pub_delay > 0
     n_samples = 1024
-    if N > 0 and publish_ns > 0:
+    if on_change:
+        n_samples += 2 * R + 6 * N  # about four changes per request; grows if needed
+    elif N > 0 and publish_ns > 0:
         n_samples += R * ((req_ts[N - 1] - req_ts[0]) // publish_ns + 2) * 5 // 4
     loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
     tail = np.ones(n_samples, dtype=np.bool_)
@@ -512,7 +682,11 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
     # --- clocks
-    if N > 0:
+    if N > 0 and on_change:
+        for r in range(R):  # every rank publishes once just before the first request
+            rs[r, RS_NEXT_SAMPLE] = req_ts[0] - pub_delay
+            rs[r, RS_DUE_KIND] = DUE_CHANGE
+    elif N > 0:
         t0 = req_ts[0] - publish_ns
         for r in range(R):
             rs[r, RS_NEXT_SAMPLE] = t0 + rank_phase[r]
@@ -535,7 +709,13 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 if rs[r, RS_END] < t_step:
                     t_step = rs[r, RS_END]
             steps_changed = False
-        t_samp = rs[order[k_samp], RS_NEXT_SAMPLE] if R > 0 else INF
+        if on_change:
+            t_samp = INF
+            for r in range(R):
+                if rs[r, RS_NEXT_SAMPLE] < t_samp:
+                    t_samp = rs[r, RS_NEXT_SAMPLE]
+        else:
+            t_samp = rs[order[k_samp], RS_NEXT_SAMPLE] if R > 0 else INF
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
             steps_changed = True
@@ -545,40 +725,51 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                     n_done += _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok,
                                         parent, st, rq, rs, run_ids, present, lock, nchild,
                                         last_use, hk, hb, ev, lag_ns, rinf, stats)
-        elif t_samp <= t_arr:
+        elif t_samp <= t_arr and on_change:
             t = t_samp
-            loads = _grow2(loads, nl + R)
-            tail = _grow1(tail, nl + R)
-            while rs[order[k_samp], RS_NEXT_SAMPLE] == t:  # ranks due now, in (phase, rank) order
-                r = order[k_samp]
-                k_samp = k_samp + 1 if k_samp + 1 < R else 0
-                w = rs[r, RS_WORKER]
-                loads[LD_TS, nl] = t
-                loads[LD_WORKER, nl] = w
-                loads[LD_RANK, nl] = rs[r, RS_LOCAL]
-                loads[LD_RUNNING, nl] = rs[r, RS_RUN_N]
-                loads[LD_WAITING, nl] = rs[r, RS_QLEN]
-                busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
-                loads[LD_TOKENS, nl] = busy
-                loads[LD_MAXTOT, nl] = rs[r, RS_CAP]
-                loads[LD_WU, nl] = rs[r, RS_QWU]
-                loads[LD_TOTAL, nl] = busy + rs[r, RS_QTOK]
-                loads[LD_MAXRUN, nl] = rs[r, RS_MAXRUN]
-                loads[LD_PTOK, nl] = rs[r, RS_PTOK]
-                loads[LD_PBUSY, nl] = rs[r, RS_PBUSY_NS] // 1000
-                loads[LD_INFLIGHT, nl] = rinf[w]
-                tail[nl] = True
-                nl += 1
-                rs[r, RS_NEXT_SAMPLE] = t + publish_ns
+            loads = _grow2(loads, nl + 2 * R)
+            tail = _grow1(tail, nl + 2 * R)
+            for r in range(R):
+                if rs[r, RS_NEXT_SAMPLE] != t:
+                    continue
+                if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT:
+                    rs[r, RS_HB_PENDING] = t   # a pending one it supersedes is dropped
+                    rs[r, RS_HB_INF] = rinf[rs[r, RS_WORKER]]
+                else:
+                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                    _write_sample(loads, tail, nl, t, r, rs, rinf)
+                    nl += 1
+                rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
+                rs[r, RS_DUE_KIND] = DUE_HEARTBEAT
+        elif t_samp <= t_arr:
+            # every sample due before the next step end and up to the next arrival, in one go
+            # (nothing else happens in between, so the event order is unchanged)
+            while True:
+                t = t_samp
+                loads = _grow2(loads, nl + R)
+                tail = _grow1(tail, nl + R)
+                while rs[order[k_samp], RS_NEXT_SAMPLE] == t:  # ranks due now, (phase, rank) order
+                    r = order[k_samp]
+                    k_samp = k_samp + 1 if k_samp + 1 < R else 0
+                    _write_sample(loads, tail, nl, t, r, rs, rinf)
+                    nl += 1
+                    rs[r, RS_NEXT_SAMPLE] = t + publish_ns
+                t_samp = rs[order[k_samp], RS_NEXT_SAMPLE]
+                if t_samp >= t_step or t_samp > t_arr:
+                    break
         else:
             t = t_arr
             i = next_req
             next_req += 1
             steps_changed = True
+            if on_change:
+                loads = _grow2(loads, nl + R)
+                tail = _grow1(tail, nl + R)
+                nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = len(ev)
             while ev_head < ne and ev[ev_head] <= t:
-                idx[ev[ev_head + 1], ev[ev_head + 2]] += 1 if ev[ev_head + 3] > 0 else -1
+                idx[ev[ev_head + 2], ev[ev_head + 1]] += 1 if ev[ev_head + 3] > 0 else -1
                 if cache_log is not None:
                     for x in range(4):
                         cache_log.append(ev[ev_head + x])
@@ -591,12 +782,23 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             # deepest first, then worker id
             lo = h_off[i]
             n = h_off[i + 1] - lo
+            # depth[j]: leading blocks fleet worker j holds (walked block by block)
+            alive = nf
+            for j in range(nf):
+                depth[j] = 0
+            d = 0
+            while d < n and alive > 0:
+                b = h_ids[lo + d]
+                alive = 0
+                for j in range(nf):
+                    if depth[j] == d and idx[b, fleet[j]] > 0:
+                        depth[j] = d + 1
+                        alive += 1
+                d += 1
             cnt = 0
             for j in range(nf):
                 w = fleet[j]
-                d = 0
-                while d < n and idx[w, h_ids[lo + d]] > 0:
-                    d += 1
+                d = depth[j]
                 if d > 0:
                     x = cnt
                     while x > 0 and tmp_d[x - 1] < d:
@@ -627,6 +829,8 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             w, reason, decision, failure = select_prefill_nb(
                 req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
                 knobs, 0, seed, i, audit, scratch_i, cand, seen)
+            if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
+                w, reason, decision, failure = forced[i], -1, -1, -1
             rq[i, RQ_WORKER] = w
             rq[i, RQ_REASON] = reason
             rq[i, RQ_DECISION] = decision
@@ -670,6 +874,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 rs[r, RS_MAX_QLEN] = rs[r, RS_QLEN]
             rs[r, RS_QWU] += st[i, ST_UNC_ENQ]
             rs[r, RS_QTOK] += req_L[i]
+            _changed(r, t, rs)
             if rs[r, RS_KIND] == 0:
                 _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)

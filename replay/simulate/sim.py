@@ -13,11 +13,12 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -36,8 +37,12 @@ from .logs import RequestLog
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = "closed_loop_summary.parquet"
+SEEDS_TABLE = "closed_loop_seeds.parquet"
 OUTCOMES = "outcomes.parquet"
 SIM_JSON = "sim.json"
+TRACE_JSON = "trace.json"
+PUBLISH_DELAY_NS = 1_000_000
+MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
 
 
 @dataclass
@@ -94,6 +99,17 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
         raise ReplayError(f"request {i} needs {int(need[i])} KV tokens (input + output), more than "
                           f"max_total_num_tokens {min_cap} of some rank; raise the capacity")
     heap_cap = min(log.n_blocks, log.n_requests) + 4096
+    slope = np.array([max(0, round(workers[w].decode_step_ms_per_request * 1e6)) for w in rw],
+                     dtype=np.int64)
+    chunk = np.array([workers[w].chunked_prefill_size for w in rw], dtype=np.int64)
+    policy = np.array([nb.POLICY_LPM if workers[w].schedule_policy == "lpm" else nb.POLICY_FCFS
+                       for w in rw], dtype=np.int64)
+    on_change = fleet.spec.publish_policy == "on_change"
+    # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
+    # throttles to every few scheduler steps; a recorder stamps receive time),
+    # so a sample never shares its stamp with the arrival that caused it.
+    pub_delay = PUBLISH_DELAY_NS if on_change else 0
+    pub_idle = int(fleet.spec.idle_publish_ms) * 1_000_000
     # the router's snapshot uses dp_size 1 for decode peers (no samples, never fleet)
     dp_view = np.where(dp > 0, dp, 1).astype(np.int64)
     return dict(req_ts=np.ascontiguousarray(log.ts_ns + START_NS, dtype=np.int64),
@@ -107,25 +123,36 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 n_workers=nw, fleet=fleet_ids, in_fleet=in_fleet, dp_size=dp_view,
                 rank_off=rank_off, prefill_tps=prefill_tps, rank_decode_ns=decode_ns,
                 rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
-                publish_ns=publish_ns, heap_cap=int(heap_cap))
+                publish_ns=publish_ns, heap_cap=int(heap_cap), rank_decode_slope=slope,
+                rank_chunk=chunk, rank_policy=policy, pub_delay=int(pub_delay),
+                pub_idle=int(pub_idle))
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
-                cache_log=None):
+                forced: np.ndarray | None = None, cache_log=None):
     enc = encode_configs([config])
     k = inputs
+    if forced is None:
+        forced = np.full(k["req_ts"].shape[0], -1, dtype=np.int64)
     return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["h_off"],
                           k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
                           k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
                           k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
                           enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
-                          int(index_lag_ms) * 1_000_000, k["heap_cap"],
+                          int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
+                          k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
+                          np.ascontiguousarray(forced, dtype=np.int64),
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
     urls = np.array(fleet.urls, dtype=object)
     n = log.n_requests
+
+    def ms(a, b):
+        ok = (a >= 0) & (b >= 0)
+        return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
+
     ts = inputs["req_ts"]
     qb = np.diff(log.hash_off)
     sel = rq[:, nb.RQ_WORKER]
@@ -143,6 +170,14 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
         "matches": matches,
         "best_prefix_blocks": pa.array(rq[:, nb.RQ_BEST]),
         "selected_worker": sel_names,
+        # the optional closed-loop columns (traces/README.md), so a simulated trace
+        # can be calibrated and simulated again
+        "hash_ids": pa.ListArray.from_arrays(pa.array(log.hash_off, type=pa.int32()),
+                                             pa.array(log.block_key[log.hash_ids], type=pa.int64())),
+        "output_tokens": pa.array(log.output_tokens.astype(np.int64)),
+        "cached_tokens": pa.array(rq[:, nb.RQ_CACHED_TOKENS], mask=sel < 0, type=pa.int64()),
+        "ttft_ms": ms(rq[:, nb.RQ_FIRST], ts),
+        "latency_ms": ms(np.where(sel >= 0, rq[:, nb.RQ_DONE], -1), ts),
     })
     lw = loads[nb.LD_WORKER]
     loads_t = pa.table({
@@ -168,11 +203,8 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
         "model": pa.array([w.model for w in fleet.workers], type=pa.string()),
         "role": pa.array([w.role for w in fleet.workers], type=pa.string()),
         "dp_size": pa.array([w.dp_size for w in fleet.workers], type=pa.int64()),
+        "page_size": pa.array([log.block_size] * len(fleet.workers), type=pa.int64()),
     })
-
-    def ms(a, b):
-        ok = (a >= 0) & (b >= 0)
-        return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
 
     arrive = ts
     outcomes = pa.table({
@@ -248,30 +280,79 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
+def interval_rows(log: RequestLog, fleet: Fleet, publish_interval_ms: int | None = None) -> int:
+    """Load rows interval publishing writes for ``log`` (one per rank per interval over the
+    span); 0 under on-change publishing, whose rows do not grow with idle time."""
+    if fleet.spec.publish_policy != "interval" or not log.n_requests:
+        return 0
+    ms = publish_interval_ms or fleet.publish_interval_ms
+    ranks = sum(w.dp_size for w in fleet.workers if w.role != "decode")
+    return int(ranks * ((int(log.ts_ns[-1] - log.ts_ns[0]) // (ms * 1_000_000)) + 2))
+
+
+def _check_knob_range(config: RouterConfig) -> None:
+    """Refuse integer knobs beyond int64 (the kernels take int64 arrays): one line."""
+    for k, v in config.as_dict().items():
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**62:
+            raise ReplayError(f"--{k.replace('_', '-')}: {v} is beyond the simulator's range "
+                              "(< 2**62)")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ReplayError(f"--{k.replace('_', '-')}: must be finite, got {v}")
+
+
+def _check_ms(name: str, v: int, lo: int) -> None:
+    if not lo <= v <= MAX_MS:
+        raise ReplayError(f"{name} must be in {lo}..{MAX_MS} (ms), got {v}")
+
+
 def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
              out_dir: str | os.PathLike | None = None, *, seed: int = 0,
-             publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
-             force: bool = False, _inputs: dict | None = None, cache_log: bool = False) -> SimResult:
+             publish_interval_ms: int | None = None, index_lag_ms: int = 0,
+             freshness_ms: int = 5000, force: bool = False, placement: np.ndarray | None = None,
+             grid: Grid | None = None, _inputs: dict | None = None,
+             cache_log: bool = False) -> SimResult:
     """Simulate ``log`` on ``fleet`` with the router deciding under ``config``.
 
     With ``out_dir``, writes ``requests.parquet``, ``loads.parquet``,
-    ``workers.parquet`` (the trace ``sweep`` reads), ``outcomes.parquet`` and
-    ``sim.json`` (parameters, summary, statistics), atomically.  The result
-    is a pure function of the arguments.  ``cache_log=True`` keeps every
+    ``workers.parquet`` (the trace ``sweep`` reads, with the optional
+    closed-loop columns), ``outcomes.parquet``, ``trace.json`` (the router
+    flags) and ``sim.json`` (parameters, summary, statistics), atomically.
+    ``publish_interval_ms`` None takes the fleet's (default 100).
+    ``placement`` (one fleet worker index per request, -1 = let the router
+    decide) forces where requests go: validation against a recording.
+    ``grid`` (the one-config grid it came from) puts its description, with
+    any combinations the router refused, in ``sim.json``.  The result is a
+    pure function of the arguments.  ``cache_log=True`` keeps every
     cache store and eviction per rank in ``result.extra["cache_log"]``
     (int64 rows ``(ts + index lag, worker, block, +/-(rank + 1))``).
     """
     config = config or RouterConfig()
     config.validate()
-    if publish_interval_ms < 1:
-        raise ReplayError(f"--publish-interval-ms must be >= 1, got {publish_interval_ms}")
-    if index_lag_ms < 0 or freshness_ms < 0:
-        raise ReplayError("--index-lag-ms and --freshness-ms must be >= 0")
+    _check_knob_range(config)
+    if publish_interval_ms is None:
+        publish_interval_ms = fleet.publish_interval_ms
+    _check_ms("--publish-interval-ms", publish_interval_ms, 1)
+    _check_ms("--index-lag-ms", index_lag_ms, 0)
+    _check_ms("--freshness-ms", freshness_ms, 0)
+    if not 0 <= seed < 2**63:
+        raise ReplayError(f"--seed must be in 0..2**63-1, got {seed}")
+    forced = None
+    if placement is not None:
+        forced = np.ascontiguousarray(placement, dtype=np.int64)
+        if forced.shape != (log.n_requests,):
+            raise ReplayError(f"placement has {forced.shape[0]} entries for {log.n_requests} requests")
+        ok = (forced == -1) | np.isin(forced, np.array(fleet.prefill, dtype=np.int64))
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise ReplayError(f"placement of request {i}: worker {int(forced[i])} is not a prefill "
+                              f"worker of the fleet (0..{len(fleet.workers) - 1})")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _check_out(out, force)
     t0 = time.perf_counter()
     inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    if not log.n_requests:
+        raise ReplayError(f"{log.source}: the log has no request")
     log_list = None
     if cache_log:
         from numba import types
@@ -279,7 +360,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
 
         log_list = List.empty_list(types.int64)
     rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
-                                                             index_lag_ms, log_list)
+                                                             index_lag_ms, forced, log_list)
     seconds = time.perf_counter() - t0
     req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
     stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
@@ -298,16 +379,28 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                 "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
                 "freshness_ms": int(freshness_ms), "config": config.as_dict(),
                 "fleet": fleet.describe(), "summary": summary, "stats": stat}
+        if grid is not None:
+            meta["grid"] = grid.describe()
+        trace_info = {"source": f"router-replay simulate {log.source}", "page_size": int(log.block_size),
+                      "router": config.given_flags(),
+                      "extra": {"seed": int(seed), "freshness_ms": int(freshness_ms),
+                                "publish_policy": fleet.spec.publish_policy,
+                                "publish_interval_ms": int(publish_interval_ms),
+                                "forced_placement": forced is not None}}
         _write_dir(out, {"requests.parquet": req_t, "loads.parquet": loads_t,
-                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta)
+                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
+                   {TRACE_JSON: trace_info})
     return res
 
 
-def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict) -> None:
+def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict,
+               extra_json: Mapping[str, dict] | None = None) -> None:
     tmp = partial_beside(out)
     try:
         for name, t in tables.items():
             _write_parquet(t, tmp / name)
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
         move_into_place(tmp, out)
     finally:
@@ -327,13 +420,28 @@ def _json(v):
 
 def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                   out_dir: str | os.PathLike | None = None, *, seed: int = 0,
-                  publish_interval_ms: int = 100, index_lag_ms: int = 0, freshness_ms: int = 5000,
-                  force: bool = False, threads: int | None = None) -> pl.DataFrame:
+                  publish_interval_ms: int | None = None, index_lag_ms: int = 0,
+                  freshness_ms: int = 5000, force: bool = False,
+                  threads: int | None = None, seeds: Sequence[int] | None = None,
+                  progress: Callable[[int], None] | None = None, executor: str = "local",
+                  ray_address: str | None = None, ray_cpus: int | None = None,
+                  ray_retries: int = 2) -> pl.DataFrame:
     """One closed-loop simulation per config of ``grid``; returns the summary table.
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
     the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
+    With ``seeds`` (issue 11), every config runs once per seed (into
+    ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
+    run, and the summary one row per config: means, 95% intervals and the
+    ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
+    ``progress(1)`` is called after each simulation (from the worker threads,
+    one at a time).  ``executor="ray"`` runs each (config, seed) as a Ray task
+    (``ray_address`` joins a cluster, else a local Ray with ``ray_cpus`` CPUs
+    starts; the output directory must be on storage the tasks share); the
+    results are identical either way.
     """
+    if executor not in ("local", "ray"):
+        raise ReplayError(f"--executor must be local or ray, got {executor!r}")
     if not isinstance(grid, Grid):
         grid = Grid(grid)
     if not grid.configs:
@@ -341,39 +449,132 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _check_out(out, force)
-    inputs = _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    if publish_interval_ms is None:
+        publish_interval_ms = fleet.publish_interval_ms
+    run_seeds = list(seeds) if seeds is not None else [seed]
+    inputs = {s: _kernel_inputs(log, fleet, publish_interval_ms, s) for s in run_seeds}
     ids = list(grid.config_ids)
     rows_by_id = {r["config_id"]: r for r in grid.rows()}
     tmp = None
     if out is not None:
         tmp = partial_beside(out)
 
-    def one(j: int) -> dict:
+    def one(job: tuple[int, int]) -> dict:
+        j, s = job
         cfg = grid.configs[j]
         sub = (tmp / f"config-{ids[j]}") if tmp is not None else None
-        r = simulate(log, fleet, cfg, sub, seed=seed, publish_interval_ms=publish_interval_ms,
-                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs)
+        if sub is not None and seeds is not None:
+            sub.mkdir(exist_ok=True)
+            sub = sub / f"seed-{s}"
+        r = simulate(log, fleet, cfg, sub, seed=s, publish_interval_ms=publish_interval_ms,
+                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs[s])
         row = {k: v for k, v in rows_by_id[ids[j]].items()}
+        if seeds is not None:
+            row["seed"] = int(s)
         row.update(r.summary)
+        if progress is not None:
+            with lock:
+                progress(1)
         return row
 
+    lock = threading.Lock()
     try:
-        n_threads = threads or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(ids)))) as ex:
-            rows = list(ex.map(one, range(len(ids))))
-        table = pl.DataFrame(rows)
+        jobs = [(j, s) for j in range(len(ids)) for s in run_seeds]
+        if executor == "ray":
+            rows = _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeds is not None,
+                             dict(publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
+                                  freshness_ms=freshness_ms),
+                             progress, ray_address, ray_cpus, ray_retries)
+        else:
+            n_threads = threads or os.cpu_count() or 1
+            with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(jobs)))) as ex:
+                rows = list(ex.map(one, jobs))
+        if seeds is None:
+            table = pl.DataFrame(rows)
+        else:
+            from .seeds import aggregate
+            knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
+            table = aggregate(rows, knob_cols)
         if tmp is not None and out is not None:
             table.write_parquet(tmp / SUMMARY)
-            table.write_csv(tmp / "closed_loop_summary.csv")
-            (tmp / SIM_JSON).write_text(json.dumps({
-                "tool": "router-replay simulate", "version": __version__, "log": log.source,
-                "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
-                "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
-                "freshness_ms": int(freshness_ms), "fleet": fleet.describe()},
-                indent=2, default=_json) + "\n")
+            flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
+                                       for c in ("seeds", "unstable_seeds") if c in table.columns])
+            flat.write_csv(tmp / "closed_loop_summary.csv")
+            if seeds is not None:
+                pl.DataFrame(rows).write_parquet(tmp / SEEDS_TABLE)
+            meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+                    "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
+                    "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
+                    "freshness_ms": int(freshness_ms), "fleet": fleet.describe()}
+            if seeds is not None:
+                meta["seeds"] = [int(s) for s in run_seeds]
+            (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, default=_json) + "\n")
             move_into_place(tmp, out)
             tmp = None
         return table
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | None, seed: int,
+              kw: dict) -> dict[str, Any]:
+    """One (config, seed) of a grid as a Ray task: the summary of :func:`simulate`."""
+    if sub is not None:
+        Path(sub).parent.mkdir(parents=True, exist_ok=True)
+    return simulate(log, fleet, config, sub, seed=seed, **kw).summary
+
+
+def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
+              retries) -> list[dict]:
+    import logging
+
+    from ..shards import require_ray
+
+    ray = require_ray()
+    started = False
+    try:
+        if not ray.is_initialized():
+            opts = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+            if address:
+                ray.init(address=address, **opts)
+            else:
+                ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **opts)
+            started = True
+        task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=True)(grid_task)
+        log_ref, fleet_ref = ray.put(log), ray.put(fleet)
+        refs = []
+        for j, s in jobs:
+            sub = None
+            if tmp is not None:
+                sub = tmp / f"config-{ids[j]}"
+                sub = str(sub / f"seed-{s}") if seeded else str(sub)
+            refs.append(task.remote(log_ref, fleet_ref, grid.configs[j], sub, int(s), kw))
+        summaries: dict[int, dict] = {}
+        pending = list(refs)
+        where = {r: k for k, r in enumerate(refs)}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            k = where[done[0]]
+            try:
+                summaries[k] = ray.get(done[0])
+            except Exception as err:  # Ray wraps the task's exception
+                for other in pending:
+                    ray.cancel(other, force=True)
+                j, s = jobs[k]
+                cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise ReplayError(f"config {ids[j]} seed {s} failed after {retries + 1} attempt(s): "
+                                  f"{cause}") from None
+            if progress is not None:
+                progress(1)
+    finally:
+        if started:
+            ray.shutdown()
+    rows = []
+    for k, (j, s) in enumerate(jobs):
+        row = dict(rows_by_id[ids[j]])
+        if seeded:
+            row["seed"] = int(s)
+        row.update(summaries[k])
+        rows.append(row)
+    return rows
