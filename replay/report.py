@@ -1258,14 +1258,18 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     An existing ``out`` is replaced only with ``force``; the file is written
     aside and renamed into place, and nothing else is touched.
     """
-    data = load_run(run_dir)
-    target = Path(out) if out is not None else data.path / REPORT
+    from .plan import PLAN_TABLE, render_plan_html  # noqa: PLC0415
+
+    plan_page = (Path(run_dir) / PLAN_TABLE).is_file()  # a capacity plan (docs/capacity.md)
+    data = None if plan_page else load_run(run_dir)
+    target = Path(out) if out is not None else (Path(run_dir) if plan_page else data.path) / REPORT
     if target.exists() and target.is_dir():
         raise ReplayError(f"{target}: is a directory (give a file name with --out)")
     if target.exists() and not force:
         raise ReplayError(f"{target}: exists (use --force to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
-    page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    page = (render_plan_html(run_dir) if plan_page
+            else render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
     rundir.write_text_atomic(target, page)
     return target

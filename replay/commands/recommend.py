@@ -30,12 +30,27 @@ Example:
 
 @click.command(epilog=_EPILOG)
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--max-p99-waiting", "bound", required=True, type=click.FloatRange(min=0), metavar="N",
+@click.option("--max-p99-waiting", "bound", type=click.FloatRange(min=0), metavar="N",
               help="Bound on selected_waiting_p99 (queued requests at the chosen worker).")
+@click.option("--plan", "plan_mode", is_flag=True,
+              help="RUN_DIR is a capacity plan (simulate with fleet lists): the smallest fleet per "
+                   "traffic level meeting --ttft-p99-ms or --queue-wait-p99-ms (docs/capacity.md).")
+@click.option("--ttft-p99-ms", type=click.FloatRange(min=0), default=None, metavar="MS",
+              help="--plan: bound on TTFT p99 (the seeds' upper 95% bound when several ran).")
+@click.option("--queue-wait-p99-ms", type=click.FloatRange(min=0), default=None, metavar="MS",
+              help="--plan: bound on queue-wait p99 instead.")
 @user_errors
-def recommend(run_dir, bound):
+def recommend(run_dir, bound, plan_mode, ttft_p99_ms, queue_wait_p99_ms):
     """Recommend the config with the best hit rate whose p99 queue stays within N."""
     from .. import analysis
+    from ..errors import ReplayError
+
+    if plan_mode:
+        from ..plan import recommend_plan
+
+        sys.exit(recommend_plan(run_dir, ttft_p99_ms, queue_wait_p99_ms, click.echo))
+    if bound is None:
+        raise ReplayError("--max-p99-waiting is required (or --plan with --ttft-p99-ms)")
 
     run = analysis.load_run(run_dir)
     recs = analysis.recommend(run, bound)

@@ -496,10 +496,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
             knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
             table = aggregate(rows, knob_cols)
         if tmp is not None and out is not None:
-            table.write_parquet(tmp / SUMMARY)
-            flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
-                                       for c in ("seeds", "unstable_seeds") if c in table.columns])
-            flat.write_csv(tmp / "closed_loop_summary.csv")
+            write_summary(table, tmp / SUMMARY)
             if seeds is not None:
                 pl.DataFrame(rows).write_parquet(tmp / SEEDS_TABLE)
             meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
@@ -515,6 +512,14 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_summary(table: pl.DataFrame, path: Path) -> None:
+    """A summary table as ``path`` (Parquet) and beside it as CSV (seed lists joined by commas)."""
+    table.write_parquet(path)
+    flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
+                               for c in ("seeds", "unstable_seeds") if c in table.columns])
+    flat.write_csv(path.with_suffix(".csv"))
 
 
 def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | None, seed: int,
