@@ -11,11 +11,13 @@ docs/capacity.md has the choices and their reasons.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,38 +162,57 @@ def fleet_points(workers: Sequence[int], dp_sizes: Sequence[int],
 def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Sequence[FleetPoint],
               out_dir: str | os.PathLike, *, per_dp_rank: bool = False, seed: int = 0,
               seeds: Sequence[int] | None = None, force: bool = False,
-              progress: Callable[[int], None] | None = None, **grid_kw: Any) -> pl.DataFrame:
+              progress: Callable[[int], None] | None = None, threads: int | None = None,
+              executor: str = "local", ray_address: str | None = None, ray_cpus: int | None = None,
+              **grid_kw: Any) -> pl.DataFrame:
     """The closed-loop grid of ``grid`` on every fleet point; one summary row per
     (point, config), written to ``out_dir/plan_summary.parquet`` (and ``.csv``).
 
     ``make_fleet(workers, dp_size)`` builds a fleet (the calibrated one resized).
     ``per_dp_rank`` reads the grid's limit and floor values per rank and scales
     them by each fleet's dp_size.  Each point's grid goes to
-    ``out_dir/<label>/`` as :func:`simulate_grid` writes it; its configs x
-    seeds run in parallel (threads or Ray, ``grid_kw``), the points one after
-    another.  The directory appears complete or not at all.
+    ``out_dir/<label>/`` as :func:`simulate_grid` writes it.  Points x configs
+    x seeds run in parallel: ``threads`` local threads shared between points
+    running at once and their simulations, or (``executor="ray"``) one Ray
+    session with every point's tasks in flight.  The table is in point order,
+    whatever finished first; the directory appears complete or not at all.
     """
-    from .simulate.sim import _check_out, simulate_grid, write_summary
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .simulate.sim import _check_out, ray_session, simulate_grid, write_summary
 
     out = Path(out_dir)
     _check_out(out, force)
-    tmp = partial_beside(out)
+    n_threads = threads or os.cpu_count() or 1
+    at_once = len(points) if executor == "ray" else max(1, min(len(points), n_threads))
+    inner = max(1, n_threads // at_once)
+    logs = {s: scale_log(log, s, seed=seed) for s in sorted({p.load_scale for p in points})}
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n)
+
+    def one(p: FleetPoint) -> pl.DataFrame:
+        g = grid.scaled_per_dp_rank(p.dp_size) if per_dp_rank else grid
+        t = simulate_grid(logs[p.load_scale], make_fleet(p.workers, p.dp_size), g, tmp / p.label,
+                          seed=seed, seeds=seeds, progress=tick, threads=inner, executor=executor,
+                          ray_address=ray_address, ray_cpus=ray_cpus, **grid_kw)
+        lead = {"load_scale": p.load_scale, "workers": p.workers, "dp_size": p.dp_size,
+                "ranks": p.workers * p.dp_size, "fleet": p.label,
+                "offered_req_s": _rate(logs[p.load_scale])}
+        # the grid's own dp_size column (per-rank grids) is the fleet's: one column
+        return t.select([pl.lit(v).alias(k) for k, v in lead.items()]
+                        + [c for c in t.columns if c not in lead])
+
+    tmp: Path | None = partial_beside(out)
     try:
-        frames = []
-        logs: dict[float, Any] = {}
-        for p in points:
-            if p.load_scale not in logs:
-                logs = {p.load_scale: scale_log(log, p.load_scale, seed=seed)}
-            fleet = make_fleet(p.workers, p.dp_size)
-            g = grid.scaled_per_dp_rank(p.dp_size) if per_dp_rank else grid
-            t = simulate_grid(logs[p.load_scale], fleet, g, tmp / p.label, seed=seed, seeds=seeds,
-                              progress=progress, **grid_kw)
-            lead = {"load_scale": p.load_scale, "workers": p.workers, "dp_size": p.dp_size,
-                    "ranks": p.workers * p.dp_size, "fleet": p.label,
-                    "offered_req_s": _rate(logs[p.load_scale])}
-            # the grid's own dp_size column (per-rank grids) is the fleet's: one column
-            frames.append(t.select([pl.lit(v).alias(k) for k, v in lead.items()]
-                                   + [c for c in t.columns if c not in lead]))
+        with contextlib.ExitStack() as stack:
+            if executor == "ray":
+                stack.enter_context(ray_session(ray_address, ray_cpus))
+            with ThreadPoolExecutor(max_workers=at_once) as ex:
+                frames = list(ex.map(one, points))
         table = pl.concat(frames, how="diagonal_relaxed")
         write_summary(table, tmp / PLAN_TABLE)
         meta = {"tool": PLAN_TOOL, "log": log.source,

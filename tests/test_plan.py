@@ -219,3 +219,23 @@ def test_plan_refusals_are_one_line(tmp_path):
     assert res.exit_code == 2 and "no plan_summary.parquet" in res.output
     res = CliRunner().invoke(main, ["recommend", str(tmp_path), "--plan"])
     assert res.exit_code == 2 and "exactly one of" in res.output
+
+
+def test_plan_is_the_same_whatever_the_threads_or_ray(tmp_path):
+    pytest.importorskip("ray")
+    periodic_log(tmp_path / "log.jsonl", 120, 20.0)
+    fleet_file(tmp_path / "fleet.toml", 10240.0)
+    common = ["simulate", tmp_path / "log.jsonl", "--fleet", tmp_path / "fleet.toml",
+              "--workers", "1,2", "--load-scale", "1,1.5", "--seeds", "2", "-q",
+              "--worker-queue-limit", "none,4"]
+    run(common + ["--out", tmp_path / "t1", "--threads", "1"])
+    run(common + ["--out", tmp_path / "t3", "--threads", "3"])
+    run(common + ["--out", tmp_path / "ray", "--executor", "ray", "--ray-cpus", "2"])
+    a = pl.read_parquet(tmp_path / "t1" / "plan_summary.parquet")
+    assert a.height == 2 * 2 * 2
+    for other in ("t3", "ray"):
+        b = pl.read_parquet(tmp_path / other / "plan_summary.parquet")
+        assert a.equals(b), other
+        assert ((tmp_path / other / "x1.5-w2-dp1" / "config-0" / "seed-1" / "requests.parquet")
+                .read_bytes() == (tmp_path / "t1" / "x1.5-w2-dp1" / "config-0" / "seed-1"
+                                  / "requests.parquet").read_bytes())

@@ -9,6 +9,7 @@ exact format ``sweep`` reads plus ``outcomes.parquet``;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -530,8 +531,10 @@ def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | No
     return simulate(log, fleet, config, sub, seed=seed, **kw).summary
 
 
-def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
-              retries) -> list[dict]:
+@contextlib.contextmanager
+def ray_session(address: str | None, cpus: int | None):
+    """Ray, initialised for the block (joining ``address``, else a local Ray with ``cpus``
+    CPUs) unless it already is; shut down at the end only if it was started here."""
     import logging
 
     from ..shards import require_ray
@@ -546,6 +549,15 @@ def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress
             else:
                 ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **opts)
             started = True
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
+              retries) -> list[dict]:
+    with ray_session(address, cpus) as ray:
         task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=True)(grid_task)
         log_ref, fleet_ref = ray.put(log), ray.put(fleet)
         refs = []
@@ -572,9 +584,6 @@ def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress
                                   f"{cause}") from None
             if progress is not None:
                 progress(1)
-    finally:
-        if started:
-            ray.shutdown()
     rows = []
     for k, (j, s) in enumerate(jobs):
         row = dict(rows_by_id[ids[j]])
