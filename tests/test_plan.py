@@ -219,6 +219,13 @@ def test_plan_refusals_are_one_line(tmp_path):
     assert res.exit_code == 2 and "no plan_summary.parquet" in res.output
     res = CliRunner().invoke(main, ["recommend", str(tmp_path), "--plan"])
     assert res.exit_code == 2 and "exactly one of" in res.output
+    res = CliRunner().invoke(main, ["recommend", str(tmp_path)])
+    assert res.exit_code == 2 and "--max-p99-waiting is required" in res.output
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "plan_summary.parquet").write_bytes(b"PAR1 not really")
+    res = CliRunner().invoke(main, ["recommend", str(bad), "--plan", "--ttft-p99-ms", "5"])
+    assert res.exit_code == 2 and "plan_summary.parquet" in res.output and "Traceback" not in res.output
 
 
 def test_plan_is_the_same_whatever_the_threads_or_ray(tmp_path):
@@ -239,3 +246,18 @@ def test_plan_is_the_same_whatever_the_threads_or_ray(tmp_path):
         assert ((tmp_path / other / "x1.5-w2-dp1" / "config-0" / "seed-1" / "requests.parquet")
                 .read_bytes() == (tmp_path / "t1" / "x1.5-w2-dp1" / "config-0" / "seed-1"
                                   / "requests.parquet").read_bytes())
+
+
+def test_a_plan_that_fails_part_way_leaves_nothing_that_looks_complete(tmp_path):
+    periodic_log(tmp_path / "log.jsonl", 60, 10.0)
+    f = tmp_path / "fleet.toml"
+    fleet_file(f, 10240.0, workers=2)
+    # worker 1 of every fleet of 2+ cannot hold one request: the x1-w2 point fails in its run
+    f.write_text(f.read_text() + "[[worker]]\nindex = 1\nmax_total_num_tokens = 100\n")
+    out = tmp_path / "plan"
+    res = CliRunner().invoke(main, ["simulate", str(tmp_path / "log.jsonl"), "--fleet", str(f),
+                                    "--out", str(out), "--workers", "1,2", "-q"])
+    assert res.exit_code == 2, res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.toml", "log.jsonl"]
