@@ -319,6 +319,8 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
         if col.endswith("_hi") and lo is not None:
             base = BOUND_METRICS[metric]
             s += f" (mean {r[base]:.1f}, 95% {lo:.1f}..{hi:.1f} over {len(r.get('seeds') or [])} seeds)"
+        if r.get("stable") is False:
+            s += f" [seeds {','.join(map(str, r.get('unstable_seeds') or []))} disagree: run more seeds]"
         if a.next_level is None:
             s += "; no higher traffic level in the grid"
         elif a.next_value is None:

@@ -178,6 +178,8 @@ def test_plan_prefers_fewer_ranks_then_fewer_workers_and_scales_per_rank_knobs(t
     assert sorted(met.y) == sorted(best.filter(pl.col("ttft_ms_p99") <= 600)["ranks"].to_list())
     assert sorted(miss.y) == sorted(best.filter(pl.col("ttft_ms_p99") > 600)["ranks"].to_list())
     assert list(chosen.y) == [4] and 3 in miss.y  # 3 ranks of 3.4 ranks' work: over
+    text = run(["recommend", out, "--plan", "--queue-wait-p99-ms", 1e9])
+    assert "queue_wait_ms_p99 <= 1e+09 ms" in text and "traffic x1: 2 workers x dp 1 (2 ranks)" in text
     run(["report", out, "-q"])
     page = (out / "report.html").read_text()
     assert 'id="fig-frontier"' in page and "capacity plan: ttft_ms_p99" in page
@@ -261,3 +263,14 @@ def test_a_plan_that_fails_part_way_leaves_nothing_that_looks_complete(tmp_path)
     assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.toml", "log.jsonl"]
+
+
+def test_per_dp_rank_on_one_fleet_scales_by_its_dp_size(tmp_path):
+    periodic_log(tmp_path / "log.jsonl", 40, 10.0)
+    fleet_file(tmp_path / "fleet.toml", 10240.0, workers=2, dp=2)
+    out = tmp_path / "grid"
+    run(["simulate", tmp_path / "log.jsonl", "--fleet", tmp_path / "fleet.toml", "--out", out,
+         "--per-dp-rank", "--worker-queue-limit", "2,4", "-q"])
+    meta = json.loads((out / "sim.json").read_text())
+    assert meta["grid"]["dp_size"] == 2
+    assert not (out / "plan_summary.parquet").exists()  # one fleet: an ordinary grid

@@ -25,6 +25,11 @@ Exit codes:
 \b
 Example:
   router-replay recommend reports/sample --max-p99-waiting 8
+
+--plan reads a capacity plan (simulate with --workers/--dp-size/--load-scale
+lists) and prints, per traffic level, the smallest fleet with its limit and
+floor meeting --ttft-p99-ms or --queue-wait-p99-ms (exit 1 if a level has
+none); docs/capacity.md.
 """
 
 
