@@ -90,12 +90,14 @@ def scale_log(log, factor: float, *, seed: int = 0):
     Copy ``k`` (k = 0 .. ceil(factor) - 1) of every request keeps its
     arrival time shifted by ``k / ceil(factor)`` of the log's median
     inter-arrival gap, its lengths, and its prefix blocks renamed into a
-    namespace of its own (copy 0 is the recording), so copies never share
-    cache with each other or with the original: the cache reuse of each
-    copy is the recording's.  A fractional last copy keeps the prefix
-    families (requests grouped by their first block; block-less requests
-    alone) whose seeded uniform is below the fraction, so a conversation is
-    kept or dropped whole.  ``factor == 1`` returns ``log`` itself.
+    namespace of its own (copy 0 is the recording), so the copies' sessions
+    never share cache with each other: the cache reuse of each copy is the
+    recording's.  The *trunk* (:func:`trunk_and_families`: the leading blocks
+    every request of the log carries, e.g. one system prompt) keeps its
+    names, since new users would send it too.  A fractional last copy keeps
+    the prefix families (a family: the requests that share their first
+    block past the trunk) whose seeded uniform is below the fraction, so a
+    conversation is kept or dropped whole.  ``factor == 1`` returns ``log``.
     """
     from .simulate.logs import RequestLog
 
@@ -106,10 +108,7 @@ def scale_log(log, factor: float, *, seed: int = 0):
     n = log.n_requests
     copies = math.ceil(factor)
     sizes = np.diff(log.hash_off)
-    first = np.full(n, -1, dtype=np.int64)
-    has = sizes > 0
-    first[has] = log.hash_ids[log.hash_off[:-1][has]]
-    family = np.where(first >= 0, first, log.n_blocks + np.arange(n))
+    trunk, family = trunk_and_families(log)
     gaps = np.diff(log.ts_ns)
     gap = int(np.median(gaps)) if gaps.size else 0
     parts = []
@@ -128,7 +127,8 @@ def scale_log(log, factor: float, *, seed: int = 0):
         offs.append(s)
         take = np.repeat(log.hash_off[:-1][idx], s) + (np.arange(int(s.sum())) -
                                                        np.repeat(np.cumsum(s) - s, s))
-        ids.append(log.hash_ids[take] + k * log.n_blocks)  # dense ids: namespace k
+        b = log.hash_ids[take]
+        ids.append(np.where(trunk[b], b, b + k * log.n_blocks))  # dense ids: namespace k
     s_all = np.concatenate(offs)
     off = np.zeros(s_all.size + 1, dtype=np.int64)
     np.cumsum(s_all, out=off[1:])
@@ -137,6 +137,42 @@ def scale_log(log, factor: float, *, seed: int = 0):
     return RequestLog(np.concatenate(ts).astype(np.int64), np.concatenate(li), np.concatenate(lo),
                       off, np.concatenate(ids).astype(np.int64), np.concatenate(rid),
                       log.block_size, f"{log.source} x{factor:g}")
+
+
+def trunk_and_families(log) -> tuple[np.ndarray, np.ndarray]:
+    """``(trunk, family)``: ``trunk[b]`` marks the blocks of the log's common stem (from
+    the one root block, every block that is its parent's only child, up to and
+    including the first block with two or more children; none when the log has
+    several root blocks); ``family[i]`` is request ``i``'s first block past the
+    trunk (its last block if it has none past it; ``n_blocks + i`` if it has no
+    block)."""
+    nb, n = log.n_blocks, log.n_requests
+    parent = log.block_parent
+    children = np.bincount(parent[parent >= 0], minlength=nb)
+    trunk = np.zeros(nb, dtype=bool)
+    roots = np.nonzero(parent == -1)[0]
+    if roots.size == 1:
+        child_of = np.full(nb, -1, dtype=np.int64)
+        child_of[parent[parent >= 0]] = np.nonzero(parent >= 0)[0]  # the child, when only one
+        b = int(roots[0])
+        while True:
+            trunk[b] = True
+            if children[b] != 1:
+                break
+            b = int(child_of[b])
+    sizes = np.diff(log.hash_off)
+    family = log.n_blocks + np.arange(n, dtype=np.int64)
+    past = ~trunk[log.hash_ids]
+    # the first position past the trunk in each request (its size when none)
+    pos = np.where(past, np.arange(log.hash_ids.size) - np.repeat(log.hash_off[:-1], sizes),
+                   np.iinfo(np.int64).max)
+    has = sizes > 0
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    if log.hash_ids.size:
+        first[has] = np.minimum.reduceat(pos, log.hash_off[:-1][has])
+    at = np.where(first < sizes, first, sizes - 1)
+    family[has] = log.hash_ids[log.hash_off[:-1][has] + at[has]]
+    return trunk, family
 
 
 # -- the grid ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from replay.cli import main
-from replay.plan import fig_frontier, parse_list, plan, scale_log
+from replay.plan import fig_frontier, parse_list, plan, scale_log, trunk_and_families
 from replay.simulate.logs import RequestLog, generate_log
 
 L_TOKENS = 1024  # two 512-token blocks, none shared
@@ -70,6 +70,8 @@ def test_integer_scale_preserves_unbounded_hit_rate_and_scales_count_and_rate():
         span = (big.ts_ns[-1] - big.ts_ns[0])
         assert span - span0 < np.median(np.diff(log.ts_ns))  # same window, k times the arrivals
         assert big.input_tokens.sum() == k * log.input_tokens.sum()
+        trunk, _fam = trunk_and_families(log)
+        assert trunk.sum() == 0  # several root blocks: nothing every request carries
         assert big.n_blocks == k * log.n_blocks  # fresh namespaces: no block shared across copies
 
 
@@ -84,13 +86,40 @@ def test_fractional_scale_keeps_prefix_families_whole_and_is_seeded():
     assert 0.3 * log.n_requests < extra < 0.7 * log.n_requests
     # every family of the second copy is complete: its requests are all the recording's
     n = log.n_requests
-    fam = np.full(n, -1)
-    has = np.diff(log.hash_off) > 0
-    fam[has] = log.hash_ids[log.hash_off[:-1][has]]
-    kept = a.request_id[a.request_id >= n] - n
-    kept_fams = set(fam[kept][fam[kept] >= 0].tolist())
-    assert all(set(np.nonzero(fam == f)[0]) <= set(kept.tolist()) for f in list(kept_fams)[:50])
+    _trunk, fam = trunk_and_families(log)
+    kept = set((a.request_id[a.request_id >= n] - n).tolist())
+    for f in set(fam[list(kept)].tolist()):
+        assert set(np.nonzero(fam == f)[0].tolist()) <= kept
     assert unbounded_hit_rate(a) >= unbounded_hit_rate(log) - 0.05
+    half = scale_log(log, 0.5, seed=1)  # below 1: the recording thinned by whole families
+    assert 0.3 * n < half.n_requests < 0.7 * n
+
+
+def test_a_system_prompt_every_request_carries_stays_shared_across_copies():
+    # every request starts with the same two blocks (a system prompt), then its session's
+    rng = np.random.default_rng(4)
+    rows, t = [], 0
+    for sess in range(60):
+        hist = [1000 + 100 * sess]
+        for _turn in range(int(rng.integers(1, 5))):
+            t += int(rng.integers(1, 50))
+            rows.append((t, [7, 8] + hist))
+            hist = hist + [hist[-1] + 1]
+    rows.sort(key=lambda r: r[0])
+    ids = [b for _, h in rows for b in h]
+    off = np.cumsum([0] + [len(h) for _, h in rows])
+    log = RequestLog(np.array([r[0] for r in rows], dtype=np.int64) * 1_000_000,
+                     np.array([512 * len(h) for _, h in rows]), np.ones(len(rows), dtype=np.int64),
+                     off.astype(np.int64), np.array(ids, dtype=np.int64), np.arange(len(rows)), 512)
+    trunk, fam = trunk_and_families(log)
+    assert trunk.sum() == 2 and len(set(fam.tolist())) == 60  # the prompt; one family a session
+    base_hits = unbounded_hit_rate(log) * log.hash_ids.size
+    for k in (2, 3):
+        big = scale_log(log, float(k))
+        assert big.n_blocks == k * (log.n_blocks - 2) + 2
+        hits = unbounded_hit_rate(big) * big.hash_ids.size
+        # each later copy's first request finds the prompt cached: 2 more hits per copy
+        assert hits == pytest.approx(k * base_hits + (k - 1) * 2, abs=1e-6)
 
 
 def test_scale_one_is_the_log_and_bad_values_are_refused():
