@@ -34,3 +34,26 @@ def test_engine_decisions_per_second(benchmark, report, bench_trace, grid_name):
         grid=S.GRIDS[grid_name], configs=len(configs), skipped=len(g.skipped), decisions=n,
         decisions_per_s=(n / best) if best else None, floor_decisions_per_s=S.FLOORS["decisions_per_s"],
     )
+
+
+# Policy variants (issue 15): the "mixed" grid under each variant, and under both values
+# of both at once (4 x the configs); what each variant costs against the router's rules.
+VARIANT_GRIDS = {
+    "router": {},
+    "pin_locality": {"--pin-order": "locality"},
+    "per_worker": {"--floor-scaling": "per-worker"},
+    "all_four": {"--pin-order": "pressure,locality", "--floor-scaling": "fleet,per-worker"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANT_GRIDS))
+def test_engine_variant_cost(benchmark, report, bench_trace, variant):
+    from replay.config import Grid
+
+    g = Grid.from_texts({**S.GRIDS["mixed"], **VARIANT_GRIDS[variant]})
+    benchmark.group = f"engine-variants-{S.size_label(S.BENCH_PARAMS['n_requests'])}"
+    n = benchmark.pedantic(S.run_engine, args=(bench_trace, g.configs), rounds=2, iterations=1,
+                           warmup_rounds=0)
+    best = stat(benchmark, "min")
+    report(grid={**S.GRIDS["mixed"], **VARIANT_GRIDS[variant]}, configs=len(g.configs), decisions=n,
+           decisions_per_s=(n / best) if best else None)

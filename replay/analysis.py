@@ -186,6 +186,7 @@ class Comparison:
     changed: pl.LazyFrame | None = None
     decisions_note: str | None = None
     setting_changes: list[str] = field(default_factory=list)
+    across_variants: bool = False  # matched by the router's knobs: the runs differ in a variant_* knob
 
 
 def check_same_trace(a: Run, b: Run) -> None:
@@ -216,6 +217,17 @@ def match_configs(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.
     return left.join(right, on=list(knobs), how="inner", nulls_equal=True).sort("config_id_a")
 
 
+def _match_across_variants(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.DataFrame:
+    """Pairs matched by the router's knobs alone, for two runs of one trace that
+    differ only in replay-only policy variants (``variant_*``, issue 15): a
+    variant against the router's behaviour.  Empty unless each run holds one
+    config per router setting (so every pair is unambiguous)."""
+    router = [k for k in knobs if KNOBS[k].router]
+    if not router or any(t.select(router).is_duplicated().any() for t in (a, b)):
+        return match_configs(a, b, knobs).head(0)
+    return match_configs(a, b, router)
+
+
 def _label_expr(col: str, suffix: str) -> pl.Expr:
     """The transition label: the label column, or ``failed:<failure>`` on a failed request."""
     return pl.coalesce(pl.col(col), pl.lit("failed:") + pl.col("failure"), pl.lit("failed")).alias(f"label_{suffix}")
@@ -226,8 +238,10 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
     """Compare run ``b`` with run ``a`` (deltas are b - a).
 
     Both must have replayed the same trace files (sha256 in ``run.json``) for
-    the same model.  Configs are matched by every knob value; configs present
-    in one run only are listed, not compared.  ``label`` is the
+    the same model.  Configs are matched by every knob value (two runs that
+    differ only in replay-only policy variants, each with one config per
+    router setting, are matched by the router's knobs: a variant against the
+    router's behaviour); configs present in one run only are listed, not compared.  ``label`` is the
     decisions.parquet column whose changes are counted (``decision``,
     ``policy_reason`` or ``reason``; a failed request reads
     ``failed:<failure reason>``).  Request-level results need
@@ -242,6 +256,11 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
     knobs = [k for k in a.knobs if k in b.knobs]
     pairs = match_configs(ma, mb, knobs)
     shown = varying_knobs(ma, mb)
+    across = False
+    if pairs.height == 0:
+        pairs = _match_across_variants(ma, mb, knobs)
+        shown = [k for k in shown if k in pairs.columns]
+        across = pairs.height > 0
     if pairs.height == 0:
         raise ReplayError(f"{a.path} and {b.path} have no config in common (configs are matched by knob values)")
     pairs = pairs.with_columns(pl.Series("config", [config_label(r, shown) for r in pairs.iter_rows(named=True)]))
@@ -262,7 +281,7 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
               .with_columns(pl.col("metric").replace_strict(order, return_dtype=pl.Int32).alias("_o"))
               .sort("config_id_a", "_o").drop("_o"))
     cmp = Comparison(a, b, shown, label, pairs, deltas, only_a, only_b,
-                     setting_changes=_setting_changes(a, b))
+                     setting_changes=_setting_changes(a, b), across_variants=across)
     missing = [str(r.path) for r in (a, b) if r.decisions is None]
     if missing:
         cmp.decisions_note = f"request-level changes skipped: no {DECISIONS} in {', '.join(missing)}"
@@ -356,6 +375,23 @@ _CMP_COLS = (  # header, metric, how
 )
 
 
+_WATERFALL = ("lost_candidates", "lost_queue_gate", "lost_capacity", "lost_pin", "lost_tournament",
+              "lost_fallback")
+
+
+def _waterfall_lines(cmp: Comparison, limit: int) -> list[str]:
+    """The locality waterfall's changed terms per config (blocks, B - A), when any changed."""
+    d = cmp.deltas.filter(pl.col("metric").is_in(_WATERFALL) & (pl.col("delta") != 0))
+    if d.height == 0:
+        return []
+    out = ["", "locality waterfall terms that changed (matched blocks lost per step, B - A):"]
+    by_cfg = d.group_by("config_id_a", "config", maintain_order=True).agg("metric", "delta")
+    for r in by_cfg.head(limit).iter_rows(named=True):
+        terms = ", ".join(f"{m[len('lost_'):]} {int(v):+,}" for m, v in zip(r["metric"], r["delta"]))
+        out.append(f"  {r['config']}: {terms}")
+    return out
+
+
 def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> str:
     """The terminal report: provenance, per-config deltas (largest hit-rate change first,
     ``limit`` rows) and the most frequent label transitions, in ``width`` columns."""
@@ -363,7 +399,9 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
     a, b = cmp.a, cmp.b
     lines = [f"compare A={a.path}", f"     vs B={b.path}",
              f"same trace ({len(a.trace_hashes)} files, sha256 equal), "
-             f"{cmp.pairs.height} configs matched by knob values"
+             f"{cmp.pairs.height} configs matched by "
+             + ("the router's knobs (the runs differ in a replay-only policy variant)"
+                if cmp.across_variants else "knob values")
              + (f", {len(cmp.only_a)} only in A" if cmp.only_a else "")
              + (f", {len(cmp.only_b)} only in B" if cmp.only_b else "")]
     if cmp.setting_changes:
@@ -405,6 +443,7 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
         cells.append("-" if counts is None else f"{int(r.get('changed') or 0):,}")
         rows.append(cells)
     lines.extend(_table(headers, rows, width, sep=" "))
+    lines.extend(_waterfall_lines(cmp, limit))
     lines.append("")
     if cmp.transitions is None:
         lines.append(cmp.decisions_note or "request-level changes: not computed")
@@ -887,7 +926,11 @@ class Recommendation:
                     parts.append(spec.flag)
             else:
                 parts.append(f"{spec.flag} {knob_text(v)}")
-        return " ".join(parts) if parts else "(router defaults: no gate)"
+        text = " ".join(parts) if parts else "(router defaults: no gate)"
+        variants = [f"{KNOBS[k].flag} {v}" for k, v in cfg.variants().items()]
+        if variants:  # not deployable: say so instead of printing a router command line that omits it
+            text += f" [needs the replay-only policy variant {', '.join(variants)}: not a router flag]"
+        return text
 
 
 def _rank_key(r: dict) -> tuple:

@@ -106,11 +106,22 @@ class Totals:
         # children are booked relative to their parent config (kernels/accumulate.py)
         self.parent = (np.arange(n_configs, dtype=np.int64) if parent is None
                        else np.asarray(parent, dtype=np.int64))
-        self.acc = np.zeros((n_blocks, layout.N_ACC, n_configs), dtype=np.int64)
+        # config-major for the kernel (one booking touches one config's row); ``acc`` is the
+        # [block, ACC_*, config] view every reader uses
+        self._acc = np.zeros((n_blocks, n_configs, layout.N_ACC), dtype=np.int64)
         self.hist_wait = np.zeros((n_blocks, layout.WAIT_HIST, n_configs), dtype=np.int64)
         self.hist_div = np.zeros((n_blocks, layout.N_DIV, n_configs), dtype=np.int64)
         # work done: distinct outcomes computed, domain-rung evaluations
         self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
+
+    @property
+    def acc(self) -> np.ndarray:
+        """Counts and sums, ``[block, ACC_*, config]`` (a view: writes go through)."""
+        return np.swapaxes(self._acc, 1, 2)
+
+    @acc.setter
+    def acc(self, value: np.ndarray) -> None:
+        self._acc = np.ascontiguousarray(np.swapaxes(value, 1, 2))
 
     def add(self, other: "Totals") -> None:
         """Fold another run's totals (same configs) into this one (both made absolute)."""
@@ -124,7 +135,7 @@ class Totals:
     def merged(self) -> "Totals":
         """A one-block Totals holding the exact (integer) sum over blocks, with
         every config's totals absolute (children folded onto their parents)."""
-        out = Totals(1, self.acc.shape[2])
+        out = Totals(1, self._acc.shape[1])
         out.acc[0] = self.acc.sum(axis=0)
         out.hist_wait[0] = self.hist_wait.sum(axis=0)
         out.hist_div[0] = self.hist_div.sum(axis=0)
@@ -272,7 +283,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
             layout.Matches(m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b]),
             fleets, loads, dp, int(freshness_ns), enc.knobs, plan, int(seed), max_matches, keep,
             layout.Outputs(out_i, out_f, fl_min, fl_fresh),
-            layout.Accumulators(totals.acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
+            layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
                                 totals.stats[:nb]))
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]

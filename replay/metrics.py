@@ -110,6 +110,10 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
          "cold prefill tokens", "si"),
     _col("agreement", "rate", "neither", "1pt", "replayed worker == the trace's selected_worker",
          "agreement with production", "pct"),
+    # the locality waterfall (docs/replay-model.md): matched blocks each step gave away
+    *(_col(f"lost_{step}", "count", "lower", "10%", f"matched blocks lost to {step.replace('_', ' ')}",
+           f"blocks lost to {step.replace('_', ' ')}", "si")
+      for step in ("candidates", "queue_gate", "capacity", "pin", "tournament", "fallback")),
 )}
 """Every metric, by name."""
 
@@ -134,8 +138,9 @@ COMPARE_METRICS = (
     "hit_rate", "matched_rate", "owner_rate", *LABEL_SHARES, "share_failed", "pinned", "diverted",
     "pinned_share", "diverted_share", "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_mean",
     "selected_queue_ms_mean", "cold_prefill_tokens", "agreement",
+    "lost_candidates", "lost_queue_gate", "lost_capacity", "lost_pin", "lost_tournament", "lost_fallback",
 )
-"""Metrics ``compare`` reports deltas for."""
+"""Metrics ``compare`` reports deltas for (the waterfall's terms last)."""
 
 RECOMMEND_EVIDENCE = ("hit_rate", "owner_rate", "matched_rate", *LABEL_SHARES, "pinned_share", "diverted_share",
                       "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_mean",

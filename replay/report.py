@@ -163,7 +163,10 @@ class ReportView:
                 self.slice = {k: pick[k] for k in self.other_varying}
                 why = "the best config's values"
             vals = ", ".join(f"{KNOBS[k].flag} {flag_text(k, v)}" for k, v in self.slice.items())
-            self.slice_note = (f"Other knobs vary in this grid ({', '.join(KNOBS[k].flag for k in self.other_varying)}); "
+            listed = ", ".join(KNOBS[k].flag + ("" if KNOBS[k].router else " (a replay-only policy variant, "
+                                                                         "not a router flag)")
+                               for k in self.other_varying)
+            self.slice_note = (f"Other knobs vary in this grid ({listed}); "
                                f"the grid figures show the slice {vals} ({why}). "
                                "The trade-off plot shows every config.")
         else:
@@ -882,6 +885,40 @@ def fig_closed_loop(a: ReportView):
 
 
 # ---------------------------------------------------------------------------
+WATERFALL_STEPS = ("candidates", "queue_gate", "capacity", "pin", "tournament", "fallback")
+
+
+def fig_waterfall(a: ReportView):
+    """Where locality goes (docs/replay-model.md): for the best config under the bound and
+    its no-gate baseline, matched blocks down to selected blocks, step by step, as shares of
+    the query blocks (so the last bar is the hit rate)."""
+    go = _go()
+    shown = []
+    for tag, r in (("best under bound", a.best),
+                   ("no-gate baseline", a.baseline_for(a.best) if a.best else None)):
+        if r is not None and r.get("lost_candidates") is not None and r["config_id"] not in {x[1]["config_id"] for x in shown}:
+            shown.append((tag, r))
+    if not shown:  # no best under the bound: the highest hit rate
+        rows = [r for r in a.rows.values() if r.get("hit_rate") is not None and r.get("lost_candidates") is not None]
+        shown = [("highest hit rate", max(rows, key=lambda r: r["hit_rate"]))] if rows else []
+    fig = _subplots(rows=1, cols=max(len(shown), 1), shared_yaxes=True, horizontal_spacing=0.06,
+                    subplot_titles=[f"{tag}: config {r['config_id']}" for tag, r in shown] or [""])
+    names = ["matched", *(s.replace("_", " ") for s in WATERFALL_STEPS), "selected"]
+    for ci, (_tag, r) in enumerate(shown):
+        q = float(r["query_blocks"] or 0) or 1.0
+        y = [r["matched_blocks"] / q, *(-r[f"lost_{s}"] / q for s in WATERFALL_STEPS), r["selected_blocks"] / q]
+        fig.add_trace(go.Waterfall(
+            x=names, y=y, measure=["absolute", *["relative"] * len(WATERFALL_STEPS), "total"],
+            showlegend=False, decreasing=dict(marker=dict(color="#d62728")),
+            totals=dict(marker=dict(color="#2ca02c")), increasing=dict(marker=dict(color="#1f77b4")),
+            customdata=[a.hover(r)] * len(names),
+            hovertemplate="%{x}: %{y:.2%} of query blocks<br>%{customdata}<extra></extra>"),
+            row=1, col=ci + 1)
+    _base_layout(fig, height=420)
+    fig.update_yaxes(tickformat=".0%", title_text="share of query blocks", row=1, col=1)
+    return fig
+
+
 def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
             max_p99_waiting: float | None = None) -> dict[str, Any]:
     """The report's plotly figures for a run directory, by name.
@@ -903,6 +940,8 @@ def _figures(a: ReportView) -> dict[str, Any]:
         out["over_time"] = fig_over_time(a)
     out["floor_vs_dp"] = fig_floor_vs_dp(a)
     out["tradeoff"] = fig_tradeoff(a)
+    if "lost_candidates" in a.summary.columns:
+        out["waterfall"] = fig_waterfall(a)
     if _closed_loop_join(a)[0] is not None:
         out["closed_loop"] = fig_closed_loop(a)
     return out
@@ -1185,7 +1224,8 @@ def _fig_html(fig, key: str) -> str:
             + "</div>")
 
 
-FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "closed_loop")
+FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "waterfall",
+               "closed_loop")
 
 
 def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
@@ -1230,7 +1270,13 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
     sec.append('<section id="s6"><h2>6. Hit rate against pressure</h2>'
                '<p class="note">Every config is a point; red points are the Pareto front (no other config '
                "has a higher hit rate at no more pressure). The dashed line is the pressure bound.</p>"
-               + _fig_html(figs["tradeoff"], "tradeoff") + "</section>")
+               + _fig_html(figs["tradeoff"], "tradeoff")
+               + ('<h3>Where locality goes</h3><p class="note">Matched blocks (the fleet\'s ceiling) '
+                  "down to the blocks the chosen workers hold, by the step that gave them away "
+                  "(docs/replay-model.md, \"Where locality goes\"); <code>decisions.parquet</code>'s "
+                  "<code>blocks_lost</code> and <code>lost_to</code> list the requests.</p>"
+                  + _fig_html(figs["waterfall"], "waterfall") if "waterfall" in figs else "")
+               + "</section>")
     cl_html, has_cl = _closed_loop_html(a)
     sec.append('<section id="s7"><h2>7. Closed loop</h2>' + cl_html
                + (_fig_html(figs["closed_loop"], "closed_loop") if has_cl and "closed_loop" in figs else "")

@@ -383,7 +383,8 @@ register_kind("run", "run directory", is_dir=True,
 register_kind("sim", "simulation directory", is_dir=True, recognise=_record_dir(
     SIM_JSON, SIM_TOOL,
     lambda n: n in {"requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet", SIM_JSON,
-                    CLOSED_LOOP, "closed_loop_summary.csv"} or re.fullmatch(r"config-\d+", n) is not None))
+                    CLOSED_LOOP, "closed_loop_summary.csv", "trace.json", "closed_loop_seeds.parquet"}
+    or re.fullmatch(r"config-\d+", n) is not None))
 register_kind("compare", "comparison directory", is_dir=True, recognise=_names_dir(
     "deltas.parquet", frozenset({"deltas.parquet", "transitions.parquet", "changed_requests.parquet"}),
     "not a comparison written by router-replay compare"))
@@ -793,3 +794,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# for other modules that register output kinds (replay/capture/outguard.py)
+read_json = _read_json
+foreign_entries = _foreign_entries

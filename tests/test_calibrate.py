@@ -245,7 +245,12 @@ def test_calibrate_bad_trace_one_line(tmp_path, prod):
     (tmp_path / "keep.toml").write_text("workers = 1\n")
     r = _run(["calibrate", trace, "--out", tmp_path / "keep.toml"])
     assert r.exit_code == 2 and "--force" in r.output
+    # and --force replaces only a fleet file calibrate wrote, not the user's own
+    r = _run(["calibrate", trace, "--out", tmp_path / "keep.toml", "--force"])
+    assert r.exit_code == 2 and "not a fleet file written by router-replay calibrate" in r.output
     assert (tmp_path / "keep.toml").read_text() == "workers = 1\n"
+    assert _run(["calibrate", trace, "--out", tmp_path / "mine.toml"]).exit_code == 0
+    assert _run(["calibrate", trace, "--out", tmp_path / "mine.toml", "--force"]).exit_code == 0
 
 
 def _copy_trace(src: Path, dst: Path, drop_requests=(), drop_loads=()) -> Path:

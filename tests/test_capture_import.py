@@ -174,7 +174,7 @@ def test_import_placement_model_is_labelled_approximate(fleet, tmp_path):
 
 def test_import_refuses_out_inside_input_and_two_sources(fleet, tmp_path):
     res = run(*import_args(fleet, fleet.recorded / "trace"))
-    assert res.exit_code == 2 and "inside the input" in res.output
+    assert res.exit_code == 2 and "lies inside an input of this command" in res.output
     res = run("import", "--out", tmp_path / "t", "--token-export", fleet.token_dir, "--mooncake", fleet.token_dir)
     assert res.exit_code == 2 and "exactly one request source" in res.output
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def stop(proc, sig=signal.SIGTERM, timeout=30):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+def read_stderr_until(proc, needle: str, timeout: float = 60.0) -> str:
+    """The child's stderr lines up to and including the first holding ``needle``
+    (waiting for the child to say it, however slow its start), '' on timeout."""
+    seen: list[str] = []
+    found = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            seen.append(line)
+            if needle in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    found.wait(timeout)
+    return "".join(seen)
 
 
 def read_table(d: Path, name: str) -> pl.DataFrame:
@@ -359,7 +378,7 @@ def test_record_late_engine_and_silent_replay_socket(tmp_path, engines):
     dead_replay = free_ports(1)[0]
     proc = start_record(out, [e.url], "--replay-port-base", dead_replay, "--replay-timeout", "0.5s")
     try:
-        time.sleep(1.5)
+        first = read_stderr_until(proc, "no /server_info answer")   # named while it was down
         e._start_http()                      # the engine comes up
         e.wait_subscribed()
         e.send_kv(0, [stored([1], None, 4, 4, as_map=True)])
@@ -367,6 +386,7 @@ def test_record_late_engine_and_silent_replay_socket(tmp_path, engines):
         e.send_kv(0, [stored([3], 2, 4, 4, as_map=True)])
         time.sleep(1.5)
         rc, _, se = stop(proc)
+        se = first + se
     finally:
         if proc.poll() is None:
             proc.kill()

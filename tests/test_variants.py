@@ -197,3 +197,41 @@ def test_closed_loop_simulator_runs_a_variant(tmp_path):
     assert same["agreement"] == 1.0 and same["pinned"] > 0 and same["requests"] == res.summary["requests"]
     other = run_sweep(tmp_path / "t", knobs, seed=5).summary.row(0, named=True)
     assert other["agreement"] < 1.0
+
+
+def test_compare_a_variant_against_the_router(gen_trace, tmp_path):
+    """compare matches a variant run to the router's run of the same grid by the
+    router's knobs, and shows the changed waterfall terms and requests."""
+    from replay.analysis import compare_runs
+
+    grid = ["--worker-queue-limit", "2,3", "--saturation-queue-floor", "1"]
+    for name, extra in (("router", []), ("locality", ["--pin-order", "locality"])):
+        res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(tmp_path / name), "-q",
+                                        *grid, *extra])
+        assert res.exit_code == 0, res.output
+    cmp = compare_runs(tmp_path / "router", tmp_path / "locality")
+    assert cmp.pairs.height == 2 and not cmp.only_a and not cmp.only_b
+    lost_pin = cmp.deltas.filter(pl.col("metric") == "lost_pin")
+    assert (lost_pin["b"] == 0).all() and (lost_pin["a"] > 0).any()
+    assert cmp.changed.collect().height > 0
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "router"), str(tmp_path / "locality")])
+    assert res.exit_code == 0, res.output
+    assert "locality waterfall terms that changed" in res.output and " pin -" in res.output
+
+
+
+def test_report_and_recommend_say_a_variant_is_not_a_router_flag(gen_trace, tmp_path):
+    run = tmp_path / "run"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(run), "-q",
+                                    "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",
+                                    "--pin-order", "pressure,locality"])
+    assert res.exit_code == 0, res.output
+    assert "--pin-order (a replay-only policy variant, not a router flag)" in (run / "report.html").read_text()
+    only = tmp_path / "only"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(only), "-q",
+                                    "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",
+                                    "--pin-order", "locality"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["recommend", str(only), "--max-p99-waiting", "1000"])
+    assert res.exit_code == 0, res.output
+    assert "needs the replay-only policy variant --pin-order locality: not a router flag" in res.output

@@ -164,3 +164,27 @@ def test_owner_outside_the_fleet_is_lost_to_candidates():
     tr.worker_role[0] = labels.ROLE_DECODE
     got = lost_of(tr, RouterConfig(**BASE))
     assert got["worker"] == "b" and got["lost_candidates"] == 3 and got["lost_to"] == "candidates"
+
+
+def test_report_draws_the_waterfall(gen_trace, tmp_path):
+    """The report's waterfall: per shown config, matched minus every step's loss is the
+    selected share, which is that config's hit rate; the page carries the figure."""
+    import polars as pl
+    from click.testing import CliRunner
+
+    from replay.cli import main
+    from replay.report import figures
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(out), "-q",
+                                    "--worker-queue-limit", "none,2,4", "--saturation-queue-floor", "none,1"])
+    assert res.exit_code == 0, res.output
+    summary = pl.read_parquet(out / "summary.parquet")
+    fig = figures(out)["waterfall"]
+    assert len(fig.data) >= 1
+    for tr in fig.data:
+        y = list(tr.y)
+        assert tr.x[0] == "matched" and tr.x[-1] == "selected"
+        assert abs(y[0] + sum(y[1:-1]) - y[-1]) < 1e-12
+        assert any(abs(y[-1] - h) < 1e-12 for h in summary["hit_rate"].drop_nulls())
+    assert "Where locality goes" in (out / "report.html").read_text()

@@ -37,8 +37,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ReplayError
-from ..outdir import move_into_place, partial_beside
-from .outguard import check_out
+from .. import rundir
+from . import outguard as _kinds  # noqa: F401 - registers the capture output kinds
 from .store import (
     KV_SCHEMA,
     LOADS_SCHEMA,
@@ -121,12 +121,12 @@ def write_capture(res, log, fleet, out, *, index_lag_ms: int = 0, force: bool = 
         raise ReplayError("the simulation kept no cache log: run simulate(..., cache_log=True)")
     _check_exportable(log)
     out = Path(out)
-    check_out(out, force)
-    tmp = partial_beside(out)
+    rundir.guard([(out, "capture")], force=force)
+    tmp = rundir.partial_beside(out)
     try:
         _write(res, log, fleet, tmp, index_lag_ms)
         (tmp / "trace.json").write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")
-        move_into_place(tmp, out)
+        rundir.move_into_place(tmp, out)
     finally:
         if tmp.exists():
             import shutil

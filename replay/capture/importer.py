@@ -29,10 +29,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import __version__
-from ..outdir import move_into_place, partial_beside
 from .blockhash import block_hashes_csr
 from .index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
-from .outguard import check_out
+from .. import rundir
+from . import outguard as _kinds  # noqa: F401 - registers the capture output kinds
 from .sources import (
     LOAD_COLUMNS,
     LOAD_TYPES,
@@ -606,11 +606,11 @@ class Importer:
     def run(self) -> ImportResult:
         s = self.s
         out = Path(s.out)
-        check_out(out, s.force, s.inputs())
+        rundir.guard([(out, "imported")], s.inputs(), force=s.force)
         self._recorded()
         req = self._requests()
         req = self._join_engines(req)
-        tmp = partial_beside(out)
+        tmp = rundir.partial_beside(out)
         try:
             load_workers = self._loads(tmp, req)
             workers = self._workers(req, load_workers)
@@ -647,7 +647,7 @@ class Importer:
             if self.page:
                 info["page_size"] = int(self.page)
             (tmp / "trace.json").write_text(json.dumps(info, indent=2) + "\n")
-            move_into_place(tmp, out)
+            rundir.move_into_place(tmp, out)
         except OSError as err:
             why = os.strerror(err.errno) if err.errno else str(err).splitlines()[0]
             raise ImportError_(f"{out}: cannot write ({why}); nothing was written") from None

@@ -1,9 +1,16 @@
-"""Where capture commands may write: never inside an input, never over a user's folder.
+"""Output kinds the capture commands write, registered with :mod:`replay.rundir`.
 
-REPLAY CHOICE: house's ``replay/rundir.py`` guard had not landed when this was
-written; until it does, ``record`` and ``import`` refuse an existing
-non-empty ``--out`` unless ``--force``, and ``--force`` only replaces a folder
-this tool wrote (it holds ``record.json`` or ``trace.json``).
+``record``, ``import`` and the simulator's capture writer protect their
+``--out`` with :func:`replay.rundir.guard` (an output is never, contains or
+lies inside an input; ``--force`` replaces only what router-replay wrote).
+These are the capture outputs it recognises as its own:
+
+* a recording (``record``): ``record.json`` whose ``tool`` names router-replay,
+  beside ``loads/``, ``kv_events/``, ``gaps/`` and ``workers.parquet``;
+* an imported trace (``import``): ``trace.json`` beside the trace tables and
+  ``loads/``;
+* a simulator run in capture formats: ``trace.json`` beside ``recorded/``,
+  ``token_export/`` and ``engines/``.
 """
 
 from __future__ import annotations
@@ -11,31 +18,42 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..errors import ReplayError
+from .. import rundir
 
-OURS = ("record.json", "trace.json")
+RECORDING_NAMES = frozenset({"record.json", "loads", "kv_events", "gaps", "workers.parquet"})
+IMPORTED_NAMES = frozenset({"trace.json", "requests.parquet", "loads.parquet", "workers.parquet",
+                            "requests", "loads"})
 
 
-def check_out(out: Path, force: bool, inputs: list[Path] = ()) -> None:
-    out = Path(out).resolve()
-    for inp in inputs:
-        p = Path(inp).resolve()
-        if out == p or p in out.parents:
-            raise ReplayError(f"--out {out} is inside the input {p}; write somewhere else")
-        if out in p.parents:
-            raise ReplayError(f"--out {out} holds the input {p}; write somewhere else")
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise ReplayError(f"{out}: output directory exists and is not empty (use --force to replace it)")
-        if not any((out / name).is_file() for name in OURS):
-            raise ReplayError(f"{out}: not written by router-replay (no {' or '.join(OURS)}); "
-                              f"--force only replaces this tool's output")
+def _recording(path: Path) -> str | None:
+    rec = rundir.read_json(path / "record.json")
+    if rec is None or not str(rec.get("tool", "")).startswith(rundir.TOOL):
+        return "no record.json with router-replay's marker in it"
+    return rundir.foreign_entries(path, RECORDING_NAMES.__contains__)
+
+
+def _with_trace_json(names: frozenset[str]):
+    def recognise(path: Path) -> str | None:
+        if rundir.read_json(path / "trace.json") is None:
+            return "no trace.json written by router-replay"
+        return rundir.foreign_entries(path, names.__contains__)
+    return recognise
+
+
+rundir.register_kind("recording", "recording directory", is_dir=True, recognise=_recording)
+rundir.register_kind("imported", "imported trace directory", is_dir=True, recognise=_with_trace_json(IMPORTED_NAMES))
+rundir.register_kind("capture", "capture directory", is_dir=True, recognise=_with_trace_json(
+    frozenset({"trace.json", "recorded", "token_export", "engines"})))
 
 
 def clear(out: Path) -> None:
-    """Remove a previous output of ours (check_out has verified it is ours)."""
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()):
-        shutil.rmtree(out)
+    """Empty a previous recording before ``record`` writes into ``out`` in place
+    (a live recording cannot be built aside: what it wrote before a kill must
+    stay readable where it is).  Call only after :func:`rundir.guard` accepted
+    ``out`` as a recording router-replay wrote, or as new."""
+    if out.is_dir():
+        for entry in out.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()

@@ -64,6 +64,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     import shutil
     from pathlib import Path
 
+    from .. import rundir
     from ..errors import ReplayError
     from ..outdir import move_into_place, partial_beside, refuse_existing
     from ..simulate import load_fleet, simulate_grid
@@ -87,6 +88,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             raise ReplayError(f"--validate {validate_dir}: would hold the fleet file {out}; "
                               "write the fleet file elsewhere")
         refuse_existing(Path(validate_dir), force, "validation directory")
+    rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     if texts and validate_dir is None:
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
@@ -158,5 +160,38 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
         for line in grid_table(table, grid):
             click.echo(line)
 
+
+def _register_outputs() -> None:
+    """Teach rundir.guard this command's outputs, so --force replaces only what it wrote."""
+    import re
+
+    from .. import rundir
+    from ..simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER
+
+    def fidelity_dir(path):
+        try:
+            import json
+            rec = json.loads((path / FIDELITY_JSON).read_text())
+        except (OSError, ValueError):
+            return f"no {FIDELITY_JSON} written by router-replay calibrate"
+        if not isinstance(rec, dict) or rec.get("tool") != FIDELITY_TOOL:
+            return f"no {FIDELITY_JSON} written by router-replay calibrate"
+        extra = sorted(n for n in path.iterdir() if n.name not in
+                       {FIDELITY_JSON, "forced", "router", "prediction"}
+                       and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
+        return f"{extra[0]} was not written by router-replay" if extra else None
+
+    def fleet_file(path):
+        try:
+            head = path.read_bytes()[:200].decode("utf-8", "replace")
+        except OSError as err:
+            return f"unreadable ({err.strerror})"
+        return None if head.startswith(FLEET_MARKER) else "not a fleet file written by router-replay calibrate"
+
+    rundir.register_kind("fidelity", "validation directory", is_dir=True, recognise=fidelity_dir)
+    rundir.register_kind("fleet", "fitted fleet file", is_dir=False, recognise=fleet_file)
+
+
+_register_outputs()
 
 COMMANDS = [calibrate]

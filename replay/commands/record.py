@@ -73,7 +73,8 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     parts), OUT/workers.parquet and OUT/record.json (streams, gaps, restarts,
     malformed frames, unreachable engines; "complete": true after a clean stop).
     """
-    from ..capture.outguard import check_out, clear
+    from .. import rundir
+    from ..capture import outguard
     from ..capture.recorder import (
         Overrides,
         Recorder,
@@ -86,8 +87,8 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     flush = parse_seconds(flush_interval, "--flush-interval")
     retry_s = parse_seconds(retry, "--retry")
     replay_timeout_s = parse_seconds(replay_timeout, "--replay-timeout")
-    check_out(Path(out), force)
-    clear(Path(out))
+    rundir.guard([(out, "recording")], force=force)
+    outguard.clear(Path(out))
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,
                    kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic)
     status = StatusLine() if sys.stderr.isatty() else None

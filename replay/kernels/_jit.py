@@ -8,7 +8,9 @@ numba's on-disk cache only notices edits to the file a function lives in, not
 to the kernels it calls from other files, so a stale kernel could survive an
 edit.  The cache therefore lives in a folder named after a hash of every
 kernel source (and the label codes and decision columns they freeze): any edit starts a fresh
-cache.  ``NUMBA_CACHE_DIR`` still wins when a user sets it.
+cache.  A user's ``NUMBA_CACHE_DIR`` says where that folder goes: it is the
+parent of the hash folder, never the cache itself (one cache folder kept
+across edits once ran a stale kernel and crashed the process).
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ def _source_hash() -> str:
 
 
 def cache_dir() -> Path:
-    """Where the compiled kernels are cached."""
+    """Where the compiled kernels are cached: a folder per kernel-source hash,
+    under ``NUMBA_CACHE_DIR`` when it is set, else under the user's cache folder."""
     if os.environ.get("NUMBA_CACHE_DIR"):
-        return Path(os.environ["NUMBA_CACHE_DIR"])
+        return Path(os.environ["NUMBA_CACHE_DIR"]) / _source_hash()
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "router-replay" / "numba" / _source_hash()
 
 
-if not os.environ.get("NUMBA_CACHE_DIR"):
-    numba.config.CACHE_DIR = str(cache_dir())
+numba.config.CACHE_DIR = str(cache_dir())
 
 JIT = dict(cache=True, nogil=True, boundscheck=False)
 

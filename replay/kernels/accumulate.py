@@ -1,6 +1,8 @@
 """Per-config accumulators, filled inside the grid pass (every metric mergeable).
 
-``acc[block, ACC_*, c]`` int64 counts and sums (the chosen worker's estimated queue
+``acc[block, c, ACC_*]`` int64 counts and sums (config-major inside the kernel, so
+one booking touches one config's contiguous row; ``engine.Totals.acc`` shows
+them as ``[block, ACC_*, c]``) (the chosen worker's estimated queue
 time is summed in whole microseconds, so sums stay exact and order-free),
 ``hist_wait[block, v, c]`` an exact histogram
 of the chosen worker's waiting count (last bucket: that value or more),
@@ -103,70 +105,70 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
     # "requests" and "agree_known" are per-request constants: booked per block
     # by book_block_constants_nb.  A replayed 503 counts as a disagreement.
     if selected_worker >= 0 and selected_worker == w:
-        a[_AGREE, c] += sign
+        a[c, _AGREE] += sign
     if w < 0:
-        a[_FAILED, c] += sign
+        a[c, _FAILED] += sign
         f = res_i[O_FAILURE, k]
         if f >= 0:
-            a[_FAIL0 + f, c] += sign
+            a[c, _FAIL0 + f] += sign
         return
-    a[_ROUTED, c] += sign
+    a[c, _ROUTED] += sign
     dec = res_i[O_DECISION, k]
-    a[_DEC0 + dec, c] += sign
-    a[_POL0 + res_i[O_POLICY_REASON, k], c] += sign
-    a[_QUERY, c] += sign * (q)
+    a[c, _DEC0 + dec] += sign
+    a[c, _POL0 + res_i[O_POLICY_REASON, k]] += sign
+    a[c, _QUERY] += sign * (q)
     matched = res_i[O_MATCHED_BLOCKS, k]
     if matched > 0:
         sel = res_i[O_SELECTED_BLOCKS, k]
-        a[_MATCHED, c] += sign * (matched)
-        a[_SELECTED, c] += sign * (sel)
-        a[_OWNER_CHANCES, c] += sign
+        a[c, _MATCHED] += sign * (matched)
+        a[c, _SELECTED] += sign * (sel)
+        a[c, _OWNER_CHANCES] += sign
         if sel > 0:
-            a[_OWNER_HITS, c] += sign
+            a[c, _OWNER_HITS] += sign
         # the waterfall: three stored terms, the choosing step keeps the rest
         lc = res_i[O_LOST_CANDIDATES, k]
         lg = res_i[O_LOST_QUEUE_GATE, k]
         lcap = res_i[O_LOST_CAPACITY, k]
-        a[_LOST_CANDIDATES, c] += sign * lc
-        a[_LOST_GATE, c] += sign * lg
-        a[_LOST_CAPACITY, c] += sign * lcap
+        a[c, _LOST_CANDIDATES] += sign * lc
+        a[c, _LOST_GATE] += sign * lg
+        a[c, _LOST_CAPACITY] += sign * lcap
         rest = matched - sel - lc - lg - lcap
         reason = res_i[O_REASON, k]
         if reason == _PIN:
-            a[_LOST_PIN, c] += sign * rest
+            a[c, _LOST_PIN] += sign * rest
         elif reason == _CANDIDATE:
-            a[_LOST_TOURNAMENT, c] += sign * rest
+            a[c, _LOST_TOURNAMENT] += sign * rest
         else:
-            a[_LOST_FALLBACK, c] += sign * rest
-    a[_COLD, c] += sign * (res_i[O_UNCACHED_TOKENS, k])
+            a[c, _LOST_FALLBACK] += sign * rest
+    a[c, _COLD] += sign * (res_i[O_UNCACHED_TOKENS, k])
     sw = res_i[O_SELECTED_WAITING, k]
     if sw >= 0:
-        a[_WAIT_KNOWN, c] += sign
-        a[_WAIT_SUM, c] += sign * (sw)
+        a[c, _WAIT_KNOWN] += sign
+        a[c, _WAIT_SUM] += sign * (sw)
         hw[sw if sw < top else top, c] += sign
     wu = res_i[O_SELECTED_WAITING_UNCACHED, k]
     if wu >= 0:
-        a[_WU_KNOWN, c] += sign
-        a[_WU_SUM, c] += sign * (wu)
+        a[c, _WU_KNOWN] += sign
+        a[c, _WU_SUM] += sign * (wu)
         ms = res_f[F_SELECTED_QUEUE_MS, k]
         if not math.isnan(ms):
-            a[_MS_KNOWN, c] += sign
-            a[_US_SUM, c] += sign * (np.int64(np.round(ms * 1000.0)))
+            a[c, _MS_KNOWN] += sign
+            a[c, _US_SUM] += sign * (np.int64(np.round(ms * 1000.0)))
     if res_i[O_PRESSURE_SOURCE, k] < 0:
         return  # no cache resolution ran: every audit counter is 0
     gate = res_i[O_GATE_REJECTED, k]
     fell = res_i[O_FELL_BACK, k]
     if res_i[O_REASON, k] == _PIN:
-        a[_PINNED, c] += sign
+        a[c, _PINNED] += sign
     elif gate > 0 and fell == 0:
-        a[_DIVERTED, c] += sign
-    a[_FELL_BACK, c] += sign * (fell)
-    a[_ALL_QUEUED, c] += sign * (res_i[O_FLEET_ALL_QUEUED, k])
-    a[_COMPARED, c] += sign * (res_i[O_GUARD_COMPARED, k])
-    a[_OVERRIDES, c] += sign * (res_i[O_GUARD_OVERRIDES, k])
-    a[_EVAL, c] += sign * (res_i[O_ADMISSION_EVALUATED, k])
-    a[_ADM_REJ, c] += sign * (res_i[O_ADMISSION_REJECTED, k])
-    a[_GATE_REJ, c] += sign * (gate)
+        a[c, _DIVERTED] += sign
+    a[c, _FELL_BACK] += sign * (fell)
+    a[c, _ALL_QUEUED] += sign * (res_i[O_FLEET_ALL_QUEUED, k])
+    a[c, _COMPARED] += sign * (res_i[O_GUARD_COMPARED, k])
+    a[c, _OVERRIDES] += sign * (res_i[O_GUARD_OVERRIDES, k])
+    a[c, _EVAL] += sign * (res_i[O_ADMISSION_EVALUATED, k])
+    a[c, _ADM_REJ] += sign * (res_i[O_ADMISSION_REJECTED, k])
+    a[c, _GATE_REJ] += sign * (gate)
     if dec == _WORKER_QUEUED:
         hd[diverted_bucket_nb(res_i[O_BEST_REJECTED_BLOCKS, k]), c] += sign
 
@@ -177,8 +179,8 @@ def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks,
 
     Config ``c``'s decision is column ``src_of[c]`` of ``res_i[O_*, :]`` /
     ``res_f[F_*, :]`` (kernels/layout.py); ``totals`` is a ``layout.Accumulators``
-    whose ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]`` and ``hist_div[b, bucket, c]``
-    keep configs innermost.
+    whose ``acc[b, c, ACC_*]`` keeps one config's counters together and
+    ``hist_wait[b, v, c]`` and ``hist_div[b, bucket, c]`` keep configs innermost.
 
     Configs are booked relative to a parent (``parent[c] < c``: the previous
     config of the same knob group and limit, so a chain over the floors; a root
@@ -219,7 +221,7 @@ def fold_parents(acc, hist_wait, hist_div, parent):
 def book_block_constants_nb(acc, b, parent, n_requests, n_with_selected):
     """Book the per-request constants of a block: every config saw every request
     (parents only: children inherit them through ``fold_parents``)."""
-    for c in range(acc.shape[2]):
+    for c in range(acc.shape[1]):
         if parent[c] == c:
-            acc[b, _REQUESTS, c] += n_requests
-            acc[b, _AGREE_KNOWN, c] += n_with_selected
+            acc[b, c, _REQUESTS] += n_requests
+            acc[b, c, _AGREE_KNOWN] += n_with_selected

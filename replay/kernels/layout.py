@@ -155,6 +155,6 @@ WAIT_HIST = 1 << 12
 N_DIV = len(labels.DIVERTED_BUCKETS) + 1
 
 Accumulators = namedtuple("Accumulators", ("acc", "hist_wait", "hist_div", "stats"), module=__name__)
-Accumulators.__doc__ = """Per thread block ``b``: ``acc[b, ACC_*, c]``, ``hist_wait[b, v, c]``,
+Accumulators.__doc__ = """Per thread block ``b``: ``acc[b, c, ACC_*]`` (config-major), ``hist_wait[b, v, c]``,
 ``hist_div[b, bucket, c]`` (``kernels/accumulate.py``) and ``stats[b]``
 (distinct outcomes computed, domain-rung evaluations)."""

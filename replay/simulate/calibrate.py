@@ -113,7 +113,9 @@ class Calibration:
             vals = [w[k] for w in self.per_worker]
             top[k] = sorted(vals)[len(vals) // 2]
         notes = {(f.worker, f.name): f for f in self.fitted}
-        out = ["# Fleet fitted by `router-replay calibrate`" + (f" from {source}" if source else ""),
+        from .fidelity import FLEET_MARKER
+
+        out = [FLEET_MARKER + (f" from {source}" if source else ""),
                "# (docs/calibration.md). Edit freely; every key is documented in docs/simulator.md.",
                "# Worker k stands for the trace's k-th prefill worker in URL order.",
                f"model = {_toml(self.model)}",

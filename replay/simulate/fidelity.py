@@ -52,6 +52,8 @@ from .tracelog import RecordedTrace
 GRID_NS = 100_000_000
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
 FIDELITY_JSON = "fidelity.json"
+FIDELITY_TOOL = "router-replay calibrate"   # fidelity.json's marker (rundir.guard recognises the dir)
+FLEET_MARKER = "# Fleet fitted by `router-replay calibrate`"  # first line of a fitted fleet file
 
 
 @dataclass
@@ -112,7 +114,7 @@ class Fidelity:
         return [self.verdict()] + [p.line() for p in self.parts]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"good": self.good, "score": self.score, "failing": self.failing,
+        return {"tool": FIDELITY_TOOL, "good": self.good, "score": self.score, "failing": self.failing,
                 "verdict": self.verdict(), "config": self.config, "seed": self.seed,
                 "parts": [{"name": p.name, "value": _clean(p.value), "threshold": p.threshold,
                            "passed": None if p.passed is None else bool(p.passed),
