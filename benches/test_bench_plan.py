@@ -77,7 +77,7 @@ def test_plan_mooncake(benchmark, report, tmp_path):
     seeds = int(grid["seeds"])
     sims = t.height * seeds
     answer = subprocess.run([sys.executable, "-m", "replay", "recommend", str(tmp_path / "plan"),
-                             "--plan", "--ttft-p99-ms", "8000"], capture_output=True, text=True,
+                             "--plan", "--max-ttft-p99-ms", "8000"], capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
     assert answer.returncode in (0, 1), answer.stderr
     per_sim = wall / sims

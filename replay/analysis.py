@@ -375,23 +375,6 @@ _CMP_COLS = (  # header, metric, how
 )
 
 
-_WATERFALL = ("lost_candidates", "lost_queue_gate", "lost_capacity", "lost_pin", "lost_tournament",
-              "lost_fallback")
-
-
-def _waterfall_lines(cmp: Comparison, limit: int) -> list[str]:
-    """The locality waterfall's changed terms per config (blocks, B - A), when any changed."""
-    d = cmp.deltas.filter(pl.col("metric").is_in(_WATERFALL) & (pl.col("delta") != 0))
-    if d.height == 0:
-        return []
-    out = ["", "locality waterfall terms that changed (matched blocks lost per step, B - A):"]
-    by_cfg = d.group_by("config_id_a", "config", maintain_order=True).agg("metric", "delta")
-    for r in by_cfg.head(limit).iter_rows(named=True):
-        terms = ", ".join(f"{m[len('lost_'):]} {int(v):+,}" for m, v in zip(r["metric"], r["delta"]))
-        out.append(f"  {r['config']}: {terms}")
-    return out
-
-
 def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> str:
     """The terminal report: provenance, per-config deltas (largest hit-rate change first,
     ``limit`` rows) and the most frequent label transitions, in ``width`` columns."""
@@ -443,7 +426,8 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
         cells.append("-" if counts is None else f"{int(r.get('changed') or 0):,}")
         rows.append(cells)
     lines.extend(_table(headers, rows, width, sep=" "))
-    lines.extend(_waterfall_lines(cmp, limit))
+    lines.extend(_waterfall_changes(cmp, [r["config_id_a"] for r in rows_df.head(limit).iter_rows(named=True)],
+                                    width))
     lines.append("")
     if cmp.transitions is None:
         lines.append(cmp.decisions_note or "request-level changes: not computed")
@@ -467,6 +451,24 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
             lines.extend("  " + s for s in _table(["transition", "requests", "worker changed", "configs"],
                                                   trows, width - 2))
     return "\n".join(lines)
+
+
+def _waterfall_changes(cmp: Comparison, ids_a: Sequence[int], width: int) -> list[str]:
+    """The locality-waterfall terms that changed, B - A in blocks, for the configs shown."""
+    from . import waterfall as wf
+
+    if not (wf.has_waterfall(cmp.a.summary.columns) and wf.has_waterfall(cmp.b.summary.columns)):
+        return ["", "locality waterfall: not compared (a run without the waterfall columns; re-run its sweep)"]
+    ra = {r["config_id"]: r for r in cmp.a.summary.iter_rows(named=True)}
+    rb = {r["config_id"]: r for r in cmp.b.summary.iter_rows(named=True)}
+    by_a = {r["config_id_a"]: r for r in cmp.pairs.iter_rows(named=True)}
+    rows = []
+    for ia in ids_a:
+        p = by_a[ia]
+        ch = wf.changed_terms(ra[ia], rb[p["config_id_b"]])
+        rows.append([p["config"], "; ".join(f"{c.removeprefix('lost_')} {v:+,}" for c, v in ch.items()) or "no change"])
+    return ["", "locality waterfall, B - A in blocks (changed terms only: matched, lost to each step, selected):",
+            *("  " + s for s in _table(["config", "changed terms"], rows, width - 2))]
 
 
 # ---------------------------------------------------------------------------

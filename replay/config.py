@@ -682,17 +682,27 @@ class Grid:
             out.append(row)
         return out
 
-    def warning_line(self, listed_in: str = "run.json") -> str | None:
+    def warning_line(self, listed_in: str | None = "run.json") -> str | None:
         """One warning line about skipped combinations, or None when none was skipped;
-        ``listed_in`` names the file that lists them all."""
+        ``listed_in`` names the file that lists them all (None: :meth:`skipped_lines` follow)."""
         if not self.skipped:
             return None
         more = len(self.skipped) - 1
-        tail = f" (and {more} more, listed in {listed_in})" if more else ""
+        where = f"listed in {listed_in}" if listed_in else "listed below"
+        tail = f" (and {more} more, {where})" if more else ""
         return (
             f"skipped {len(self.skipped)} of {self.n_combinations} configs the router would refuse: "
             f"{self.skipped[0].error}{tail}"
         )
+
+    def skipped_lines(self) -> list[str]:
+        """One line per skipped combination: its knob values and the router's refusal."""
+        out = []
+        for knobs, err in self.skipped:
+            shown = [k for k in knobs if len(self.values.get(k, ())) > 1] or list(knobs)
+            vals = " ".join(f"{KNOBS[k].flag} {'none' if knobs[k] is None else knobs[k]}" for k in shown)
+            out.append(f"  skipped: {vals}: {err}")
+        return out
 
     def describe(self) -> dict:
         """A JSON-able description for ``run.json``: canonical value lists per

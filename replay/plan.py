@@ -372,7 +372,7 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
 def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo) -> int:
     """``recommend --plan``: print the plan; 0 when every level has a fleet, 1 when one has none."""
     if (ttft_ms is None) == (wait_ms is None):
-        raise ReplayError("--plan needs exactly one of --ttft-p99-ms and --queue-wait-p99-ms")
+        raise ReplayError("--plan needs exactly one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
     metric, bound_ms = ("ttft", ttft_ms) if ttft_ms is not None else ("queue_wait", wait_ms)
     t = read_plan(run_dir)
     col = bound_column(t, metric)
@@ -439,7 +439,7 @@ def render_plan_html(run_dir: str | os.PathLike, metric: str = "ttft",
     title = f"router-replay capacity plan: {Path(run_dir).resolve().name}"
     body = (f"<section><h2>Capacity frontier</h2><p class=\"note\">Bound: {_e(col)} &lt;= "
             f"{bound_ms:g} ms (the median over the plan unless given; "
-            "<code>router-replay recommend DIR --plan --ttft-p99-ms MS</code> answers for any "
+            "<code>router-replay recommend DIR --plan --max-ttft-p99-ms MS</code> answers for any "
             "bound).</p>" + _fig_html(fig_frontier(t, metric, bound_ms), "frontier")
             + f"<pre>{_e(text)}</pre></section>")
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"

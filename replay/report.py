@@ -12,6 +12,10 @@ once, so the file opens offline.  Sections:
 5. floor against dp_size; 6. the hit-rate / pressure trade-off with its
    Pareto front; 7. closed-loop results (when present); 8. provenance.
 
+A closed-loop grid of the run's trace, when one is found or given, comes
+before all of them (``replay/report_sections.py``), and a "Where locality
+goes" section (the waterfall) follows the mix.
+
 From Python (notebooks): :func:`figures` returns the plotly figures,
 :func:`headline` the facts and best-config table, :func:`build_report`
 writes the page.
@@ -885,45 +889,12 @@ def fig_closed_loop(a: ReportView):
 
 
 # ---------------------------------------------------------------------------
-WATERFALL_STEPS = ("candidates", "queue_gate", "capacity", "pin", "tournament", "fallback")
-
-
-def fig_waterfall(a: ReportView):
-    """Where locality goes (docs/replay-model.md): for the best config under the bound and
-    its no-gate baseline, matched blocks down to selected blocks, step by step, as shares of
-    the query blocks (so the last bar is the hit rate)."""
-    go = _go()
-    shown = []
-    for tag, r in (("best under bound", a.best),
-                   ("no-gate baseline", a.baseline_for(a.best) if a.best else None)):
-        if r is not None and r.get("lost_candidates") is not None and r["config_id"] not in {x[1]["config_id"] for x in shown}:
-            shown.append((tag, r))
-    if not shown:  # no best under the bound: the highest hit rate
-        rows = [r for r in a.rows.values() if r.get("hit_rate") is not None and r.get("lost_candidates") is not None]
-        shown = [("highest hit rate", max(rows, key=lambda r: r["hit_rate"]))] if rows else []
-    fig = _subplots(rows=1, cols=max(len(shown), 1), shared_yaxes=True, horizontal_spacing=0.06,
-                    subplot_titles=[f"{tag}: config {r['config_id']}" for tag, r in shown] or [""])
-    names = ["matched", *(s.replace("_", " ") for s in WATERFALL_STEPS), "selected"]
-    for ci, (_tag, r) in enumerate(shown):
-        q = float(r["query_blocks"] or 0) or 1.0
-        y = [r["matched_blocks"] / q, *(-r[f"lost_{s}"] / q for s in WATERFALL_STEPS), r["selected_blocks"] / q]
-        fig.add_trace(go.Waterfall(
-            x=names, y=y, measure=["absolute", *["relative"] * len(WATERFALL_STEPS), "total"],
-            showlegend=False, decreasing=dict(marker=dict(color="#d62728")),
-            totals=dict(marker=dict(color="#2ca02c")), increasing=dict(marker=dict(color="#1f77b4")),
-            customdata=[a.hover(r)] * len(names),
-            hovertemplate="%{x}: %{y:.2%} of query blocks<br>%{customdata}<extra></extra>"),
-            row=1, col=ci + 1)
-    _base_layout(fig, height=420)
-    fig.update_yaxes(tickformat=".0%", title_text="share of query blocks", row=1, col=1)
-    return fig
-
-
 def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
             max_p99_waiting: float | None = None) -> dict[str, Any]:
     """The report's plotly figures for a run directory, by name.
 
-    Keys: ``heatmaps``, ``decision_mix``, ``reason_mix``, ``over_time`` (when the
+    Keys: ``heatmaps``, ``decision_mix``, ``reason_mix``, ``waterfall`` and
+    ``waterfall_pair`` (runs with the waterfall columns), ``over_time`` (when the
     run kept decisions), ``floor_vs_dp``, ``tradeoff``, ``closed_loop`` (when a
     ``closed_loop_summary.parquet`` is present).  ``config_id`` picks the
     config shown over time (default: the best under the pressure bound);
@@ -934,14 +905,18 @@ def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
 
 
 def _figures(a: ReportView) -> dict[str, Any]:
+    from . import waterfall as wf
+
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
            "reason_mix": fig_mix(a, "policy")}
+    if wf.has_waterfall(a.summary.columns):
+        from .report_sections import waterfall_figures
+
+        out.update(waterfall_figures(a))
     if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
         out["over_time"] = fig_over_time(a)
     out["floor_vs_dp"] = fig_floor_vs_dp(a)
     out["tradeoff"] = fig_tradeoff(a)
-    if "lost_candidates" in a.summary.columns:
-        out["waterfall"] = fig_waterfall(a)
     if _closed_loop_join(a)[0] is not None:
         out["closed_loop"] = fig_closed_loop(a)
     return out
@@ -1019,6 +994,8 @@ td.l, th.l { text-align: left; }
 td.wrap { white-space: normal; word-break: break-all; text-align:left; }
 .pos { color: #1a7f37; } .neg { color: #cf222e; }
 .fig { width: 100%; margin: 4px 0 8px; }
+.verdict.poor { background:#fdecea; border-color:#f5b5ae; }
+pre.answer { background:#f6f8fa; border:1px solid #dde2e8; border-radius:8px; padding:8px 14px; white-space:pre-wrap; }
 .verdict { background:#eef6ee; border:1px solid #b7dfb9; border-radius:8px; padding:8px 14px; margin: 10px 0; }
 nav a { margin-right: 12px; color: var(--accent); text-decoration:none; font-size:13px; }
 code { background: var(--bg); padding: 0 4px; border-radius: 4px; }
@@ -1224,32 +1201,70 @@ def _fig_html(fig, key: str) -> str:
             + "</div>")
 
 
-FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "waterfall",
-               "closed_loop")
+FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall_pair", "over_time", "floor_vs_dp",
+               "tradeoff", "closed_loop")
+
+
+def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
+    """The closed-loop grid the report shows first: ``given`` (``report --closed-loop DIR``), else
+    one found beside the run or its trace (:func:`replay.closed_loop.find_for_run`); with notes."""
+    from . import closed_loop as cl
+
+    if given is not None:
+        grid = cl.load_grid(given)
+        how = cl.grid_matches_run(grid, data.meta)
+        notes = [f"closed-loop grid {grid.path} (given with --closed-loop"
+                 + (f"; matched to this run's trace by {how})" if how else
+                    "; WARNING: not recorded as produced from this run's trace)")]
+        return grid, notes
+    return cl.find_for_run(data.path, data.meta)
 
 
 def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
-                max_p99_waiting: float | None = None) -> str:
-    """The whole report page as one string (plotly.js inline)."""
+                max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
+                max_ttft_p99_ms: float | None = None, beside: int | None = None,
+                max_queue_wait_p99_ms: float | None = None) -> str:
+    """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
+    trace (``closed_loop``, else found beside the run or the trace) is shown first."""
     from plotly.offline import get_plotlyjs  # noqa: PLC0415
 
+    from . import report_sections as rs
+
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    grid, grid_notes = closed_loop_for(data, closed_loop)
+    if grid is not None and data.closed_loop is None:
+        data.closed_loop = grid.summary
     a = ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting)
+    a.beside = beside   # the config drawn beside the followed one in the waterfall pair
     figs = _figures(a)
     run = a.meta
     title = f"router-replay report: {Path(run.get('trace', {}).get('path', str(data.path))).name}"
+    trace_path = (run.get("trace") or {}).get("path")
+    ol_note = rs.open_loop_note_html(trace_path)
     sec: list[str] = []
-    sec.append(f'<section id="s1"><h2>1. Headline</h2>{_headline_html(a)}</section>')
+    if grid is not None:
+        gk = [k for k in a.knobs if k in grid.summary.columns]
+        open_rows = {tuple(r.get(k) for k in gk): r for r in a.rows.values()}
+        sec.append('<section id="s0"><h2>Closed-loop answer</h2>'
+                   + rs.closed_loop_section(grid, grid_notes, open_rows, gk,
+                                          bound_ms=max_ttft_p99_ms if max_queue_wait_p99_ms is None
+                                          else max_queue_wait_p99_ms,
+                                          on="ttft" if max_queue_wait_p99_ms is None else "queue_wait")
+                   + "</section>")
+    sec.append(f'<section id="s1"><h2>1. Headline{" (open loop)" if grid is not None else ""}</h2>'
+               f"{ol_note}{_headline_html(a)}</section>")
     slice_note = f'<p class="note">{_e(a.slice_note)}</p>' if a.slice_note else ""
     sec.append('<section id="s2"><h2>2. Floor × limit</h2>'
                '<p class="note">One panel per metric; rows are queue limits, columns saturation floors, '
                "<code>none</code> is its own row and column; greener is better; blank cells are "
                "combinations the router refuses. Hover a cell for every metric of that config.</p>"
-               + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
+               + ol_note + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
     sec.append('<section id="s3"><h2>3. Label and reason mix</h2>'
                '<p class="note">Bars are configs, labelled limit/floor.</p>' + slice_note
                + _fig_html(figs["decision_mix"], "decision_mix")
                + _fig_html(figs["reason_mix"], "reason_mix") + "</section>")
+    sec.append('<section id="s3w"><h2>Where locality goes</h2>' + rs.waterfall_section(a, figs, _fig_html)
+               + "</section>")
     if "over_time" in figs:
         body = (f'<p class="note">Showing {_e(a.chosen_note)}; the menu at the top right switches to '
                 "other top configs, <code>router-replay report RUN_DIR --config ID</code> picks any. The pin fires when the queue gate "
@@ -1271,20 +1286,18 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                '<p class="note">Every config is a point; red points are the Pareto front (no other config '
                "has a higher hit rate at no more pressure). The dashed line is the pressure bound.</p>"
                + _fig_html(figs["tradeoff"], "tradeoff")
-               + ('<h3>Where locality goes</h3><p class="note">Matched blocks (the fleet\'s ceiling) '
-                  "down to the blocks the chosen workers hold, by the step that gave them away "
-                  "(docs/replay-model.md, \"Where locality goes\"); <code>decisions.parquet</code>'s "
-                  "<code>blocks_lost</code> and <code>lost_to</code> list the requests.</p>"
-                  + _fig_html(figs["waterfall"], "waterfall") if "waterfall" in figs else "")
                + "</section>")
     cl_html, has_cl = _closed_loop_html(a)
     sec.append('<section id="s7"><h2>7. Closed loop</h2>' + cl_html
                + (_fig_html(figs["closed_loop"], "closed_loop") if has_cl and "closed_loop" in figs else "")
                + "</section>")
     sec.append(f'<section id="s8"><h2>8. Provenance</h2>{_provenance_html(a)}</section>')
-    nav = "".join(f'<a href="#s{i}">{_e(n)}</a>' for i, n in enumerate(
-        ["headline", "floor × limit", "mix", "over time", "dp_size", "trade-off", "closed loop",
-         "provenance"], 1))
+    links = [("s1", "headline"), ("s2", "floor × limit"), ("s3", "mix"), ("s3w", "waterfall"), ("s4", "over time"),
+             ("s5", "dp_size"), ("s6", "trade-off"), ("s7", "closed loop"), ("s8", "provenance")]
+    if grid is not None:
+        links.insert(0, ("s0", "closed-loop answer"))
+    nav = "".join(f'<a href="#{i}">{_e(n)}</a>' for i, n in links)
+
     sub = f"{data.summary.height} configs · seed {run.get('seed')} · router-replay {run.get('version')}"
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
@@ -1298,7 +1311,9 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
 
 def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
                  force: bool = False, config_id: int | None = None,
-                 max_p99_waiting: float | None = None) -> Path:
+                 max_p99_waiting: float | None = None, closed_loop: str | os.PathLike | None = None,
+                 max_ttft_p99_ms: float | None = None, beside: int | None = None,
+                 max_queue_wait_p99_ms: float | None = None) -> Path:
     """Write the report of a run directory to ``out`` (default ``RUN_DIR/report.html``).
 
     An existing ``out`` is replaced only with ``force``; the file is written
@@ -1315,7 +1330,13 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
         raise ReplayError(f"{target}: exists (use --force to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
-    page = (render_plan_html(run_dir) if plan_page
-            else render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
+    if plan_page:
+        metric = "queue_wait" if max_queue_wait_p99_ms is not None else "ttft"
+        bound = max_queue_wait_p99_ms if max_queue_wait_p99_ms is not None else max_ttft_p99_ms
+        page = render_plan_html(run_dir, metric, bound)
+    else:
+        page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting,
+                           closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
+                           max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     rundir.write_text_atomic(target, page)
     return target

@@ -90,3 +90,27 @@ def test_roundtrip_wrong_lag_is_detected(capture):
     a, b = by_request(imp), by_request(sim)
     differ = [i for i in a if a[i] != b[i]]
     assert differ, "a lag of 0 instead of 20 ms must change some request's matches"
+
+
+def test_simulate_command_writes_capture_formats(tmp_path):
+    """The same round trip from the command line: `simulate --capture-out` leaves what a live fleet
+    would have left; `import` of it sweeps back to the simulated placement (agreement 1.0)."""
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    sim, cap, imp = tmp_path / "sim", tmp_path / "cap", tmp_path / "imp"
+    r = run("simulate", root / "traces" / "sample-log" / "requests.jsonl", "--fleet",
+            root / "traces" / "sample-fleet.toml", "--requests", 400, "--out", sim, "--capture-out", cap,
+            "--worker-queue-limit", 4, "--index-lag-ms", LAG_MS)
+    assert r.exit_code == 0, r.output
+    assert "capture formats ->" in r.output
+    assert (cap / "trace.json").is_file() and (cap / "token_export").is_dir()
+    r = import_cap(tmp_path, imp, LAG_MS)
+    assert r.exit_code == 0, r.output
+    assert by_request(pl.read_parquet(imp / "requests.parquet")) == by_request(pl.read_parquet(sim / "requests.parquet"))
+    s = run("sweep", imp, "--out", tmp_path / "run", "--worker-queue-limit", 4, "--no-report")
+    assert s.exit_code == 0, s.output
+    assert pl.read_parquet(tmp_path / "run" / "summary.parquet")["agreement"][0] == 1.0
+    # one config only; and the capture dir is an output, so it may not be an input's folder
+    r = run("simulate", root / "traces" / "sample-log" / "requests.jsonl", "--fleet",
+            root / "traces" / "sample-fleet.toml", "--requests", 50, "--out", tmp_path / "sim2",
+            "--capture-out", tmp_path / "cap2", "--worker-queue-limit", "2,4")
+    assert r.exit_code == 2 and "one config" in r.output

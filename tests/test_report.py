@@ -33,7 +33,8 @@ from conftest import tree_digest
 
 GRID = {"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..4"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
-ALL_FIGURES = {"heatmaps", "decision_mix", "reason_mix", "over_time", "floor_vs_dp", "tradeoff", "waterfall"}
+ALL_FIGURES = {"heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall_pair", "over_time", "floor_vs_dp",
+               "tradeoff"}
 
 
 def invoke(*args):

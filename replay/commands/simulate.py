@@ -76,6 +76,10 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
               help="CPUs of the local Ray (default: all).")
+@click.option("--capture-out", "capture_out", type=click.Path(path_type=str), default=None,
+              help="Also write the run as a live fleet would have left it (KV events, LoadStat rows, a router "
+                   "token export, engine request exports: docs/capture.md), for `router-replay import`. "
+                   "One config only.")
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
@@ -83,7 +87,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
-             threads, executor, ray_address, ray_cpus, force, quiet, **knobs):
+             threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
     from pathlib import Path
 
@@ -91,18 +95,19 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
 
     from .. import rundir
     from ..errors import ReplayError
+    from ..plan import parse_list
     from ..simulate import load_fleet, read_log, simulate_grid
     from ..simulate import simulate as run_one
     from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
-    from ..plan import parse_list
-
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
     planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
-    rundir.guard([(out, "plan" if planning else "sim")], inputs=[log, fleet_path], force=force)
+    rundir.guard([(out, "plan" if planning else "sim"),
+                  *([(capture_out, "capture")] if capture_out else [])],
+                 inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     from ..simulate.seeds import parse_seeds
     try:
@@ -113,6 +118,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     grid = Grid.from_texts(texts)
     if grid.warning_line() and not quiet:
         click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
+        for line in grid.skipped_lines():
+            click.echo(line, err=True)
     workers = workers_l[0] if workers_l else None
     dp_size = dp_l[0] if dp_l else None
     fleet_kw = dict(prefill_tokens_per_s=prefill_tokens_per_s,
@@ -152,17 +159,30 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     if planning:
         if placement is not None:
             raise ReplayError("--forced-placement runs the recorded fleet, not a capacity plan")
+        if capture_out:
+            raise ReplayError("--capture-out writes one simulated run, not a capacity plan")
         _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
                   per_dp_rank=per_dp_rank, seeds=seeds, quiet=quiet, threads=threads,
                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
         return
+    if capture_out and (len(grid.configs) != 1 or seeds is not None):
+        raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
     if len(grid.configs) == 1 and seeds is None:
-        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid, **kw)
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
+                    cache_log=capture_out is not None, **kw)
+        if capture_out:
+            from ..capture import outguard  # noqa: F401  (registers the capture output kinds)
+            from ..capture.from_sim import write_capture
+
+            write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
+            if not quiet:
+                click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
+                           "docs/capture.md)")
         if not quiet:
             s = r.summary
             click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
                        f"{r.seconds:.2f} s -> {out}")
-            click.echo(f"true hit rate {s['true_hit_rate']:.4f}, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
+            click.echo(f"true hit rate (served) {100 * s['true_hit_rate']:.2f}%, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
                        f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
         return
     if placement is not None:
@@ -201,7 +221,7 @@ def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scale
     if not quiet:
         click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
                    + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
-        click.echo(f"next: router-replay recommend {out} --plan --ttft-p99-ms MS")
+        click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
 
 
 @contextlib.contextmanager
@@ -214,31 +234,43 @@ def grid_progress(n: int, quiet: bool, label: str = "simulating"):
         yield bar.update
 
 
+_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+
+
 def grid_table(table, grid) -> list[str]:
-    """The closed-loop summary as a readable table: knobs, served hit rate (%), TTFT and queue
-    wait (s), with the 95% interval and the stable verdict when several seeds ran."""
+    """The closed-loop summary as a readable table (no wider than the knobs need): knobs, served
+    hit rate (true_hit_rate, %), TTFT and queue wait (s), with the 95% interval and the stable
+    verdict when several seeds ran."""
     knobs = [k for k in KNOBS if k in table.columns and len(grid.values[k]) > 1]
     seeded = "stable" in table.columns
 
     def cell(v, scale=1.0, digits=1):
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
-    head = ["config"] + knobs + ["true hit %", "TTFT p50 s", "TTFT p99 s", "wait mean s"]
+    def span(r, col, scale, digits):
+        return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
+
+    head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
+    head += ["served hit %" + (" [95%]" if seeded else ""), "TTFT p50 s",
+             "TTFT p99 s" + (" [95%]" if seeded else ""), "wait mean s"]
     if seeded:
-        head += ["hit 95% interval", "p99 95% interval", "stable"]
+        head += ["stable"]
     rows = [head]
     for r in table.iter_rows(named=True):
         row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
-        row += [cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p50"], 1e-3, 2),
-                cell(r["ttft_ms_p99"], 1e-3, 2), cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        hit, p99 = cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p99"], 1e-3, 2)
         if seeded:
-            row += [f"{cell(r['true_hit_rate_lo'], 100, 2)}..{cell(r['true_hit_rate_hi'], 100, 2)}",
-                    f"{cell(r['ttft_ms_p99_lo'], 1e-3, 2)}..{cell(r['ttft_ms_p99_hi'], 1e-3, 2)}",
-                    "yes" if r["stable"] else ("?" if r["stable"] is None else
+            hit += f" [{span(r, 'true_hit_rate', 100, 1)}]"
+            p99 += f" [{span(r, 'ttft_ms_p99', 1e-3, 1)}]"
+        row += [hit, cell(r["ttft_ms_p50"], 1e-3, 2), p99, cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        if seeded:
+            row += ["yes" if r["stable"] else ("?" if r["stable"] is None else
                                                "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
         rows.append(row)
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
-    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return [*lines, "served hit % = true_hit_rate (tokens found cached when served); sweep's hit_rate is "
+                    "decision-time"]
 
 
 COMMANDS = [simulate]

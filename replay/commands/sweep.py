@@ -86,9 +86,13 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from .. import rundir
     from ..errors import ReplayError
+    from ..recorded import grid_dir_error
     from ..sweep import check_grid, run_sweep
     from ..trace import NS, format_window, parse_window
 
+    not_a_trace = grid_dir_error(trace_dir)
+    if not_a_trace:
+        raise ReplayError(not_a_trace)
     rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
     try:
         window_ns = parse_window(window)
@@ -148,6 +152,15 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         click.echo(f"replayed {n_req:,} requests x {s.height} configs "
                    f"= {n_dec:,} decisions in {t['total_s']:.2f} s{how} -> {out}")
         _print_top(s)
+        from ..closed_loop import open_loop_line
+        from ..recorded import agreement_lines, read_recorded
+
+        import textwrap
+
+        click.echo(textwrap.fill(f"note: {open_loop_line(trace_dir)}", width=100, subsequent_indent="  ",
+                                 break_on_hyphens=False))
+        for line in agreement_lines(s, read_recorded(trace_dir), seed=seed, freshness_ms=freshness_ms):
+            click.echo(line)
         report = Path(out) / "report.html"
         if report.is_file():
             click.echo(f"report: {report} (open it in a browser)")
@@ -157,7 +170,8 @@ def _print_top(s) -> None:
     cols = [c for c in ("config_id", "worker_queue_limit", "saturation_queue_floor", "hit_rate",
                         "owner_rate", "pinned", "diverted", "selected_waiting_p99") if c in s.columns]
     head = s.select(cols).sort("hit_rate", descending=True, nulls_last=True).head(5)
-    click.echo("best configs by hit rate:")
+    click.echo("best configs by hit rate: (hit_rate: decision-time, the blocks the chosen worker held "
+               "when the router decided / query blocks)")
     click.echo("  " + "  ".join(f"{c:>22}" for c in cols))
     for row in head.iter_rows():
         cells = []

@@ -506,6 +506,9 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
                     "freshness_ms": int(freshness_ms), "fleet": fleet.describe()}
             if seeds is not None:
                 meta["seeds"] = [int(s) for s in run_seeds]
+            if log.source and Path(log.source).is_dir():
+                from ..closed_loop import log_identity  # how `report` finds this grid for a run of the trace
+                meta["log_identity"] = log_identity(log.source)
             (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, default=_json) + "\n")
             move_into_place(tmp, out)
             tmp = None
