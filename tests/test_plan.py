@@ -212,6 +212,9 @@ def test_plan_prefers_fewer_ranks_then_fewer_workers_and_scales_per_rank_knobs(t
     run(["report", out, "-q"])
     page = (out / "report.html").read_text()
     assert 'id="fig-frontier"' in page and "capacity plan: ttft_ms_p99" in page
+    run(["report", out, "-q", "--force", "--max-ttft-p99-ms", "600"])
+    page = (out / "report.html").read_text()
+    assert "ttft_ms_p99 &lt;= 600 ms" in page and "traffic x1: 2 workers x dp 2 (4 ranks)" in page
     # a finished plan may be replaced with --force (and is refused without it)
     args = ["simulate", tmp_path / "log.jsonl", "--fleet", tmp_path / "fleet.toml", "--out", out,
             "--workers", "2,3", "-q"]
