@@ -216,7 +216,7 @@ def test_compare_a_variant_against_the_router(gen_trace, tmp_path):
     assert cmp.changed.collect().height > 0
     res = CliRunner().invoke(main, ["compare", str(tmp_path / "router"), str(tmp_path / "locality")])
     assert res.exit_code == 0, res.output
-    assert "locality waterfall terms that changed" in res.output and " pin -" in res.output
+    assert "locality waterfall, B - A in blocks" in res.output and " pin -" in res.output
 
 
 
