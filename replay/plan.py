@@ -436,7 +436,7 @@ def render_plan_html(run_dir: str | os.PathLike, metric: str = "ttft",
         vals = [v for v in t[col].drop_nulls().to_list() if math.isfinite(v)]
         bound_ms = float(np.median(vals)) if vals else 0.0
     text = format_plan(plan(t, metric, bound_ms), metric, bound_ms, col)
-    title = f"router-replay capacity plan: {Path(run_dir).resolve().name}"
+    title = f"router-replay report: capacity plan {Path(run_dir).resolve().name}"  # rundir marker
     body = (f"<section><h2>Capacity frontier</h2><p class=\"note\">Bound: {_e(col)} &lt;= "
             f"{bound_ms:g} ms (the median over the plan unless given; "
             "<code>router-replay recommend DIR --plan --max-ttft-p99-ms MS</code> answers for any "
