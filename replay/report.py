@@ -1323,16 +1323,24 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     An existing ``out`` is replaced only with ``force``; the file is written
     aside and renamed into place, and nothing else is touched.
     """
-    data = load_run(run_dir)
-    target = Path(out) if out is not None else data.path / REPORT
+    from .plan import PLAN_TABLE, render_plan_html  # noqa: PLC0415
+
+    plan_page = (Path(run_dir) / PLAN_TABLE).is_file()  # a capacity plan (docs/capacity.md)
+    data = None if plan_page else load_run(run_dir)
+    target = Path(out) if out is not None else (Path(run_dir) if plan_page else data.path) / REPORT
     if target.exists() and target.is_dir():
         raise ReplayError(f"{target}: is a directory (give a file name with --out)")
     if target.exists() and not force:
         raise ReplayError(f"{target}: exists (use --force to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
-    page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting, closed_loop=closed_loop,
-                       max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
-                       max_queue_wait_p99_ms=max_queue_wait_p99_ms)
+    if plan_page:
+        metric = "queue_wait" if max_queue_wait_p99_ms is not None else "ttft"
+        bound = max_queue_wait_p99_ms if max_queue_wait_p99_ms is not None else max_ttft_p99_ms
+        page = render_plan_html(run_dir, metric, bound)
+    else:
+        page = render_html(data, config_id=config_id, max_p99_waiting=max_p99_waiting,
+                           closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
+                           max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     rundir.write_text_atomic(target, page)
     return target

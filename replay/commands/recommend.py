@@ -38,6 +38,12 @@ Exit codes:
 Example:
   router-replay recommend runs/fit/prediction --max-ttft-p99-ms 2000
   router-replay recommend reports/sample --max-p99-waiting 8
+
+--plan reads a capacity plan (simulate with --workers/--dp-size/--load-scale
+lists) and prints, per traffic level, the smallest fleet with its limit and
+floor meeting --max-ttft-p99-ms or --max-queue-wait-p99-ms (exit 1 if a
+level has none); a directory with plan_summary.parquet is read so without
+--plan too; docs/capacity.md.
 """
 
 
@@ -49,14 +55,24 @@ Example:
               help="Closed-loop grid: bound on the upper 95% bound of TTFT p99 (ms).")
 @click.option("--max-queue-wait-p99-ms", "wait_ms", default=None, type=click.FloatRange(min=0), metavar="MS",
               help="Closed-loop grid: bound on the upper 95% bound of queue wait p99 (ms).")
+@click.option("--plan", "plan_mode", is_flag=True,
+              help="RUN_DIR is a capacity plan (simulate with fleet lists): the smallest fleet per "
+                   "traffic level meeting --max-ttft-p99-ms or --max-queue-wait-p99-ms "
+                   "(docs/capacity.md).")
 @user_errors
-def recommend(run_dir, bound, ttft_ms, wait_ms):
+def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode):
     """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
     from pathlib import Path
 
     from .. import analysis, closed_loop
     from ..errors import ReplayError
+    from ..plan import PLAN_TABLE, recommend_plan
 
+    if plan_mode or (Path(run_dir) / PLAN_TABLE).is_file():  # a capacity plan (docs/capacity.md)
+        if bound is not None:
+            raise ReplayError("--plan bounds TTFT p99 (--max-ttft-p99-ms) or queue wait p99 "
+                              "(--max-queue-wait-p99-ms), not --max-p99-waiting")
+        sys.exit(recommend_plan(run_dir, ttft_ms, wait_ms, click.echo))
     if closed_loop.is_grid(run_dir) and not (Path(run_dir) / analysis.rundir.RUN_JSON).is_file():
         if bound is not None:
             raise ReplayError(f"{run_dir}: a closed-loop grid: bound TTFT p99 (--max-ttft-p99-ms) or queue "

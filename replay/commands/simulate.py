@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import click
@@ -39,8 +40,14 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
 @click.option("--out", "out", required=True, type=click.Path(path_type=str),
               help="Directory to write (trace, outcomes, or one directory per config).")
 @_knob_options
-@click.option("--workers", type=int, default=None, help="Prefill workers.")
-@click.option("--dp-size", type=int, default=None, help="Data-parallel ranks per worker.")
+@click.option("--workers", "workers_text", default=None, metavar="N[,N...]",
+              help="Prefill workers; a list runs a capacity plan over fleets (docs/capacity.md).")
+@click.option("--dp-size", "dp_text", default=None, metavar="N[,N...]",
+              help="Data-parallel ranks per worker (per-rank rates kept); a list plans over it.")
+@click.option("--load-scale", "scale_text", default=None, metavar="X[,X...]",
+              help="Traffic levels, x the log (replicated with fresh prefix namespaces).")
+@click.option("--per-dp-rank", is_flag=True,
+              help="--worker-queue-limit / --saturation-queue-floor values are per rank (x dp_size).")
 @click.option("--prefill-tokens-per-s", type=float, default=None, help="Per rank.")
 @click.option("--decode-tokens-per-s", type=float, default=None, help="Per rank (decode steps/s).")
 @click.option("--max-running-requests", type=int, default=None, help="Per rank.")
@@ -76,7 +83,8 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
 @click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
 @user_errors
-def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decode_tokens_per_s,
+def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_rank,
+             prefill_tokens_per_s, decode_tokens_per_s,
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
@@ -87,12 +95,18 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
 
     from .. import rundir
     from ..errors import ReplayError
+    from ..plan import parse_list
     from ..simulate import load_fleet, read_log, simulate_grid
     from ..simulate import simulate as run_one
     from ..simulate.sim import _check_out, interval_rows
     from ..simulate.tracelog import is_trace_dir, read_trace_log
 
-    rundir.guard([(out, "sim"), *([(capture_out, "capture")] if capture_out else [])],
+    workers_l = parse_list(workers_text, "--workers", int, -math.inf)
+    dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
+    scales = parse_list(scale_text, "--load-scale", float, 1e-9)
+    planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
+    rundir.guard([(out, "plan" if planning else "sim"),
+                  *([(capture_out, "capture")] if capture_out else [])],
                  inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
     from ..simulate.seeds import parse_seeds
@@ -106,11 +120,18 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
         click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
         for line in grid.skipped_lines():
             click.echo(line, err=True)
-    fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size,
-                       prefill_tokens_per_s=prefill_tokens_per_s,
-                       decode_tokens_per_s=decode_tokens_per_s,
-                       max_running_requests=max_running_requests,
-                       max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
+    workers = workers_l[0] if workers_l else None
+    dp_size = dp_l[0] if dp_l else None
+    fleet_kw = dict(prefill_tokens_per_s=prefill_tokens_per_s,
+                    decode_tokens_per_s=decode_tokens_per_s,
+                    max_running_requests=max_running_requests,
+                    max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
+    fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size, resize=planning, **fleet_kw)
+    if per_dp_rank and not planning:
+        from ..config import fleet_dp_size
+
+        grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers
+                                                      if w.role != "decode"]))
     placement = None
     if is_trace_dir(log):
         rec = read_trace_log(log, block_size=block_size, limit=limit)
@@ -135,6 +156,15 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
                    err=True)
     kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
               freshness_ms=freshness_ms, force=force)
+    if planning:
+        if placement is not None:
+            raise ReplayError("--forced-placement runs the recorded fleet, not a capacity plan")
+        if capture_out:
+            raise ReplayError("--capture-out writes one simulated run, not a capacity plan")
+        _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
+                  per_dp_rank=per_dp_rank, seeds=seeds, quiet=quiet, threads=threads,
+                  executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+        return
     if capture_out and (len(grid.configs) != 1 or seeds is not None):
         raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
     if len(grid.configs) == 1 and seeds is None:
@@ -168,6 +198,30 @@ def simulate(log, fleet_path, out, workers, dp_size, prefill_tokens_per_s, decod
                    f"-> {out}")
         for line in grid_table(table, grid):
             click.echo(line)
+
+
+def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out, *,
+              per_dp_rank, seeds, quiet, **kw):
+    """--workers / --dp-size / --load-scale lists: the capacity-plan grid (replay.plan)."""
+    from ..plan import fleet_points, plan_grid
+    from ..simulate import load_fleet
+
+    base_dp = sorted({w.dp_size for w in fleet.workers if w.role != "decode"})
+    points = fleet_points(workers_l or [len(fleet.prefill)], dp_l or base_dp[:1], scales or [1.0])
+
+    def make_fleet(w, d):
+        return load_fleet(fleet_path, workers=w, dp_size=d, resize=True, **fleet_kw)
+
+    for p in points:  # refuse a bad fleet before the first simulation
+        make_fleet(p.workers, p.dp_size)
+    n_jobs = len(points) * len(grid.configs) * (len(seeds) if seeds else 1)
+    with grid_progress(n_jobs, quiet, label="planning") as progress:
+        table = plan_grid(req_log, make_fleet, grid, points, out, per_dp_rank=per_dp_rank,
+                          seeds=seeds, progress=progress, **kw)
+    if not quiet:
+        click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
+                   + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
+        click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
 
 
 @contextlib.contextmanager

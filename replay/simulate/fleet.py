@@ -186,8 +186,14 @@ def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, A
     return Fleet(tuple(out), spec)
 
 
-def load_fleet(path: str | os.PathLike | None = None, **overrides: Any) -> Fleet:
-    """Read a fleet file (TOML, or JSON by suffix) and apply non-None ``overrides``."""
+def load_fleet(path: str | os.PathLike | None = None, *, resize: bool = False,
+               **overrides: Any) -> Fleet:
+    """Read a fleet file (TOML, or JSON by suffix) and apply non-None ``overrides``.
+
+    ``resize`` (capacity planning, ``replay.plan``): a ``workers`` override
+    gives worker ``i`` the file's ``[[worker]]`` entry ``i mod n`` (n: the
+    file's workers), and a ``dp_size`` override applies to every worker; the
+    per-rank rates and capacities are kept."""
     data: dict[str, Any] = {}
     where = "fleet"
     if path is not None:
@@ -218,8 +224,15 @@ def load_fleet(path: str | os.PathLike | None = None, **overrides: Any) -> Fleet
     unknown = set(data) - _KEYS
     if unknown:
         raise FleetError(f"{where}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_KEYS))}")
+    n_file = data.get("workers", FleetSpec.workers)
     data.update({k: v for k, v in overrides.items() if v is not None})
     spec = FleetSpec(**data)
+    if resize and per_worker and isinstance(n_file, int) and n_file >= 1:
+        # REPLAY CHOICE: a resized fleet repeats the calibrated workers in index order
+        # (heterogeneous rates stay in the mix); dp_size is the grid's, not the file's
+        drop = {"dp_size"} if overrides.get("dp_size") is not None else set()
+        per_worker = {i: {k: v for k, v in per_worker[i % n_file].items() if k not in drop}
+                      for i in range(spec.workers) if (i % n_file) in per_worker}
     bad = [i for i in per_worker if not 0 <= i < spec.workers]
     if bad:
         raise FleetError(f"{where}: [[worker]] index {bad[0]} outside 0..{spec.workers - 1}")

@@ -9,6 +9,7 @@ exact format ``sweep`` reads plus ``outcomes.parquet``;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -497,10 +498,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
             knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
             table = aggregate(rows, knob_cols)
         if tmp is not None and out is not None:
-            table.write_parquet(tmp / SUMMARY)
-            flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
-                                       for c in ("seeds", "unstable_seeds") if c in table.columns])
-            flat.write_csv(tmp / "closed_loop_summary.csv")
+            write_summary(table, tmp / SUMMARY)
             if seeds is not None:
                 pl.DataFrame(rows).write_parquet(tmp / SEEDS_TABLE)
             meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
@@ -521,6 +519,14 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_summary(table: pl.DataFrame, path: Path) -> None:
+    """A summary table as ``path`` (Parquet) and beside it as CSV (seed lists joined by commas)."""
+    table.write_parquet(path)
+    flat = table.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(",")
+                               for c in ("seeds", "unstable_seeds") if c in table.columns])
+    flat.write_csv(path.with_suffix(".csv"))
+
+
 def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | None, seed: int,
               kw: dict) -> dict[str, Any]:
     """One (config, seed) of a grid as a Ray task: the summary of :func:`simulate`."""
@@ -529,8 +535,10 @@ def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | No
     return simulate(log, fleet, config, sub, seed=seed, **kw).summary
 
 
-def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
-              retries) -> list[dict]:
+@contextlib.contextmanager
+def ray_session(address: str | None, cpus: int | None):
+    """Ray, initialised for the block (joining ``address``, else a local Ray with ``cpus``
+    CPUs) unless it already is; shut down at the end only if it was started here."""
     import logging
 
     from ..shards import require_ray
@@ -545,6 +553,15 @@ def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress
             else:
                 ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **opts)
             started = True
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
+              retries) -> list[dict]:
+    with ray_session(address, cpus) as ray:
         task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=True)(grid_task)
         log_ref, fleet_ref = ray.put(log), ray.put(fleet)
         refs = []
@@ -571,9 +588,6 @@ def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress
                                   f"{cause}") from None
             if progress is not None:
                 progress(1)
-    finally:
-        if started:
-            ray.shutdown()
     rows = []
     for k, (j, s) in enumerate(jobs):
         row = dict(rows_by_id[ids[j]])
