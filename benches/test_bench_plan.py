@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import stat
 
 ROOT = Path(__file__).resolve().parents[1]
