@@ -769,6 +769,27 @@ def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
     return front
 
 
+VARIANT_SYMBOLS = ("circle", "triangle-up", "square", "x", "triangle-down", "cross")
+VARIANT_COLORS = ("#9aa5b1", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def variant_series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``rows`` split by their replay-only policy variants (issue 15: a variant is drawn as its own
+    series): ``("", rows under the router's own rules)`` first, then one ``(label, rows)`` per
+    variant setting, labelled as not a router flag.  A grid without variants is one series."""
+    keys = [k for k, spec in KNOBS.items() if not spec.router]
+
+    def tag(r: dict) -> str:
+        parts = [f"{KNOBS[k].flag} {r[k]}" for k in keys
+                 if r.get(k) is not None and r[k] != KNOBS[k].choices[0]]
+        return f"variant {', '.join(parts)} (not a router flag)" if parts else ""
+
+    groups: dict[str, list[dict]] = {"": []}
+    for r in rows:
+        groups.setdefault(tag(r), []).append(r)
+    return [(t, g) for t, g in groups.items() if g or t == ""]
+
+
 def fig_tradeoff(a: ReportView):
     """Hit rate against pressure (p99 and mean waiting), every config; Pareto fronts highlighted."""
     go = _go()
@@ -782,12 +803,16 @@ def fig_tradeoff(a: ReportView):
         others = [r for r in pts if r["config_id"] not in front]
         on = sorted((r for r in pts if r["config_id"] in front), key=lambda r: r[key])
         show = ci == 0
-        fig.add_trace(go.Scatter(
-            x=[r[key] for r in others], y=[r["hit_rate"] for r in others], mode="markers",
-            name="config", legendgroup="config", showlegend=show,
-            marker=dict(size=9, color="#9aa5b1", opacity=0.75, line=dict(width=0.5, color="#555")),
-            customdata=[a.hover(r) for r in others], hovertemplate="%{customdata}<extra></extra>"),
-            row=1, col=ci + 1)
+        for si, (tag, group) in enumerate(variant_series(others)):
+            fig.add_trace(go.Scatter(
+                x=[r[key] for r in group], y=[r["hit_rate"] for r in group], mode="markers",
+                name=tag or "config", legendgroup=tag or "config", showlegend=show,
+                marker=dict(size=9, color="#9aa5b1", opacity=0.75, line=dict(width=0.5, color="#555"))
+                if not tag else dict(size=10, symbol=VARIANT_SYMBOLS[si % len(VARIANT_SYMBOLS)],
+                                     color=VARIANT_COLORS[si % len(VARIANT_COLORS)], opacity=0.85,
+                                     line=dict(width=0.5, color="#555")),
+                customdata=[a.hover(r) for r in group], hovertemplate="%{customdata}<extra></extra>"),
+                row=1, col=ci + 1)
         fig.add_trace(go.Scatter(
             x=[r[key] for r in on], y=[r["hit_rate"] for r in on], mode="lines+markers",
             name="Pareto front", legendgroup="front", showlegend=show,

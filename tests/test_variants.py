@@ -234,3 +234,32 @@ def test_report_and_recommend_say_a_variant_is_not_a_router_flag(gen_trace, tmp_
     res = CliRunner().invoke(main, ["recommend", str(only), "--max-p99-waiting", "1000"])
     assert res.exit_code == 0, res.output
     assert "needs the replay-only policy variant --pin-order locality: not a router flag" in res.output
+
+
+def test_report_draws_each_variant_as_its_own_series(gen_trace, tmp_path):
+    """Issue 15: in the hit-rate / pressure plot, configs under a policy variant are their own
+    series (named, marked as not a router flag); the router's own configs stay one series."""
+    from replay.report import figures
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(run), "-q", "--no-report",
+                                    "--worker-queue-limit", "2,3,4", "--saturation-queue-floor", "none,1",
+                                    "--pin-order", "pressure,locality"])
+    assert res.exit_code == 0, res.output
+    summary = pl.read_parquet(run / "summary.parquet")
+    fig = figures(run)["tradeoff"]
+    left = [t for t in fig.data if t.xaxis in (None, "x")]
+    names = {t.name for t in left}
+    tag = "variant --pin-order locality (not a router flag)"
+    assert tag in names and "config" in names
+    front = next(t for t in left if t.name == "Pareto front")
+    drawn = {(x, y) for t in left if t.name in ("config", tag, "Pareto front") for x, y in zip(t.x, t.y, strict=True)}
+    every = {(r["selected_waiting_p99"], r["hit_rate"]) for r in summary.iter_rows(named=True)
+             if r["selected_waiting_p99"] is not None and r["hit_rate"] is not None}
+    assert drawn == every                                   # every config drawn, in one of the series
+    loc = {(r["selected_waiting_p99"], r["hit_rate"])
+           for r in summary.filter(pl.col("variant_pin_order") == "locality").iter_rows(named=True)}
+    series = next(t for t in left if t.name == tag)
+    assert set(zip(series.x, series.y, strict=True)) <= loc  # the variant's series holds only its configs
+    off_front = loc - set(zip(front.x, front.y, strict=True))
+    assert off_front <= set(zip(series.x, series.y, strict=True))   # ... and all of them off the front
