@@ -35,6 +35,14 @@ def user_errors(fn):
             raise InputError(f"{err.flag} {err.text}") from None
         except ReplayError as err:
             raise InputError(str(err)) from None
+        except OSError as err:              # a full disk, a read-only file system, a permission
+            from .rundir import write_error  # (imported here: rundir pulls in polars and pyarrow)
+
+            written = next((kwargs[k] for k in ("validate_dir", "out") if kwargs.get(k)), None)
+            mapped = write_error(err, err.filename or written or "the output")
+            if mapped is err:
+                raise
+            raise InputError(str(mapped)) from None
 
     return wrapper
 

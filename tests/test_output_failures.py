@@ -320,3 +320,16 @@ def test_debris_without_a_checkable_pid_goes_after_an_hour_untouched(gen_trace, 
     res = ok(invoke("sweep", gen_trace, "--out", tmp_path / "run", "--worker-queue-limit", "2", "--no-report"))
     assert "removed 1 unfinished folder(s) left by killed runs (.run.partial-k2j4h5g6)" in res.stderr
     assert hidden(tmp_path) == [recent.name]
+
+
+def test_a_full_disk_under_simulate_and_calibrate_is_one_line(small_disk):
+    """The closed-loop commands map a full disk like the others: one line naming the output, exit 2,
+    and no hidden partial folder is left (the fleet file calibrate finished before may stay)."""
+    root = Path(__file__).resolve().parents[1]
+    refused(invoke("simulate", root / "traces" / "sample-log" / "requests.jsonl", "--fleet",
+                   root / "traces" / "sample-fleet.toml", "--requests", "2000", "--out", small_disk / "sim", "-q"),
+            "no space left on device writing")
+    assert os.listdir(small_disk) == []
+    refused(invoke("calibrate", root / "traces" / "sample", "--out", small_disk / "f.toml",
+                   "--validate", small_disk / "v", "-q"), "no space left on device writing", str(small_disk / "v"))
+    assert [n for n in os.listdir(small_disk) if n != "f.toml"] == []

@@ -107,7 +107,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
         refined = refine_decode(rec, cal, seed=recorded_seed(rec) if seed is None else seed,
                                 freshness_ms=freshness_ms)
     fleet_path.parent.mkdir(parents=True, exist_ok=True)
-    write_fleet(cal, fleet_path, source=str(trace_dir))
+    with rundir.writing(fleet_path):
+        write_fleet(cal, fleet_path, source=str(trace_dir))
     fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
     if not quiet:
         click.echo(f"calibrated {len(cal.urls)} workers from {rec.log.n_requests:,} requests "

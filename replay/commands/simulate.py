@@ -174,7 +174,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
             from ..capture import outguard  # noqa: F401 - registers the capture output kinds
             from ..capture.from_sim import write_capture
 
-            write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
+            with rundir.writing(capture_out):
+                write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
             if not quiet:
                 click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
                            "docs/capture.md)")
