@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import polars as pl
 from . import rundir
 from .config import Grid
 from .errors import ReplayError
-from .outdir import move_into_place, partial_beside
+from .rundir import building
 
 PLAN_TABLE = "plan_summary.parquet"
 PLAN_JSON = "plan.json"
@@ -242,8 +241,7 @@ def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Se
         return t.select([pl.lit(v).alias(k) for k, v in lead.items()]
                         + [c for c in t.columns if c not in lead])
 
-    tmp: Path | None = partial_beside(out)
-    try:
+    with building(out) as tmp:
         with contextlib.ExitStack() as stack:
             if executor == "ray":
                 stack.enter_context(ray_session(ray_address, ray_cpus))
@@ -258,12 +256,7 @@ def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Se
                 "points": [p.label for p in points],
                 "load_scale_method": "replication with fresh prefix namespaces (docs/capacity.md)"}
         (tmp / PLAN_JSON).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        move_into_place(tmp, out)
-        tmp = None
-        return table
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return table
 
 
 def _rate(log) -> float | None:

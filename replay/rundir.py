@@ -715,6 +715,21 @@ def _check_unchanged(out: Path) -> None:
           f"replaces it", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def building(out: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory output aside: yields the hidden folder to write into
+    (:func:`partial_beside`); when the block completes it is swapped into place
+    (:func:`move_into_place`), on any failure it is removed."""
+    tmp: Path | None = partial_beside(out)
+    try:
+        assert tmp is not None
+        yield tmp
+        move_into_place(tmp, out)
+        tmp = None
+    finally:
+        discard(tmp)
+
+
 def discard(tmp: Path | None) -> None:
     """Remove an unfinished output folder (a failed or interrupted run)."""
     if tmp is not None:

@@ -122,16 +122,9 @@ def write_capture(res, log, fleet, out, *, index_lag_ms: int = 0, force: bool = 
     _check_exportable(log)
     out = Path(out)
     rundir.guard([(out, "capture")], force=force)
-    tmp = rundir.partial_beside(out)
-    try:
+    with rundir.building(out) as tmp:
         _write(res, log, fleet, tmp, index_lag_ms)
         (tmp / "trace.json").write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")
-        rundir.move_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -33,6 +33,7 @@ from ..config import Grid, RouterConfig
 from ..engine import encode_configs
 from ..errors import ReplayError
 from ..outdir import move_into_place, partial_beside, refuse_existing
+from ..rundir import building
 from . import nb
 from .fleet import Fleet
 from .logs import RequestLog
@@ -397,17 +398,12 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
 
 def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict,
                extra_json: Mapping[str, dict] | None = None) -> None:
-    tmp = partial_beside(out)
-    try:
+    with building(out) as tmp:
         for name, t in tables.items():
             _write_parquet(t, tmp / name)
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
-        move_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _json(v):
