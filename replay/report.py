@@ -19,6 +19,11 @@ goes" section (the waterfall) follows the mix.
 From Python (notebooks): :func:`figures` returns the plotly figures,
 :func:`headline` the facts and best-config table, :func:`build_report`
 writes the page.
+
+The figures are built as plain plotly figure dicts (``replay/figspec.py``,
+:func:`figure_dicts`) and the page is written from them without plotly's
+graph objects, whose validation was most of a sample sweep's time (issue 13);
+:func:`figures` validates the same dicts into ``go.Figure`` objects.
 """
 
 from __future__ import annotations
@@ -560,16 +565,24 @@ def over_time_frames(a: ReportView, config_ids: list[int]) -> dict[int, pl.DataF
         return {c: pl.DataFrame() for c in config_ids}
     counts = decision_counts(data.decisions, config_ids, data.fleet, bins)
     idx = pl.get_index_type()
+    # one lazy query a config (its eager steps one by one were most of the figure's cost on a
+    # small run); each result is a config's intervals, never request-sized
+    stats, lazy = bins.stats.lazy(), counts.lazy()
+    allowed: dict[Any, pl.LazyFrame] = {}   # the pin-allowed counts, once per floor
     out = {}
     for cid in config_ids:
-        out[cid] = (counts.filter(pl.col("config_id") == cid).drop("config_id")
+        floor = a.rows[cid][FLOOR]
+        if floor not in allowed:
+            allowed[floor] = bins.at_or_above(floor).lazy()
+        out[cid] = (lazy.filter(pl.col("config_id") == cid).drop("config_id")
                     .with_columns(pl.col(c).cast(idx) for c in COUNTS)
-                    .join(bins.stats, on="bin", how="left")
-                    .join(bins.at_or_above(a.rows[cid][FLOOR]), on="bin", how="left")
+                    .join(stats, on="bin", how="left")
+                    .join(allowed[floor], on="bin", how="left")
                     .sort("bin")
                     .select("bin", *COUNTS, *FLEET_STATS, "reading_at_or_above_floor")
                     .with_columns(t_ns=pl.col("bin") * bins.step + bins.t0 + bins.step // 2,
-                                  interval_ns=pl.lit(bins.step, dtype=pl.Int64)))
+                                  interval_ns=pl.lit(bins.step, dtype=pl.Int64))
+                    .collect())
     return out
 
 
