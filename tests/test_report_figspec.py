@@ -4,17 +4,13 @@ The page is written from figure dicts built without plotly's graph objects
 (issue 13: they were most of a sample sweep's time).  These tests hold the
 dicts to plotly itself: the subplot grid to ``make_subplots``, the helpers to
 ``go.Figure``'s methods, and every figure of real runs (real sweeps, real
-Parquet) to its validated form, as the page carries it; and the CLI's start to
-importing only what a command uses.
+Parquet) to its validated form, as the page carries it; and (the CLI's start: tests/test_cli_start.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -26,8 +22,6 @@ from replay import figspec as fs
 from replay.generate import generate_trace
 from replay.report import figure_dicts, figures, render_html
 from replay.sweep import run_sweep
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _layout(fig) -> dict:
@@ -162,26 +156,3 @@ def test_page_figures_are_the_validated_figures(runs, name):
         assert data == want["data"], key
         assert layout == want["layout"], key
     assert page.count(fs.plotlyjs()) == 1
-
-
-def _imported_after(code: str) -> list[str]:
-    heavy = ("numba", "polars", "pyarrow", "plotly", "scipy", "replay.engine", "replay.simulate", "replay.trace")
-    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {heavy!r} if m in sys.modules))"
-    res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
-    return res.stdout.split()
-
-
-def test_start_imports_only_what_the_command_uses():
-    """``import replay``, the CLI's command tree and ``--help`` load none of the heavy libraries;
-    the public names still resolve (on first use)."""
-    assert _imported_after("import replay") == []
-    assert _imported_after("import replay.cli") == []
-    assert _imported_after("from click.testing import CliRunner\nfrom replay.cli import main\n"
-                           "r = CliRunner().invoke(main, ['--help'])\nassert r.exit_code == 0, r.output\n"
-                           "r = CliRunner().invoke(main, ['sweep', '--help'])\nassert r.exit_code == 0") == []
-    import replay
-
-    for name in replay.__all__:
-        assert getattr(replay, name) is not None, name
-    with pytest.raises(AttributeError):
-        _ = replay.no_such_name
