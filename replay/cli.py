@@ -167,3 +167,9 @@ def _register() -> None:
 
 
 _register()
+
+
+if __name__ == "__main__":  # python -m replay.cli ... (as python -m replay): run the one registered group
+    from replay.cli import main as _entry
+
+    _entry()
