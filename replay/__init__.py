@@ -8,20 +8,58 @@ The library API (the CLI is a thin layer over it):
   :class:`SweepResult` (summary table, and the run directory when written).
 * :func:`decide_all` - every decision as ``(requests x configs)`` arrays.
 * :func:`generate_trace` - a seeded synthetic trace directory.
+
+The names are imported on first use (PEP 562), so ``import replay`` (and every
+CLI start, ``--help`` included) does not import numba, polars or the engine
+until something needs them.
 """
 
-# the one place the version is written (pyproject.toml reads it); set before the imports below,
-# whose modules import it
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# the one place the version is written (pyproject.toml reads it)
 __version__ = "0.1.0"
 
-from .config import Grid, RouterConfig  # noqa: E402 - after __version__
-from .engine import decide_all, iter_chunks  # noqa: E402 - after __version__
-from .errors import ConfigError, ReplayError  # noqa: E402 - after __version__
-from .generate import generate_trace  # noqa: E402 - after __version__
-from .sweep import SweepResult, run_sweep  # noqa: E402 - after __version__
-from .trace import Trace, TraceError, load_trace, validate_trace  # noqa: E402 - after __version__
+if TYPE_CHECKING:
+    from .config import Grid, RouterConfig
+    from .engine import decide_all, iter_chunks
+    from .errors import ConfigError, ReplayError
+    from .generate import generate_trace
+    from .sweep import SweepResult, run_sweep
+    from .trace import Trace, TraceError, load_trace, validate_trace
+
+# public name -> the module that defines it
+_LAZY = {
+    "Grid": "config", "RouterConfig": "config",
+    "decide_all": "engine", "iter_chunks": "engine",
+    "ConfigError": "errors", "ReplayError": "errors",
+    "generate_trace": "generate",
+    "SweepResult": "sweep", "run_sweep": "sweep",
+    "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
+}
 
 __all__ = [
     "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
     "decide_all", "generate_trace", "iter_chunks", "load_trace", "run_sweep", "validate_trace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names on first use; ``replay.engine`` and the other submodules too."""
+    mod = _LAZY.get(name)
+    if mod is not None:
+        value = getattr(importlib.import_module(f".{mod}", __name__), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -19,6 +19,11 @@ goes" section (the waterfall) follows the mix.
 From Python (notebooks): :func:`figures` returns the plotly figures,
 :func:`headline` the facts and best-config table, :func:`build_report`
 writes the page.
+
+The figures are built as plain plotly figure dicts (``replay/figspec.py``,
+:func:`figure_dicts`) and the page is written from them without plotly's
+graph objects, whose validation was most of a sample sweep's time (issue 13);
+:func:`figures` validates the same dicts into ``go.Figure`` objects.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 import polars as pl
 
 from . import __version__, labels, rundir
+from . import figspec as fs
 from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
 from .errors import ReplayError
@@ -242,27 +248,16 @@ def _id_list(rows: dict) -> str:
 
 # ---------------------------------------------------------------------------
 # figures
-def _go():
-    import plotly.graph_objects as go  # here: plotly is slow to import; only reports need it
-    return go
-
-
-def _subplots(**kw):
-    from plotly.subplots import make_subplots
-    return make_subplots(**kw)
-
-
-def _base_layout(fig, *, height: int, title: str | None = None, **kw) -> None:
-    fig.update_layout(height=height, font=FONT, template="plotly_white",
+def _base_layout(fig: fs.Fig, *, height: int, title: str | None = None, **kw) -> None:
+    fig.update_layout(height=height, font=FONT, template=fs.template("plotly_white"),
                       margin=dict(l=70, r=30, t=70 if title else 40, b=50),
-                      hoverlabel=dict(align="left", font_size=12), **kw)
+                      hoverlabel=dict(align="left", font=dict(size=12)), **kw)
     if title:
-        fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font_size=15))
+        fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font=dict(size=15)))
 
 
-def fig_heatmaps(a: ReportView):
+def fig_heatmaps(a: ReportView) -> dict:
     """One heatmap per metric over floor (x) x limit (y); ``none`` is its own row/column."""
-    go = _go()
     rows = a.slice_rows
     limits = sorted({r[LIMIT] for r in rows}, key=_num_key)
     floors = sorted({r[FLOOR] for r in rows}, key=_num_key)
@@ -276,9 +271,9 @@ def fig_heatmaps(a: ReportView):
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
-    fig = _subplots(rows=nrows, cols=ncols, subplot_titles=[m.label for m in HEATMAP_METRICS],
-                    shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
-                    vertical_spacing=0.36 / nrows)
+    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[m.label for m in HEATMAP_METRICS],
+                  shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
+                  vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
               f"limit {knob_text(lv)} · floor {knob_text(fv)}: not a valid router config (skipped)"
               for fv in floors] for lv in limits]
@@ -287,21 +282,21 @@ def fig_heatmaps(a: ReportView):
         txt = [[(_fmt(v, m.fmt) if v is not None else "") for v in zrow] for zrow in z]
         # colours: greener is better for every metric
         scale = "RdYlGn" if m.better == "high" else "RdYlGn_r"
-        fig.add_trace(go.Heatmap(
-            z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
-            hovertemplate="%{customdata}<extra></extra>", colorscale=scale, showscale=False,
+        fig.add_trace(fs.trace(
+            "heatmap", z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
+            hovertemplate="%{customdata}<extra></extra>", colorscale=fs.colorscale(scale), showscale=False,
             xgap=2, ygap=2, name=m.label, hoverongaps=False,
         ), row=i // ncols + 1, col=i % ncols + 1)
     per_panel = max(170, 34 * len(ys) + 90)
     _base_layout(fig, height=nrows * per_panel + 80)
-    fig.update_xaxes(type="category", title_text=None)
+    fig.update_xaxes(type="category")
     fig.update_yaxes(type="category", autorange="reversed")
     for c in range(1, ncols + 1):
-        fig.update_xaxes(title_text="saturation queue floor", row=nrows, col=c, showticklabels=True)
+        fig.update_xaxes(title=dict(text="saturation queue floor"), row=nrows, col=c, showticklabels=True)
     for r in range(1, nrows + 1):
-        fig.update_yaxes(title_text="queue limit", row=r, col=1)
+        fig.update_yaxes(title=dict(text="queue limit"), row=r, col=1)
     fig.update_xaxes(showticklabels=True)
-    return fig
+    return fig.to_dict()
 
 
 def _int_axis(values) -> dict:
@@ -315,9 +310,8 @@ def _ordered_configs(a: ReportView) -> list[dict]:
     return sorted(a.slice_rows, key=lambda r: (_num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
 
 
-def fig_mix(a: ReportView, kind: str):
+def fig_mix(a: ReportView, kind: str) -> dict:
     """Stacked shares per config: decision labels (``kind="decision"``) or policy reasons."""
-    go = _go()
     rows = _ordered_configs(a)
     x = [a.label(r, short=True) for r in rows]
     if kind == "decision":
@@ -327,20 +321,20 @@ def fig_mix(a: ReportView, kind: str):
         cats = [(f"policy_{p}", p, REASON_COLORS[p]) for p in labels.POLICY_REASONS]
         title = "Policy reasons per config (share of requests)"
     cats.append((FAILED, "failed (503)", DECISION_COLORS[FAILED]))
-    fig = go.Figure()
+    fig = fs.Fig()
     for col, name, color in cats:
         y = [(r[col] / r["requests"]) if r["requests"] else None for r in rows]
         if not any(v for v in y if v):
             continue
-        fig.add_trace(go.Bar(
-            x=x, y=y, name=name, marker_color=color, customdata=[a.hover(r) for r in rows],
+        fig.add_trace(fs.trace(
+            "bar", x=x, y=y, name=name, marker=dict(color=color), customdata=[a.hover(r) for r in rows],
             hovertemplate=f"<b>{name}</b>: %{{y:.1%}}<br>%{{customdata}}<extra></extra>"))
     _base_layout(fig, height=380, title=title, barmode="stack",
                  legend=dict(orientation="h", y=-0.28, x=0, traceorder="normal"))
-    fig.update_yaxes(tickformat=".0%", range=[0, 1], title_text="share")
-    fig.update_xaxes(type="category", title_text="limit / floor", tickangle=-45 if len(x) > 24 else 0)
+    fig.update_yaxes(tickformat=".0%", range=[0, 1], title=dict(text="share"))
+    fig.update_xaxes(type="category", title=dict(text="limit / floor"), tickangle=-45 if len(x) > 24 else 0)
     fig.update_layout(margin=dict(b=110))
-    return fig
+    return fig.to_dict()
 
 
 def _nice_interval_ns(span_ns: int) -> int:
@@ -571,16 +565,24 @@ def over_time_frames(a: ReportView, config_ids: list[int]) -> dict[int, pl.DataF
         return {c: pl.DataFrame() for c in config_ids}
     counts = decision_counts(data.decisions, config_ids, data.fleet, bins)
     idx = pl.get_index_type()
+    # one lazy query a config (its eager steps one by one were most of the figure's cost on a
+    # small run); each result is a config's intervals, never request-sized
+    stats, lazy = bins.stats.lazy(), counts.lazy()
+    allowed: dict[Any, pl.LazyFrame] = {}   # the pin-allowed counts, once per floor
     out = {}
     for cid in config_ids:
-        out[cid] = (counts.filter(pl.col("config_id") == cid).drop("config_id")
+        floor = a.rows[cid][FLOOR]
+        if floor not in allowed:
+            allowed[floor] = bins.at_or_above(floor).lazy()
+        out[cid] = (lazy.filter(pl.col("config_id") == cid).drop("config_id")
                     .with_columns(pl.col(c).cast(idx) for c in COUNTS)
-                    .join(bins.stats, on="bin", how="left")
-                    .join(bins.at_or_above(a.rows[cid][FLOOR]), on="bin", how="left")
+                    .join(stats, on="bin", how="left")
+                    .join(allowed[floor], on="bin", how="left")
                     .sort("bin")
                     .select("bin", *COUNTS, *FLEET_STATS, "reading_at_or_above_floor")
                     .with_columns(t_ns=pl.col("bin") * bins.step + bins.t0 + bins.step // 2,
-                                  interval_ns=pl.lit(bins.step, dtype=pl.Int64)))
+                                  interval_ns=pl.lit(bins.step, dtype=pl.Int64))
+                    .collect())
     return out
 
 
@@ -608,25 +610,24 @@ def over_time_configs(a: ReportView) -> list[int]:
     return head + (others[: 6 - 1 - len(keep_floor) - len(keep_base)]) + keep_floor + keep_base
 
 
-def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
+def fig_over_time(a: ReportView, config_ids: list[int] | None = None) -> dict:
     """Label shares per interval, pin and gate shares, and the fleet's smallest fresh queue
     reading beside the floor; a dropdown switches between ``config_ids`` (first shown)."""
-    go = _go()
     ids = config_ids or over_time_configs(a)
     frames = over_time_frames(a, ids)
-    fig = _subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09, row_heights=[0.42, 0.22, 0.36],
-                    subplot_titles=["decision labels (share of the interval's requests)",
-                                    "saturation pin and queue gate (share of the interval's requests)",
-                                    "fleet's smallest fresh queue reading (num_waiting_reqs, summed over ranks)"])
+    fig = fs.grid(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09, row_heights=[0.42, 0.22, 0.36],
+                  subplot_titles=["decision labels (share of the interval's requests)",
+                                  "saturation pin and queue gate (share of the interval's requests)",
+                                  "fleet's smallest fresh queue reading (num_waiting_reqs, summed over ranks)"])
     first = frames[ids[0]]
     if first.height == 0:
         _base_layout(fig, height=300, title="no requests")
-        return fig
+        return fig.to_dict()
     t = first["t_ns"].to_numpy().astype("datetime64[ns]")
     owner: list[int | None] = []  # config of each trace (None: shared by all)
 
-    def add(trace, row, cid):
-        fig.add_trace(trace, row=row, col=1)
+    def add(tr, row, cid):
+        fig.add_trace(tr, row=row, col=1)
         owner.append(cid)
 
     # the fleet's reading does not depend on the config
@@ -636,10 +637,10 @@ def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
     edges = np.flatnonzero(np.diff(np.concatenate([[0], known.astype(np.int8), [0]])))
     for k, (a0, a1) in enumerate(zip(edges[::2], edges[1::2], strict=True)):  # one band per stretch without gaps
         xs = np.concatenate([t[a0:a1], t[a0:a1][::-1]])
-        add(go.Scatter(x=xs, y=np.concatenate([hi[a0:a1], lo[a0:a1][::-1]]), mode="lines", fill="toself",
+        add(fs.trace("scatter", x=xs, y=np.concatenate([hi[a0:a1], lo[a0:a1][::-1]]), mode="lines", fill="toself",
                        line=dict(width=0), fillcolor="rgba(31,119,180,0.18)", hoverinfo="skip",
                        name="min..max in interval", legendgroup="band", showlegend=k == 0), 3, None)
-    add(go.Scatter(x=t, y=first["fleet_min_p50"].to_numpy().astype(float), mode="lines",
+    add(fs.trace("scatter", x=t, y=first["fleet_min_p50"].to_numpy().astype(float), mode="lines",
                    line=dict(color="#1f77b4", width=2), name="smallest fresh reading (median)",
                    hovertemplate="fleet reading median %{y}<extra></extra>"), 3, None)
     titles = {}
@@ -653,24 +654,24 @@ def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
             if not np.nansum(y):
                 continue
             name = d if d != FAILED else "failed (503)"
-            add(go.Scatter(x=t, y=y, name=name, stackgroup=f"labels{cid}", mode="lines", visible=vis,
+            add(fs.trace("scatter", x=t, y=y, name=name, stackgroup=f"labels{cid}", mode="lines", visible=vis,
                            line=dict(width=0.5, color=DECISION_COLORS[d]), legendgroup=name,
                            hovertemplate=f"{name}: %{{y:.1%}}<extra></extra>"), 1, cid)
-        add(go.Scatter(x=t, y=df["pinned"].to_numpy() / n_safe, name="saturation pin", mode="lines",
+        add(fs.trace("scatter", x=t, y=df["pinned"].to_numpy() / n_safe, name="saturation pin", mode="lines",
                        visible=vis, line=dict(color=REASON_COLORS["saturation_pin"], width=2),
                        hovertemplate="pinned: %{y:.1%}<extra></extra>"), 2, cid)
-        add(go.Scatter(x=t, y=df["gate_rejected"].to_numpy() / n_safe, name="gate rejected a candidate",
+        add(fs.trace("scatter", x=t, y=df["gate_rejected"].to_numpy() / n_safe, name="gate rejected a candidate",
                        mode="lines", visible=vis, line=dict(color="#ff7f0e", width=1.5, dash="dot"),
                        hovertemplate="gate rejected: %{y:.1%}<extra></extra>"), 2, cid)
         if row[FLOOR] is not None:
-            add(go.Scatter(x=t, y=df["reading_at_or_above_floor"].to_numpy() / n_safe,
+            add(fs.trace("scatter", x=t, y=df["reading_at_or_above_floor"].to_numpy() / n_safe,
                            name="no fresh reading below floor (pin allowed)", mode="lines", visible=vis,
                            line=dict(color="#555", width=1.2, dash="dash"),
                            hovertemplate="pin allowed: %{y:.1%}<extra></extra>"), 2, cid)
         for val, name, color in ((row[FLOOR], "floor", "#9467bd"), (row[LIMIT], "limit", "#d62728")):
             if val is None:
                 continue
-            add(go.Scatter(x=[t[0], t[-1]], y=[val, val], mode="lines", name=f"{name} {val}", visible=vis,
+            add(fs.trace("scatter", x=[t[0], t[-1]], y=[val, val], mode="lines", name=f"{name} {val}", visible=vis,
                            line=dict(color=color, width=2, dash="dash"),
                            hovertemplate=f"{name} {val}<extra></extra>"), 3, cid)
         titles[cid] = (f"Config {cid} over time ({html.escape(a.label(row))}), "
@@ -692,8 +693,8 @@ def fig_over_time(a: ReportView, config_ids: list[int] | None = None):
                                             y=1.0, yanchor="bottom", pad=dict(b=48), showactive=True)])
     fig.update_yaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
     fig.update_yaxes(tickformat=".0%", rangemode="tozero", row=2, col=1)
-    fig.update_yaxes(rangemode="tozero", title_text="waiting", row=3, col=1)
-    return fig
+    fig.update_yaxes(rangemode="tozero", title=dict(text="waiting"), row=3, col=1)
+    return fig.to_dict()
 
 
 def _dp_lines(a: ReportView) -> tuple[list[dict], str]:
@@ -724,12 +725,11 @@ def _dp_lines(a: ReportView) -> tuple[list[dict], str]:
     return pts, note
 
 
-def fig_floor_vs_dp(a: ReportView):
+def fig_floor_vs_dp(a: ReportView) -> dict:
     """Metrics against the per-rank floor, one line per (dp_size, limit)."""
-    go = _go()
     pts, _note = _dp_lines(a)
     metrics = (HEATMAP_METRICS[0], HEATMAP_METRICS[2], HEATMAP_METRICS[5])
-    fig = _subplots(rows=1, cols=3, subplot_titles=[m.label for m in metrics], horizontal_spacing=0.07)
+    fig = fs.grid(rows=1, cols=3, subplot_titles=[m.label for m in metrics], horizontal_spacing=0.07)
     groups: dict[tuple, list[dict]] = {}
     for p in pts:
         groups.setdefault((p["dp"], p["limit"]), []).append(p)
@@ -742,19 +742,19 @@ def fig_floor_vs_dp(a: ReportView):
         name = f"dp {dp} · limit {knob_text(lim)} ({knob_text(round(ps[0]['per_rank_limit'], 3))}/rank)"
         color = palette[gi % len(palette)]
         for ci, m in enumerate(metrics):
-            fig.add_trace(go.Scatter(
-                x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.key] for p in ps],
+            fig.add_trace(fs.trace(
+                "scatter", x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.key] for p in ps],
                 mode="lines+markers", name=name, legendgroup=name, showlegend=ci == 0,
                 line=dict(color=color, dash=dashes[dp_sizes.index(dp) % len(dashes)]),
                 customdata=[a.hover(p["row"]) for p in ps],
                 hovertemplate="%{customdata}<extra>" + html.escape(name) + "</extra>"), row=1, col=ci + 1)
     _base_layout(fig, height=420, legend=dict(orientation="h", y=-0.22, x=0))
     fig.update_layout(margin=dict(b=110))
-    fig.update_xaxes(title_text="floor per rank")
+    fig.update_xaxes(title=dict(text="floor per rank"))
     fig.update_yaxes(**_int_axis(p["row"][metrics[2].key] for p in pts), row=1, col=3)
     fig.update_yaxes(tickformat=".1%", row=1, col=1)
     fig.update_yaxes(tickformat=".1%", row=1, col=2)
-    return fig
+    return fig.to_dict()
 
 
 def pareto_front(points: list[tuple[float, float, int]]) -> list[int]:
@@ -790,13 +790,12 @@ def variant_series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
     return [(t, g) for t, g in groups.items() if g or t == ""]
 
 
-def fig_tradeoff(a: ReportView):
+def fig_tradeoff(a: ReportView) -> dict:
     """Hit rate against pressure (p99 and mean waiting), every config; Pareto fronts highlighted."""
-    go = _go()
     rows = [r for r in a.rows.values() if r["hit_rate"] is not None]
-    fig = _subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.05,
-                    subplot_titles=["against p99 waiting at the chosen worker",
-                                    "against mean waiting at the chosen worker"])
+    fig = fs.grid(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.05,
+                  subplot_titles=["against p99 waiting at the chosen worker",
+                                  "against mean waiting at the chosen worker"])
     for ci, key in enumerate(("selected_waiting_p99", "selected_waiting_mean")):
         pts = [r for r in rows if r[key] is not None]
         front = set(pareto_front([(float(r[key]), float(r["hit_rate"]), r["config_id"]) for r in pts]))
@@ -804,8 +803,8 @@ def fig_tradeoff(a: ReportView):
         on = sorted((r for r in pts if r["config_id"] in front), key=lambda r: r[key])
         show = ci == 0
         for si, (tag, group) in enumerate(variant_series(others)):
-            fig.add_trace(go.Scatter(
-                x=[r[key] for r in group], y=[r["hit_rate"] for r in group], mode="markers",
+            fig.add_trace(fs.trace(
+                "scatter", x=[r[key] for r in group], y=[r["hit_rate"] for r in group], mode="markers",
                 name=tag or "config", legendgroup=tag or "config", showlegend=show,
                 marker=dict(size=9, color="#9aa5b1", opacity=0.75, line=dict(width=0.5, color="#555"))
                 if not tag else dict(size=10, symbol=VARIANT_SYMBOLS[si % len(VARIANT_SYMBOLS)],
@@ -813,8 +812,8 @@ def fig_tradeoff(a: ReportView):
                                      line=dict(width=0.5, color="#555")),
                 customdata=[a.hover(r) for r in group], hovertemplate="%{customdata}<extra></extra>"),
                 row=1, col=ci + 1)
-        fig.add_trace(go.Scatter(
-            x=[r[key] for r in on], y=[r["hit_rate"] for r in on], mode="lines+markers",
+        fig.add_trace(fs.trace(
+            "scatter", x=[r[key] for r in on], y=[r["hit_rate"] for r in on], mode="lines+markers",
             name="Pareto front", legendgroup="front", showlegend=show,
             marker=dict(size=11, color="#d62728"), line=dict(color="#d62728", width=2),
             customdata=[a.hover(r) for r in on], hovertemplate="<b>Pareto</b> %{customdata}<extra></extra>"),
@@ -824,8 +823,9 @@ def fig_tradeoff(a: ReportView):
                                     "diamond-open", "#111")):
             if r is None or r[key] is None:
                 continue
-            fig.add_trace(go.Scatter(
-                x=[r[key]], y=[r["hit_rate"]], mode="markers", name=tag, legendgroup=tag, showlegend=show,
+            fig.add_trace(fs.trace(
+                "scatter", x=[r[key]], y=[r["hit_rate"]], mode="markers", name=tag, legendgroup=tag,
+                showlegend=show,
                 marker=dict(size=17 if sym == "star" else 15, symbol=sym, color=color,
                             line=dict(width=1.5, color=color)),
                 customdata=[a.hover(r)], hovertemplate=f"<b>{tag}</b> %{{customdata}}<extra></extra>"),
@@ -835,11 +835,11 @@ def fig_tradeoff(a: ReportView):
                           annotation_text=f"bound {knob_text(a.bound)}", annotation_position="top left")
     _base_layout(fig, height=460, legend=dict(orientation="h", y=-0.2, x=0))
     fig.update_layout(margin=dict(b=100))
-    fig.update_yaxes(tickformat=".1%", title_text="hit rate", row=1, col=1)
-    fig.update_xaxes(title_text="p99 waiting (requests)", row=1, col=1,
+    fig.update_yaxes(tickformat=".1%", title=dict(text="hit rate"), row=1, col=1)
+    fig.update_xaxes(title=dict(text="p99 waiting (requests)"), row=1, col=1,
                      **_int_axis(r["selected_waiting_p99"] for r in rows))
-    fig.update_xaxes(title_text="mean waiting (requests)", row=1, col=2)
-    return fig
+    fig.update_xaxes(title=dict(text="mean waiting (requests)"), row=1, col=2)
+    return fig.to_dict()
 
 
 def _closed_loop_join(a: ReportView) -> tuple[pl.DataFrame | None, str]:
@@ -881,16 +881,15 @@ def _closed_hit_col(df: pl.DataFrame) -> str | None:
     return None
 
 
-def fig_closed_loop(a: ReportView):
+def fig_closed_loop(a: ReportView) -> dict:
     """Closed-loop hit rate and TTFT beside the open-loop estimate, per config."""
-    go = _go()
     df, note = _closed_loop_join(a)
     if df is None:
         raise ReplayError(f"closed loop: {note}")
     ttft = [c for c in df.columns if "ttft" in c.lower() and df.schema[c].is_numeric()]
     hit = _closed_hit_col(df)
-    fig = _subplots(rows=1, cols=2, horizontal_spacing=0.08,
-                    subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
+    fig = fs.grid(rows=1, cols=2, horizontal_spacing=0.08,
+                  subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
     if LIMIT in df.columns and FLOOR in df.columns:
         x = [f"{knob_text(lim)}/{knob_text(f)}"
              for lim, f in zip(df[LIMIT].to_list(), df[FLOOR].to_list(), strict=True)]
@@ -901,19 +900,21 @@ def fig_closed_loop(a: ReportView):
         x = [str(i) for i in df["config_id"].to_list()]
         x_title = "config"
     if hit is not None:
-        fig.add_trace(go.Bar(x=x, y=df[hit].to_list(), name=f"closed loop ({hit})", marker_color="#1f77b4"),
+        fig.add_trace(fs.trace("bar", x=x, y=df[hit].to_list(), name=f"closed loop ({hit})",
+                               marker=dict(color="#1f77b4")),
                       row=1, col=1)
     if "open_loop_hit_rate" in df.columns:
-        fig.add_trace(go.Bar(x=x, y=df["open_loop_hit_rate"].to_list(), name="open-loop estimate (this run)",
-                             marker_color="#9aa5b1"), row=1, col=1)
+        fig.add_trace(fs.trace("bar", x=x, y=df["open_loop_hit_rate"].to_list(), name="open-loop estimate (this run)",
+                               marker=dict(color="#9aa5b1")), row=1, col=1)
     for i, c in enumerate(ttft):
-        fig.add_trace(go.Bar(x=x, y=df[c].to_list(), name=c, marker_color=["#ff7f0e", "#d62728", "#8c564b",
-                                                                           "#e377c2"][i % 4]), row=1, col=2)
+        fig.add_trace(fs.trace("bar", x=x, y=df[c].to_list(), name=c,
+                               marker=dict(color=["#ff7f0e", "#d62728", "#8c564b", "#e377c2"][i % 4])),
+                      row=1, col=2)
     _base_layout(fig, height=400, barmode="group", legend=dict(orientation="h", y=-0.25, x=0))
-    fig.update_xaxes(type="category", title_text=x_title)
+    fig.update_xaxes(type="category", title=dict(text=x_title))
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
-    fig.update_yaxes(title_text="ms", row=1, col=2)
-    return fig
+    fig.update_yaxes(title=dict(text="ms"), row=1, col=2)
+    return fig.to_dict()
 
 
 # ---------------------------------------------------------------------------
@@ -928,11 +929,22 @@ def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
     config shown over time (default: the best under the pressure bound);
     ``max_p99_waiting`` sets that bound (default: the median p99 of the grid).
     """
+    import plotly.graph_objects as go  # here: plotly's graph objects are slow to import; the page needs none
+
+    data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    specs = _figures(ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
+    return {k: go.Figure(spec) for k, spec in specs.items()}
+
+
+def figure_dicts(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
+                 max_p99_waiting: float | None = None) -> dict[str, dict]:
+    """The figures of :func:`figures` as the plain plotly figure dicts the page is written from
+    (``replay/figspec.py``; numpy arrays where the data are numpy arrays)."""
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     return _figures(ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
 
 
-def _figures(a: ReportView) -> dict[str, Any]:
+def _figures(a: ReportView) -> dict[str, dict]:
     from . import waterfall as wf
 
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
@@ -1221,6 +1233,11 @@ def _cell(v: Any) -> str:
 
 
 def _fig_html(fig, key: str) -> str:
+    """One figure's ``<div>``: a figure dict (``replay/figspec.py``) or a plotly figure."""
+    if isinstance(fig, dict):
+        return ('<div class="fig">' + fs.to_html(fig, div_id=f"fig-{key}", config=PLOT_CONFIG,
+                                                 default_height=f"{fig['layout'].get('height') or 450}px")
+                + "</div>")
     import plotly.io as pio
 
     return ('<div class="fig">' + pio.to_html(fig, include_plotlyjs=False, full_html=False,
@@ -1254,8 +1271,6 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                 max_queue_wait_p99_ms: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
     trace (``closed_loop``, else found beside the run or the trace) is shown first."""
-    from plotly.offline import get_plotlyjs
-
     from . import report_sections as rs
 
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
@@ -1333,7 +1348,7 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{_e(title)}</title>\n<style>{_CSS}</style>\n"
         f"<script type=\"text/javascript\">{_ERROR_HOOK}</script>\n"
-        f"<script type=\"text/javascript\">{get_plotlyjs()}</script>\n</head>\n<body>\n<main>\n"
+        f"<script type=\"text/javascript\">{fs.plotlyjs()}</script>\n</head>\n<body>\n<main>\n"
         f"<header><h1>{_e(title)}</h1><div class=\"sub\">{_e(sub)}</div><nav>{nav}</nav></header>\n"
         + "\n".join(sec) + "\n</main>\n</body>\n</html>\n")
 

@@ -89,6 +89,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             raise ReplayError(f"--validate {validate_dir}: would hold the fleet file {out}; "
                               "write the fleet file elsewhere")
         refuse_existing(Path(validate_dir), force, "validation directory")
+    _register_outputs()
     rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     if texts and validate_dir is None:
@@ -164,7 +165,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
 
 
 def _register_outputs() -> None:
-    """Teach rundir.guard this command's outputs, so --force replaces only what it wrote."""
+    """Teach rundir.guard this command's outputs, so --force replaces only what it wrote (called by
+    the command, not at import: it imports the simulator, which every CLI start would pay for)."""
     import re
 
     from .. import rundir
@@ -193,7 +195,5 @@ def _register_outputs() -> None:
     rundir.register_kind("fidelity", "validation directory", is_dir=True, recognise=fidelity_dir)
     rundir.register_kind("fleet", "fitted fleet file", is_dir=False, recognise=fleet_file)
 
-
-_register_outputs()
 
 COMMANDS = [calibrate]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..cli import user_errors
+from ..cli import outputs_closed, user_errors
 
 _EXAMPLE = """
 The page embeds plotly.js, so it opens offline. `router-replay sweep` writes
@@ -64,6 +64,7 @@ def report(run_dir, out, max_p99_waiting, config_id, beside, closed_loop, max_tt
                         max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     if not quiet:
         click.echo(f"wrote {path}")
+    outputs_closed()
 
 
 COMMANDS = [report]

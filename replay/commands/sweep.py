@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import user_errors
+from ..cli import outputs_closed, user_errors
 from ..config import KNOBS, Grid
 
 _EXAMPLE = """
@@ -164,6 +164,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
         report = Path(out) / "report.html"
         if report.is_file():
             click.echo(f"report: {report} (open it in a browser)")
+    outputs_closed()   # run_sweep has swapped the finished run directory into place
 
 
 def _print_top(s) -> None:

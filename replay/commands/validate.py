@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import collections
 import datetime as _dt
+from typing import TYPE_CHECKING
 
 import click
 
 from ..cli import user_errors
-from ..trace.facts import TraceFacts
+
+if TYPE_CHECKING:  # imported for the annotation only: replay.trace brings polars and numba
+    from ..trace.facts import TraceFacts
 
 
 def _ts(ns: int) -> str:
