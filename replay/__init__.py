@@ -8,6 +8,7 @@ The library API (the CLI is a thin layer over it):
   :class:`SweepResult` (summary table, and the run directory when written).
 * :func:`decide_all` - every decision as ``(requests x configs)`` arrays.
 * :func:`generate_trace` - a seeded synthetic trace directory.
+* :func:`read_decisions` - a run's decisions (either layout) as one row per (request, config).
 """
 
 # the one place the version is written (pyproject.toml reads it); set before the imports below,
@@ -15,6 +16,7 @@ The library API (the CLI is a thin layer over it):
 __version__ = "0.1.0"
 
 from .config import Grid, RouterConfig  # noqa: E402 - after __version__
+from .decision_store import read_decisions  # noqa: E402 - after __version__
 from .engine import decide_all, iter_chunks  # noqa: E402 - after __version__
 from .errors import ConfigError, ReplayError  # noqa: E402 - after __version__
 from .generate import generate_trace  # noqa: E402 - after __version__
@@ -23,5 +25,6 @@ from .trace import Trace, TraceError, load_trace, validate_trace  # noqa: E402 -
 
 __all__ = [
     "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
-    "decide_all", "generate_trace", "iter_chunks", "load_trace", "run_sweep", "validate_trace",
+    "decide_all", "generate_trace", "iter_chunks", "load_trace", "read_decisions", "run_sweep",
+    "validate_trace",
 ]

@@ -37,8 +37,6 @@ import polars as pl
 import pyarrow.parquet as pq
 from polars.io.plugins import register_io_source
 
-from . import outcomes
-
 LONG = "long"
 OUTCOMES = "outcomes"
 LAYOUTS = (LONG, OUTCOMES)
@@ -171,6 +169,8 @@ def _decode(path: str | os.PathLike, ids: list[int], cols: Sequence[str], span: 
             n_requests: int):
     """The long rows of an ``outcomes`` file, a row group at a time (only ``cols``; only
     the long rows ``span`` when given)."""
+    from . import outcomes  # numba: only when an outcomes file is read
+
     n_cfg = len(ids)
     pf = pq.ParquetFile(path)
     listed = [c for c in cols if c not in (*PER_REQUEST, "config_id")]
@@ -209,6 +209,10 @@ def _decode(path: str | os.PathLike, ids: list[int], cols: Sequence[str], span: 
 
 def scan_decisions(files: Sequence[str | os.PathLike], columns: Sequence[str] | None = None) -> pl.LazyFrame:
     """Decisions files (a run's, in order) as one long table (lazy), whatever their layout."""
+    files = list(files)
+    if all(layout_of(f) == LONG for f in files):   # as every reader did before the outcomes layout
+        lf = pl.scan_parquet(files)
+        return lf if columns is None else lf.select(columns)
     parts = [scan_file(f, columns) for f in files]
     if len(parts) == 1:
         return parts[0]

@@ -76,7 +76,7 @@ def encode(out_i: np.ndarray, out_f: np.ndarray) -> tuple[np.ndarray, np.ndarray
     """``(codes[n, C], rep[n_outcomes], counts[n])`` of a chunk's kernel outputs
     (``out_i`` int64[O_NCOLS, n, C], ``out_f`` float64[F_NCOLS, n, C])."""
     _n_i, n, n_cfg = out_i.shape
-    codes = np.empty((n, n_cfg), dtype=code_dtype(n_cfg))
+    codes: np.ndarray = np.empty((n, n_cfg), dtype=code_dtype(n_cfg))
     rep = np.empty(n * n_cfg, dtype=np.int64)
     counts = np.empty(n, dtype=np.int64)
     of = np.ascontiguousarray(out_f).view(np.int64)
@@ -89,7 +89,7 @@ def encode_reference(out_i: np.ndarray, out_f: np.ndarray) -> tuple[np.ndarray, 
     tuple of every field, floats as bit patterns) to its index, in config order."""
     _n_i, n, n_cfg = out_i.shape
     bits = np.ascontiguousarray(out_f).view(np.int64)
-    codes = np.zeros((n, n_cfg), dtype=code_dtype(n_cfg))
+    codes: np.ndarray = np.zeros((n, n_cfg), dtype=code_dtype(n_cfg))
     rep: list[int] = []
     counts = np.zeros(n, dtype=np.int64)
     for r in range(n):

@@ -248,7 +248,7 @@ class DecisionWriter:
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd",
                                            store_schema=False)
             if self.layout == store.OUTCOMES:
-                self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids))
+                self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids.tolist()))
         self.writer.write_table(table)
         self.rows += n * n_cfg
 
