@@ -22,6 +22,7 @@ dtypes, values and row order); every reader of decisions goes through it:
 
     >>> import replay
     >>> replay.read_decisions("runs/x")            # polars DataFrame, one row per (request, config)
+    >>> replay.read_decisions("runs/x", lazy=True).filter(pl.col("config_id") == 7)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal, overload
 
 import numpy as np
 import polars as pl
@@ -188,6 +190,13 @@ def _decode(path: str | os.PathLike, ids: list[int], cols: Sequence[str], span: 
             continue
         raw = pl.from_arrow(pf.read_row_group(g, columns=read))
         assert isinstance(raw, pl.DataFrame)
+        skip = 0
+        if span is not None and n_cfg:          # decode only the requests the span touches
+            r0 = max(span[0] - lo, 0) // n_cfg
+            r1 = -(-(min(span[1], hi) - lo) // n_cfg)
+            raw = raw.slice(r0, r1 - r0)
+            lo, n = lo + r0 * n_cfg, r1 - r0
+            skip = max(span[0] - lo, 0)
         codes = raw[CODE_COLUMN].explode().to_numpy().astype(np.int64)
         counts = raw[counter].list.len().to_numpy().astype(np.int64)
         gidx = pl.Series(outcomes.decode(codes.reshape(n, n_cfg), counts))
@@ -202,8 +211,7 @@ def _decode(path: str | os.PathLike, ids: list[int], cols: Sequence[str], span: 
                 out[c] = raw[c].explode().gather(gidx)
         df = pl.DataFrame(out, height=n * n_cfg)
         if span is not None:
-            a, b = max(span[0], lo) - lo, min(span[1], hi) - lo
-            df = df.slice(a, max(0, b - a))
+            df = df.slice(skip, max(0, min(span[1], lo + n * n_cfg) - lo - skip))
         yield df
 
 
@@ -219,14 +227,23 @@ def scan_decisions(files: Sequence[str | os.PathLike], columns: Sequence[str] | 
     return pl.concat(parts, how="vertical_relaxed")
 
 
-def read_decisions(run_dir: str | os.PathLike, columns: Sequence[str] | None = None) -> pl.DataFrame:
-    """A run's decisions as one polars DataFrame, one row per (request, config) in
-    the trace's order (either layout; the same frame ``pl.read_parquet`` gives of a
-    ``long`` file).  Raises :class:`replay.errors.ReplayError` when the run kept none."""
+@overload
+def read_decisions(run_dir: str | os.PathLike, columns: Sequence[str] | None = None, *,
+                   lazy: Literal[False] = False) -> pl.DataFrame: ...
+@overload
+def read_decisions(run_dir: str | os.PathLike, columns: Sequence[str] | None = None, *,
+                   lazy: Literal[True]) -> pl.LazyFrame: ...
+def read_decisions(run_dir: str | os.PathLike, columns: Sequence[str] | None = None, *,
+                   lazy: bool = False) -> pl.DataFrame | pl.LazyFrame:
+    """A run's decisions as one polars DataFrame (``lazy``: a LazyFrame), one row per
+    (request, config) in the trace's order (either layout; the same frame
+    ``pl.read_parquet`` gives of a ``long`` file).  Raises
+    :class:`replay.errors.ReplayError` when the run kept none."""
     from .errors import ReplayError
     from .rundir import decision_files
 
     files = decision_files(Path(run_dir))
     if not files:
         raise ReplayError(f"{run_dir}: the run kept no decisions (swept with --no-decisions)")
-    return scan_decisions(files, columns).collect()
+    lf = scan_decisions(files, columns)
+    return lf if lazy else lf.collect()

@@ -245,8 +245,10 @@ class DecisionWriter:
         if self.writer is None:
             # Dictionary columns are written as plain Parquet strings (dictionary
             # pages); without the stored Arrow schema, readers get strings back.
+            # (outcomes: statistics on request_id only; no reader uses the lists' min/max)
+            stats: bool | list[str] = True if self.layout == store.LONG else ["request_id"]
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd",
-                                           store_schema=False)
+                                           store_schema=False, write_statistics=stats)
             if self.layout == store.OUTCOMES:
                 self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids.tolist()))
         self.writer.write_table(table)
