@@ -217,3 +217,16 @@ def test_code_dtype_widens_with_the_grid():
     assert outcomes.code_dtype(256) == np.uint8 and outcomes.code_dtype(257) == np.uint16
     out_i = np.arange(300, dtype=np.int64).reshape(1, 1, 300)   # every config its own outcome
     _check(out_i, np.zeros((1, 1, 300)))
+
+
+def test_empty_files_read_back_alike(tmp_path):
+    """A writer closed before any chunk (no requests) leaves a readable empty file in either layout."""
+    from replay.results import DecisionWriter
+
+    trace = load_trace("traces/sample")
+    for layout in decision_store.LAYOUTS:
+        DecisionWriter(str(tmp_path / f"{layout}.parquet"), trace, [0, 3, 5], layout=layout).close()
+    want = pl.read_parquet(tmp_path / "long.parquet")
+    got = decision_store.scan_decisions([tmp_path / "outcomes.parquet"]).collect()
+    assert want.height == 0 and got.schema == want.schema
+    assert decision_store.file_info(tmp_path / "outcomes.parquet")[0] == 0
