@@ -1,12 +1,21 @@
-"""What the output rule and the plan step cost (issues 9 and 14): ``rundir.guard`` walks
-every input file (symlinks resolved), ``sweep.plan`` reads the Parquet footers instead of
-an index pass.  Run with ``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
+"""What the outputs cost: the output rule and the plan step (issues 9 and 14):
+``rundir.guard`` walks every input file (symlinks resolved), ``sweep.plan`` reads the
+Parquet footers instead of an index pass; and writing ``decisions.parquet`` in either
+layout (issue 13), alone and in a 1M-request sweep.  Run with
+``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
 
 from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import time
 
 import pytest
 
 from replay import executors, rundir
+from replay.decision_store import LAYOUTS
 from replay.generate import generate_trace_set
 from replay.sweep import plan
 from replay.trace import TraceSet
@@ -35,3 +44,102 @@ def test_bench_plan_from_footers(benchmark, many_files):
 def test_bench_index_pass_the_plan_skips(benchmark, many_files):
     tset = benchmark(TraceSet.open, many_files, hash_files=False)
     assert tset.n_requests == 20_000
+
+
+# ---------------------------------------------------------------------------
+# issue 13: the decisions file, written in either layout (replay/decision_store.py)
+
+WRITER_REQUESTS = 100_000   # x the mixed grid's 60 configs = 6M decision rows
+
+
+@pytest.fixture(scope="module")
+def writer_chunks(bench_trace):
+    """The first 100k requests of the 1M bench trace replayed under the ``mixed`` grid:
+    the chunks a sweep hands its decisions writer (kept in memory)."""
+    import _support as S
+
+    from replay.engine import iter_chunks
+
+    sub = S.slice_trace(bench_trace, 0, WRITER_REQUESTS)
+    g = S.grid("mixed")
+    return sub, list(g.config_ids), list(iter_chunks(sub, g.configs, seed=0))
+
+
+def write_cpu(path, writer_chunks, layout: str) -> float:
+    """CPU seconds of writing every chunk through one DecisionWriter (as the sweep's writer thread)."""
+    from replay.results import DecisionWriter
+
+    sub, ids, chunks = writer_chunks
+    t0 = time.process_time()
+    w = DecisionWriter(str(path), sub, ids, layout=layout)
+    for c in chunks:
+        w.write(c)
+    w.close()
+    return time.process_time() - t0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bench_decisions_writer(benchmark, writer_chunks, layout, tmp_path):
+    path = tmp_path / "decisions.parquet"
+    cpu = []
+    benchmark.pedantic(lambda: cpu.append(write_cpu(path, writer_chunks, layout)), rounds=3, iterations=1)
+    rows = WRITER_REQUESTS * len(writer_chunks[1])
+    benchmark.extra_info.update(layout=layout, rows=rows, cpu_s_best=min(cpu),
+                                rows_per_cpu_s=rows / min(cpu), bytes=path.stat().st_size)
+
+
+def test_bench_decisions_writer_old_vs_new(writer_chunks, tmp_path):
+    """Both layouts on the same chunks, alternated back to back (best of 3 CPU s each): the
+    issue's floor is ``outcomes`` at least 3x faster than ``long`` (reported, not asserted)."""
+    import _support as S
+
+    best = {layout: math.inf for layout in LAYOUTS}
+    size = {}
+    for _ in range(3):
+        for layout in LAYOUTS:
+            p = tmp_path / f"{layout}.parquet"
+            best[layout] = min(best[layout], write_cpu(p, writer_chunks, layout))
+            size[layout] = p.stat().st_size
+    rows = WRITER_REQUESTS * len(writer_chunks[1])
+    S.REPORT["decisions_writer"] = {
+        **{f"{k}_cpu_s": round(v, 3) for k, v in best.items()},
+        **{f"{k}_rows_per_cpu_s": round(rows / v) for k, v in best.items()},
+        **{f"{k}_bytes": v for k, v in size.items()},
+        "speedup": round(best["long"] / best["outcomes"], 2), "floor": 3.0}
+    assert best["outcomes"] > 0
+
+
+def sweep_cpu(trace_dir, work, layout: str) -> dict:
+    """``router-replay sweep`` of the 1M trace, ``mixed`` grid, decisions kept in ``layout``:
+    wall s, CPU s of the process (user + system, from getrusage of the children) and the
+    run's own timings."""
+    import _support as S
+
+    out = work / f"sweep-{layout}"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = S.run_cli(["sweep", str(trace_dir), "--out", str(out), "-q", "--force", "--no-report",
+                   "--decisions-layout", layout, *S.grid_args("mixed")])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = json.loads((out / "run.json").read_text())
+    size = (out / "decisions.parquet").stat().st_size
+    shutil.rmtree(out, ignore_errors=True)
+    return {"wall_s": r["wall_s"], "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "timings": run["timings"], "decisions_bytes": size}
+
+
+def test_bench_sweep_with_decisions_old_vs_new(bench_trace_dir, warmed, work_dir):
+    """End to end on the 1M trace (``mixed``: 60M decision rows), both layouts alternated, best of 2."""
+    import _support as S
+
+    got: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    for _ in range(2):
+        for layout in LAYOUTS:
+            got[layout].append(sweep_cpu(bench_trace_dir, work_dir, layout))
+    rep = {}
+    for layout, runs in got.items():
+        rep[f"{layout}_cpu_s"] = round(min(r["cpu_s"] for r in runs), 2)
+        rep[f"{layout}_wall_s"] = round(min(r["wall_s"] for r in runs), 2)
+        rep[f"{layout}_write_s"] = round(min(r["timings"]["accumulate_and_write_s"] for r in runs), 2)
+        rep[f"{layout}_bytes"] = runs[-1]["decisions_bytes"]
+    S.REPORT["sweep_with_decisions"] = rep
+    assert rep["outcomes_cpu_s"] > 0

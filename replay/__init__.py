@@ -8,6 +8,7 @@ The library API (the CLI is a thin layer over it):
   :class:`SweepResult` (summary table, and the run directory when written).
 * :func:`decide_all` - every decision as ``(requests x configs)`` arrays.
 * :func:`generate_trace` - a seeded synthetic trace directory.
+* :func:`read_decisions` - a run's decisions (either layout) as one row per (request, config).
 
 The names are imported on first use (PEP 562), so ``import replay`` (and every
 CLI start, ``--help`` included) does not import numba, polars or the engine
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .config import Grid, RouterConfig
+    from .decision_store import read_decisions
     from .engine import decide_all, iter_chunks
     from .errors import ConfigError, ReplayError
     from .generate import generate_trace
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _LAZY = {
     "Grid": "config", "RouterConfig": "config",
+    "read_decisions": "decision_store",
     "decide_all": "engine", "iter_chunks": "engine",
     "ConfigError": "errors", "ReplayError": "errors",
     "generate_trace": "generate",
@@ -42,7 +45,8 @@ _LAZY = {
 
 __all__ = [
     "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
-    "decide_all", "generate_trace", "iter_chunks", "load_trace", "run_sweep", "validate_trace",
+    "decide_all", "generate_trace", "iter_chunks", "load_trace", "read_decisions", "run_sweep",
+    "validate_trace",
 ]
 
 

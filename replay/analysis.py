@@ -32,7 +32,7 @@ from typing import Any
 
 import polars as pl
 
-from . import __version__, rundir
+from . import __version__, decision_store, rundir
 from .config import KNOB_NAMES, KNOBS, RouterConfig
 from .errors import ReplayError
 from .metrics import (
@@ -295,8 +295,8 @@ def _changed_requests(a: Run, b: Run, pairs: pl.DataFrame, label: str) -> pl.Laz
     cols = ["request_id", "config_id", "worker", label, "failure", "selected_blocks"]
 
     def side(run: Run, s: str) -> pl.LazyFrame:
-        lf = pl.scan_parquet(run.decisions).select([c for c in cols if c != "selected_blocks"]
-                                                   + ["selected_blocks"])
+        lf = decision_store.scan_decisions(run.decisions, [c for c in cols if c != "selected_blocks"]
+                                           + ["selected_blocks"])
         lf = lf.with_columns(pl.col("config_id").cast(pl.Int64), _label_expr(label, s))
         key = f"config_id_{s}"
         lf = lf.rename({"config_id": key, "worker": f"worker_{s}",

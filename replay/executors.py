@@ -79,6 +79,7 @@ class Job:
     progress: Callable[[int], None] | None
     out_dir: Path | None             # the unfinished run dir (None: nothing written)
     decisions: bool
+    decisions_layout: str = "long"   # decision_store.LAYOUTS
 
 
 @dataclass
@@ -158,7 +159,8 @@ def _replay_one(job: Job, trace: Trace, totals: engine.Totals, writer: DecisionW
 def _replay_local(job: Job, traces) -> Done:
     totals = engine.new_totals(len(job.configs), threads=job.threads)
     facts = fleet_mod.FleetFacts()
-    writer = (DecisionWriter(str(job.out_dir / DECISIONS), job.source, job.grid.config_ids)
+    writer = (DecisionWriter(str(job.out_dir / DECISIONS), job.source, job.grid.config_ids,
+                             layout=job.decisions_layout)
               if job.decisions else None)
     fleet_sink = FleetSink(job.out_dir)
     clock = {"kernel": 0.0, "write": 0.0}

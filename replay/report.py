@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import __version__, labels, rundir
+from . import __version__, decision_store, labels, rundir
 from . import figspec as fs
 from . import metrics as metrics_mod
 from .config import KNOBS, RouterConfig
@@ -437,25 +437,12 @@ def _file_groups(files: list[Path], ids: list[int]) -> list[tuple[list[tuple[Pat
     """The configs grouped by the decisions files that hold them (with each file's rows),
     from the files' config_id statistics: a sharded run writes one file per window and
     block of configs, and the configs of one block are streamed together."""
-    import pyarrow.parquet as pq
-
     info = []
     for f in files:
         try:
-            md = pq.ParquetFile(f).metadata
+            info.append((f, *decision_store.file_info(f)))   # either decisions layout
         except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
             raise _unreadable(f, err) from None
-        lo, hi = math.inf, -math.inf
-        j = md.schema.names.index("config_id") if "config_id" in md.schema.names else None
-        for g in range(md.num_row_groups):
-            rg = md.row_group(g)
-            st = rg.column(j).statistics if j is not None else None
-            if rg.num_rows and (st is None or not st.has_min_max):  # no statistics: any config
-                lo, hi = -math.inf, math.inf
-                break
-            if rg.num_rows:
-                lo, hi = min(lo, st.min), max(hi, st.max)
-        info.append((f, md.num_rows, lo, hi))
     groups: dict[tuple[int, ...], list[int]] = {}
     for c in ids:
         key = tuple(i for i, (_f, _n, lo, hi) in enumerate(info) if lo <= c <= hi)
@@ -467,9 +454,8 @@ def _decision_scan(files: list[Path], ids: list[int], key_dtype: pl.DataType,
                    rows: slice | None = None) -> pl.LazyFrame:
     """The columns the over-time figure counts, of the configs ``ids`` (``rows``: a slice
     of the files' rows, taken before the filter so that the reader decodes only it)."""
-    dec = pl.scan_parquet(files)
-    if rows is not None:
-        dec = dec.slice(rows.start, rows.stop - rows.start)
+    dec = (decision_store.scan_file(files[0], rows=rows) if rows is not None
+           else decision_store.scan_decisions(files))
     dec = dec.filter(pl.col("config_id").is_in(ids))
     rid = pl.col("request_id")
     if dec.collect_schema()["request_id"] != key_dtype:

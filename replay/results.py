@@ -12,7 +12,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import labels
+from . import decision_store as store
+from . import labels, outcomes
 from .config import KNOBS
 from .engine import Chunk, Totals
 from .kernels import layout as kl
@@ -145,10 +146,17 @@ def _quantiles(hist: np.ndarray, q: float) -> list:
 
 # ---------------------------------------------------------------------------
 class DecisionWriter:
-    """Streams decisions to Parquet, one row group per chunk, rows (request, config)."""
+    """Streams decisions to Parquet, one row group per chunk.
 
-    def __init__(self, path: str, trace: Trace | TraceSet, config_ids: list[int]):
+    ``layout`` ``"long"``: one row per (request, config); ``"outcomes"``: one row
+    per request with its distinct outcomes and each config's index into them
+    (:mod:`replay.decision_store` reads either back as the long rows)."""
+
+    def __init__(self, path: str, trace: Trace | TraceSet, config_ids: list[int], layout: str = "long"):
+        if layout not in store.LAYOUTS:
+            raise ValueError(f"decisions layout {layout!r}: not one of {', '.join(store.LAYOUTS)}")
         self.path = path
+        self.layout = layout
         self.trace = trace
         self.config_ids = np.asarray(config_ids, dtype=np.int32)
         self.workers = pa.array(list(trace.workers), type=pa.string())
@@ -172,36 +180,20 @@ class DecisionWriter:
     def _nullable(values: np.ndarray, dtype=np.int64) -> pa.Array:
         return pa.array(values.astype(dtype), mask=values < 0)
 
-    def write(self, chunk: Chunk, trace: Trace | None = None) -> None:
-        """Append a chunk's rows; ``trace`` is the window the chunk belongs to
-        (default: the writer's trace)."""
-        tr = self.trace if trace is None else trace
-        n = chunk.stop - chunk.start
-        n_cfg = len(self.config_ids)
-        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
-        rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
-        ids = getattr(tr, "request_id", np.zeros(0, dtype=object))[chunk.start:chunk.stop]
-        if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
-            rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
-        else:
-            rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
-        qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
-                        0).astype(np.int64)
-        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
+    def _fields(self, o: np.ndarray, ms: np.ndarray) -> dict[str, pa.Array]:
+        """The per-decision columns (all but request_id, config_id and query_blocks) of
+        decisions ``o`` (int64[O_NCOLS, m]) with their ``selected_queue_ms`` ``ms``."""
         failed = o[kl.O_WORKER] < 0
 
         def i32(col):
             return pa.array(o[col].astype(np.int32))
 
-        table = pa.table({
-            "request_id": rid,
-            "config_id": pa.array(np.tile(self.config_ids, n)),
+        return {
             "worker": self._labels(self.workers, o[kl.O_WORKER]),
             "reason": self._labels(self.reasons, o[kl.O_REASON]),
             "policy_reason": self._labels(self.policy, o[kl.O_POLICY_REASON]),
             "decision": self._labels(self.decisions, o[kl.O_DECISION]),
             "failure": self._labels(self.failures, o[kl.O_FAILURE]),
-            "query_blocks": pa.array(qb[rep]),
             "matched_blocks": pa.array(o[kl.O_MATCHED_BLOCKS]),
             "selected_blocks": pa.array(o[kl.O_SELECTED_BLOCKS]),
             "uncached_tokens": self._nullable(o[kl.O_UNCACHED_TOKENS]),
@@ -224,14 +216,66 @@ class DecisionWriter:
             "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
             "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
             "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
-        })
+        }
+
+    def write(self, chunk: Chunk, trace: Trace | None = None) -> None:
+        """Append a chunk's rows; ``trace`` is the window the chunk belongs to
+        (default: the writer's trace)."""
+        tr = self.trace if trace is None else trace
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        ids = getattr(tr, "request_id", np.zeros(0, dtype=object))[chunk.start:chunk.stop]
+        qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
+                        0).astype(np.int64)
+        if self.layout == store.OUTCOMES:
+            table = self._outcomes_table(chunk, ids, qb)
+        else:
+            o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
+            rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
+            if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
+                rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
+            else:
+                rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
+            fields = self._fields(o, chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1))
+            head = {"request_id": rid, "config_id": pa.array(np.tile(self.config_ids, n))}
+            cols = {**head, **{k: v for k, v in fields.items() if k in store.BEFORE_QUERY_BLOCKS},
+                    "query_blocks": pa.array(qb[rep]),
+                    **{k: v for k, v in fields.items() if k not in store.BEFORE_QUERY_BLOCKS}}
+            table = pa.table(cols)
         if self.writer is None:
             # Dictionary columns are written as plain Parquet strings (dictionary
             # pages); without the stored Arrow schema, readers get strings back.
+            # (outcomes: statistics on request_id only; no reader uses the lists' min/max)
+            stats: bool | list[str] = True if self.layout == store.LONG else ["request_id"]
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd",
-                                           store_schema=False)
+                                           store_schema=False, write_statistics=stats)
+            if self.layout == store.OUTCOMES:
+                self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids.tolist()))
         self.writer.write_table(table)
-        self.rows += table.num_rows
+        self.rows += n * n_cfg
+
+    def _outcomes_table(self, chunk: Chunk, ids: np.ndarray, qb: np.ndarray) -> pa.Table:
+        """One row per request: its id, query blocks, each config's outcome index and, as
+        lists, the fields of its distinct outcomes (:mod:`replay.decision_store`)."""
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        codes, rep, counts = outcomes.encode(chunk.out_i, chunk.out_f)
+        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)[:, rep]
+        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)[rep]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        offsets_pa = pa.array(offsets)
+        code_offsets = pa.array(np.arange(0, n * n_cfg + 1, n_cfg, dtype=np.int32))
+        rid = (pa.array(ids.tolist(), pa.string()) if ids.dtype == object
+               else pa.array(np.asarray(ids, dtype=np.int64)))
+        cols: dict[str, pa.Array] = {
+            "request_id": rid,
+            "query_blocks": pa.array(qb),
+            store.CODE_COLUMN: pa.ListArray.from_arrays(code_offsets, pa.array(codes.reshape(-1))),
+        }
+        for name, values in self._fields(o, ms).items():
+            cols[name] = pa.ListArray.from_arrays(offsets_pa, values)
+        return pa.table(cols)
 
     def close(self) -> None:
         if self.closed:

@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from .errors import ReplayError
 
@@ -98,7 +97,8 @@ def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> li
 
 
 def run_record(trace, grid, *, seed: int, freshness_ms: int, model: str | None, per_dp_rank: bool,
-               decisions: str | list[str] | None, timings: Mapping[str, float]) -> dict:
+               decisions: str | list[str] | None, timings: Mapping[str, float],
+               decisions_layout: str | None = None) -> dict:
     """``run.json``: the tool's marker, version, the trace (path, files with sha256, size),
     the grid, the settings, where the decisions are, timings and the machine.  ``sweep``
     adds the execution, the trace's facts and the fleet/report names."""
@@ -129,6 +129,8 @@ def run_record(trace, grid, *, seed: int, freshness_ms: int, model: str | None, 
         "per_dp_rank": bool(per_dp_rank),
         "dp_size": grid.dp_size,
         "decisions": decisions,
+        # decision_store.LAYOUTS (None without decisions; runs before the key: "long")
+        "decisions_layout": decisions_layout if decisions else None,
         "timings": dict(timings),
         "machine": {
             "python": platform.python_version(),
@@ -273,7 +275,9 @@ def load_run(path: str | os.PathLike | Run) -> Run:
     decisions = decision_files(p, meta)
     for dp in decisions or []:
         try:
-            names = set(pq.read_schema(dp).names)
+            from . import decision_store
+
+            names = set(decision_store.columns_of(dp))
         except Exception as err:  # noqa: BLE001 - any reader error is unusable input
             raise unreadable(dp, err) from None
         absent = [c for c in DECISION_COLUMNS if c not in names]

@@ -107,7 +107,8 @@ def _maybe_fail(spec: ShardSpec, fault: str | None, marks: str | None) -> None:
 
 def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardSpec, carry: dict | None, *,
               seed: int, freshness_ns: int, model: str | None, out_dir: str | None, decisions: bool,
-              fleet: bool, threads: int, fault: str | None = None, marks: str | None = None) -> dict:
+              fleet: bool, threads: int, fault: str | None = None, marks: str | None = None,
+              decisions_layout: str = "long") -> dict:
     """Replay one window under one block of configs; return its absolute totals
     (and, with ``fleet``, its fleet facts).  Runs inside a Ray task, or here."""
     _maybe_fail(spec, fault, marks)
@@ -120,7 +121,7 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
     trace = win.trace
     totals = engine.new_totals(len(configs), threads=threads)
     name = f"{DECISIONS_DIR}/part-{spec.window:05d}-{spec.block:03d}.parquet"
-    writer = (DecisionWriter(os.path.join(out_dir, name), tset, config_ids)
+    writer = (DecisionWriter(os.path.join(out_dir, name), tset, config_ids, layout=decisions_layout)
               if decisions and out_dir is not None and trace.n_requests else None)
     mins: list[np.ndarray] = []
     fresh_parts: list[np.ndarray] = []
@@ -235,7 +236,7 @@ def run_ray(job: Job, window_ns: int, *, address: str | None = None, configs_per
                 ref = task.remote(tset_ref, job.configs[lo:hi], ids[lo:hi], spec, carry_ref, seed=job.seed,
                                   freshness_ns=job.freshness_ns, model=job.model, out_dir=out_dir,
                                   decisions=job.decisions, fleet=k == 0, threads=threads, fault=fault,
-                                  marks=marks)
+                                  marks=marks, decisions_layout=job.decisions_layout)
                 futures[ref] = spec
                 specs[(w, k)] = spec
         results: dict[tuple[int, int], dict] = {}

@@ -26,7 +26,7 @@ from typing import Any
 import numba
 import polars as pl
 
-from . import executors, rundir
+from . import decision_store, executors, rundir
 from . import readings as fleet_mod
 from .config import Grid
 from .errors import ConfigError, ParamError, ReplayError
@@ -111,6 +111,7 @@ def run_sweep(
     freshness_ms: int = 5000,
     model: str | None = None,
     decisions: bool = True,
+    decisions_layout: str = "long",
     per_dp_rank: bool = False,
     force: bool = False,
     report: bool = True,
@@ -152,6 +153,9 @@ def run_sweep(
     if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
         raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
                          f"64 bits), got {freshness_ms}")
+    if decisions_layout not in decision_store.LAYOUTS:
+        raise ParamError("decisions_layout", f"must be one of {', '.join(decision_store.LAYOUTS)}, "
+                         f"got {decisions_layout!r}")
     if not isinstance(grid, Grid):
         grid = Grid(grid or {}, per_dp_rank=per_dp_rank)
     elif per_dp_rank and not grid.per_dp_rank:
@@ -209,7 +213,7 @@ def run_sweep(
             on_start(n_requests)
         job = executors.Job(source=source, configs=configs, grid=grid, seed=int(seed), freshness_ns=freshness_ns,
                             model=model, threads=threads, progress=progress, out_dir=tmp_dir,
-                            decisions=decisions and tmp_dir is not None)
+                            decisions=decisions and tmp_dir is not None, decisions_layout=decisions_layout)
         done = ex.replay(job, window_ns)
         if hashed is not None:
             tset.files = hashed.result()
@@ -223,6 +227,7 @@ def run_sweep(
         }
         run = rundir.run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
                           decisions=done.decision_files if job.decisions else None,
+                          decisions_layout=decisions_layout if job.decisions else None,
                           per_dp_rank=grid.per_dp_rank, timings=timings)
         run["trace"]["requests"] = n_requests if tset is not None else source.n_requests
         run["trace"]["layout"] = _layout(source)

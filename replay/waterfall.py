@@ -106,13 +106,13 @@ def drilldown(files: Sequence[Path] | None, config_id: int, n: int = 20) -> pl.D
     without decisions files or without the waterfall columns in them)."""
     if not files:
         return None
-    import pyarrow.parquet as pq
+    from . import decision_store
 
-    names = set(pq.read_schema(files[0]).names)
+    names = set(decision_store.columns_of(files[0]))
     if "blocks_lost" not in names:
         return None
     cols = [c for c in DRILL_COLUMNS if c in names]
-    lf = pl.concat([pl.scan_parquet(f).select("config_id", *cols) for f in files], how="vertical_relaxed")
+    lf = pl.concat([decision_store.scan_file(f, ["config_id", *cols]) for f in files], how="vertical_relaxed")
     top = (lf.filter((pl.col("config_id") == config_id) & (pl.col("blocks_lost") > 0))
            .sort(["blocks_lost", "request_id"], descending=[True, False]).head(n).drop("config_id").collect())
     if "worker" in top.columns and top.schema["worker"] == pl.String:

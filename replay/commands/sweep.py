@@ -59,6 +59,10 @@ def _knob_options(fn):
 @click.option("--model", default=None, help="Replay only the requests of this model.")
 @click.option("--decisions/--no-decisions", default=True, show_default=True,
               help="Write decisions.parquet (one row per request and config).")
+@click.option("--decisions-layout", type=click.Choice(["long", "outcomes"]), default="long", show_default=True,
+              help="long: one row per request and config; outcomes: one row per request, its distinct outcomes "
+                   "once and each config's index into them (smaller, several times faster to write; "
+                   "replay.read_decisions reads either as the long table).")
 @click.option("--report/--no-report", default=True, show_default=True,
               help="Write report.html (see `router-replay report`).")
 @click.option("--per-dp-rank", is_flag=True,
@@ -81,7 +85,7 @@ def _knob_options(fn):
 @click.option("--force", is_flag=True, help="Replace an existing non-empty RUN_DIR.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @user_errors
-def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_rank, threads, window,
+def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout, report, per_dp_rank, threads, window,
           executor, ray_address, ray_cpus, configs_per_task, ray_retries, force, quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
     from .. import rundir
@@ -126,7 +130,8 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, report, per_dp_r
 
     try:
         result = run_sweep(trace_dir, grid, out=out, seed=seed, freshness_ms=freshness_ms,
-                           model=model, decisions=decisions, force=force, report=report,
+                           model=model, decisions=decisions, decisions_layout=decisions_layout, force=force,
+                           report=report,
                            threads=threads, progress=progress, on_start=on_start, status=status, window=window_ns,
                            executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
                            configs_per_task=configs_per_task,
