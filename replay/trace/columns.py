@@ -157,3 +157,37 @@ def map_names(s: pl.Series, names: list[str]) -> np.ndarray:
     # an Enum of the names: its physical codes are the positions (unknown -> null)
     codes = s.cast(pl.Enum(names), strict=False).to_physical().cast(pl.Int32)
     return codes.fill_null(-1).to_numpy().astype(np.int32, copy=False)
+
+
+class Coded:
+    """A string column as integer codes into its distinct names (``codes[i]``
+    indexes ``names``, -1 = null): Parquet's dictionary pages read as they
+    are, so millions of repeated worker addresses are never made strings."""
+
+    def __init__(self, codes: np.ndarray, names: list[str]):
+        self.codes = codes
+        self.names = names
+
+    def __len__(self) -> int:
+        return int(self.codes.shape[0])
+
+    def null_count(self) -> int:
+        return int((self.codes < 0).sum()) if self.codes.size else 0
+
+    def used(self) -> list[str]:
+        """The names that some row has (a dictionary may hold more)."""
+        c = self.codes
+        if c.size and int(c.min()) < 0:
+            c = c[c >= 0]
+        seen = np.bincount(c, minlength=len(self.names)) > 0
+        return [n for n, s in zip(self.names, seen.tolist(), strict=True) if s]
+
+    def ids(self, index: dict[str, int]) -> np.ndarray:
+        """int32 per row: ``index[name]``, -1 for null or a name not in ``index``."""
+        table = np.array([index.get(n, -1) for n in self.names] + [-1], dtype=np.int32)
+        return table[self.codes]
+
+    def names_at(self, mask: np.ndarray) -> list[str]:
+        """The distinct non-null names of the rows in ``mask``, sorted."""
+        c = np.unique(self.codes[mask])
+        return sorted(self.names[int(i)] for i in c if i >= 0)
