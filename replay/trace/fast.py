@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from .columns import Coded, Columns
+from .columns import Coded, Columns, pool_empty
 from .core import Trace
 from .encode import ClosedLoopColumns, MatchColumns, RequestColumns, read_closed_loop, read_loads
 from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
@@ -53,7 +53,11 @@ def load_fast(path: str | os.PathLike, *, model: str | None, info: TraceInfo) ->
 
 
 def _is_str(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def _single(dirpath: str, kind: str) -> Part:
@@ -90,9 +94,13 @@ def coded(col: pa.ChunkedArray) -> Coded:
         idx = ch.indices
         if idx.null_count:
             idx = pc.fill_null(idx.cast(pa.int64()), len(values))
-        parts.append(remap[idx.to_numpy()])
-    codes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return Coded(codes.astype(np.int32, copy=False), list(pos))
+        parts.append((remap, idx.to_numpy()))
+    codes = pool_empty(sum(len(i) for _r, i in parts), np.int32)
+    at = 0
+    for remap, i in parts:
+        np.take(remap, i, out=codes[at:at + len(i)])
+        at += len(i)
+    return Coded(codes, list(pos))
 
 
 def _read_polars(part: Part, columns: list[str], rows: int) -> pl.DataFrame:
@@ -106,7 +114,7 @@ def _matches(arr: pa.ChunkedArray) -> MatchColumns:
     """``matches`` (list<struct{worker: dictionary<string>, blocks: int64}>) as
     CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does."""
     lst = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    if not pa.types.is_list(lst.type):
+    if not _is_list(lst.type):
         raise Fallback("matches: not a list")
     lens = pc.fill_null(pc.list_value_length(lst), 0).to_numpy().astype(np.int64)
     off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
@@ -132,7 +140,7 @@ def _requests_side(part: Part):
     if len(set(names)) != len(names) or rows == 0 or "matches" not in names:
         raise Fallback("requests: columns")
     m = sch.field("matches").type
-    if not (pa.types.is_list(m) and pa.types.is_struct(m.value_type)
+    if not (_is_list(m) and pa.types.is_struct(m.value_type)
             and sorted(f.name for f in m.value_type) == ["blocks", "worker"]
             and _is_str(m.value_type.field("worker").type) and m.value_type.field("blocks").type == pa.int64()):
         raise Fallback("requests: matches type")
