@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 
 from .base import LOAD_FIELDS, MAX_DP_SIZE, PARALLEL_ROWS, REQUESTS, TraceError, run_both
-from .columns import Coded, Columns, map_names
+from .columns import Coded, Columns, map_names, pool_empty
 from .core import Trace
 from .encode import (
     ClosedLoopColumns,
@@ -220,7 +220,9 @@ def names_at(names: pl.Series | Coded, mask: np.ndarray) -> list[str]:
 def observed_ranks(workers: list[str], load_worker: np.ndarray, rank: np.ndarray) -> dict[str, list[int]]:
     """``{worker: sorted distinct ranks}`` of the workers with samples, in worker id order."""
     small = rank < MAX_DP_SIZE
-    key = load_worker.astype(np.int64) * MAX_DP_SIZE + rank
+    key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
+    np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
+    key += rank
     seen = np.bincount(key[small] if not small.all() else key,
                        minlength=len(workers) * MAX_DP_SIZE).reshape(len(workers), MAX_DP_SIZE) > 0
     out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
