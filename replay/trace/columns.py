@@ -8,6 +8,7 @@ from typing import NamedTuple, NoReturn
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from .base import MAX_VALUE, TraceError
 
@@ -70,9 +71,7 @@ class Columns:
             if hi == MAX_VALUE and v > hi:
                 msg = f"must be < 2**53, got {v}"
             self.fail(col, msg, row)
-        if s.null_count():
-            s = s.fill_null(fill)
-        return s.cast(pl.Int64).to_numpy()
+        return dense_ints(s, fill, np.int64)
 
     def int_columns(self, specs: list[IntSpec]) -> dict[str, np.ndarray]:
         """:meth:`ints` of several columns at once: the checks' statistics in one
@@ -98,10 +97,9 @@ class Columns:
                    or (st[0] is not None and (st[0] < sp.lo or st[1] > sp.hi)))
             if bad:
                 self.ints(sp.col, nullable=sp.nullable, fill=sp.fill, lo=sp.lo, hi=sp.hi)  # raises
-        # one select (columns in parallel): nulls filled where there are any, int64
-        conv = self.df.select([(pl.col(sp.col).fill_null(sp.fill) if stats[sp.col][2] else pl.col(sp.col))
-                               .cast(sp.dtype) for sp in specs if sp.col in stats])
-        return {c: conv.get_column(c).to_numpy() for c in conv.columns}
+        # each column copied once into its own numpy array, nulls filled where there are any
+        return {sp.col: dense_ints(self.df.get_column(sp.col), sp.fill, _NP[sp.dtype])
+                for sp in specs if sp.col in stats}
 
     def floats(self, col: str) -> np.ndarray:
         """Nullable non-negative finite number column (integer or float) -> float64,
@@ -139,6 +137,52 @@ class Columns:
         self.fail(col, f"wrong type {s.dtype}, expected int64 nanoseconds or a Datetime")
 
 
+_NP = {pl.Int64: np.int64, pl.Int32: np.int32}
+
+
+def pool_empty(n: int, dtype) -> np.ndarray:
+    """``np.empty(n, dtype)``, writeable and contiguous, in Arrow's memory pool.
+
+    The pool keeps freed memory for the next allocation, where a fresh numpy
+    array of this size is new pages (mmap) every time: on the machines we
+    measured, first-touching the ~0.5 GB of a 1M trace's load columns costs
+    more CPU than the Parquet read.  The array's base holds the buffer."""
+    dt = np.dtype(dtype)
+    if n * dt.itemsize < 1 << 20:
+        return np.empty(n, dtype=dt)
+    return np.frombuffer(pa.allocate_buffer(n * dt.itemsize), dtype=dt, count=n)
+
+
+def dense_ints(s: pl.Series, fill: int, dtype) -> np.ndarray:
+    """An integer series (values checked to fit ``dtype``) as one contiguous
+    numpy array, nulls as ``fill``, read-only exactly when polars' own
+    ``fill_null(fill).cast(dtype).to_numpy()`` would give a read-only view
+    (one chunk): the chunks (one per row group) copied once, without the
+    intermediate column that ``fill_null`` and ``cast`` allocate."""
+    chunks = s.get_chunks()
+    if len(chunks) == 1 and s.null_count() == 0:
+        view = s.to_numpy()
+        if view.dtype == np.dtype(dtype):
+            return view                            # a view of polars' memory, as before
+    out = pool_empty(len(s), dtype)
+    at = 0
+    for ch in chunks:
+        n = len(ch)
+        if ch.null_count() == 0:
+            out[at:at + n] = ch.to_numpy()
+        else:       # the values buffer as it is (any value under a null), nulls set below
+            arr = ch.to_arrow()
+            raw = np.frombuffer(arr.buffers()[1], dtype=arr.type.to_pandas_dtype(), count=len(arr),
+                                offset=arr.offset * arr.type.bit_width // 8)
+            out[at:at + n] = raw
+        at += n
+    if s.null_count():
+        np.putmask(out, s.is_null().to_numpy(), fill)
+    if len(chunks) == 1:
+        out.flags.writeable = False
+    return out
+
+
 def first_out_of_range(s: pl.Series, lo: int, hi: int) -> int | None:
     """First row (0-based) of an integer series outside [lo, hi], or None."""
     mn, mx = s.min(), s.max()
@@ -157,3 +201,37 @@ def map_names(s: pl.Series, names: list[str]) -> np.ndarray:
     # an Enum of the names: its physical codes are the positions (unknown -> null)
     codes = s.cast(pl.Enum(names), strict=False).to_physical().cast(pl.Int32)
     return codes.fill_null(-1).to_numpy().astype(np.int32, copy=False)
+
+
+class Coded:
+    """A string column as integer codes into its distinct names (``codes[i]``
+    indexes ``names``, -1 = null): Parquet's dictionary pages read as they
+    are, so millions of repeated worker addresses are never made strings."""
+
+    def __init__(self, codes: np.ndarray, names: list[str]):
+        self.codes = codes
+        self.names = names
+
+    def __len__(self) -> int:
+        return int(self.codes.shape[0])
+
+    def null_count(self) -> int:
+        return int((self.codes < 0).sum()) if self.codes.size else 0
+
+    def used(self) -> list[str]:
+        """The names that some row has (a dictionary may hold more)."""
+        c = self.codes
+        if c.size and int(c.min()) < 0:
+            c = c[c >= 0]
+        seen = np.bincount(c, minlength=len(self.names)) > 0
+        return [n for n, s in zip(self.names, seen.tolist(), strict=True) if s]
+
+    def ids(self, index: dict[str, int]) -> np.ndarray:
+        """int32 per row: ``index[name]``, -1 for null or a name not in ``index``."""
+        table = np.array([index.get(n, -1) for n in self.names] + [-1], dtype=np.int32)
+        return np.take(table, self.codes, out=pool_empty(len(self), np.int32))
+
+    def names_at(self, mask: np.ndarray) -> list[str]:
+        """The distinct non-null names of the rows in ``mask``, sorted."""
+        c = np.unique(self.codes[mask])
+        return sorted(self.names[int(i)] for i in c if i >= 0)

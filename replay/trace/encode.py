@@ -26,7 +26,7 @@ from .base import (
     TAIL_COLUMNS,
     run_both,
 )
-from .columns import Columns, IntSpec, first_out_of_range, map_names
+from .columns import Coded, Columns, IntSpec, first_out_of_range, map_names
 from .workers import Universe
 
 MATCH_SHAPE = "list<struct{worker: string, blocks: integer}>"
@@ -86,12 +86,12 @@ class RequestColumns:
 
     ts: np.ndarray
     request_id: np.ndarray
-    model: pl.Series
+    model: pl.Series | Coded
     input_tokens: np.ndarray
     query_blocks: np.ndarray
     query_blocks_null: int
     best_prefix: np.ndarray | None    # -1 = null; None = no column
-    selected: pl.Series | None
+    selected: pl.Series | Coded | None
 
 
 def read_requests(R: Columns) -> RequestColumns:
@@ -127,7 +127,7 @@ def read_requests(R: Columns) -> RequestColumns:
 class MatchColumns:
     lens: np.ndarray          # int64 entries per request
     offsets: np.ndarray       # int64 CSR
-    worker: pl.Series         # string, one per entry
+    worker: pl.Series | Coded  # string, one per entry
     blocks: np.ndarray        # int64, one per entry
 
 
@@ -330,7 +330,7 @@ class LoadColumns:
     """``loads`` checked column by column, worker names not yet mapped to ids."""
 
     ts: np.ndarray
-    worker: pl.Series
+    worker: pl.Series | Coded
     rank: np.ndarray
     required: list[np.ndarray]        # LOAD_REQUIRED order
     tail_valid: np.ndarray
@@ -340,10 +340,11 @@ class LoadColumns:
     has_inflight: bool
 
 
-def read_loads(L: Columns) -> LoadColumns:
+def read_loads(L: Columns, worker: Coded | None = None) -> LoadColumns:
+    """The load columns, checked; ``worker`` given (coded) when the frame lacks it."""
     n = L.df.height
     ts = L.timestamps("ts")
-    worker = L.strings("worker", nullable=False)
+    worker_col: pl.Series | Coded = L.strings("worker", nullable=False) if worker is None else worker
     specs = [IntSpec("dp_rank", True, 0, 0, MAX_INT32, pl.Int32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
              *(IntSpec(c, True) for c in TAIL_COLUMNS), IntSpec("router_inflight", True)]
     cols = L.int_columns(specs)
@@ -369,7 +370,7 @@ def read_loads(L: Columns) -> LoadColumns:
             v[no_tail] = 0
     has_inflight = "router_inflight" in cols
     inflight = cols["router_inflight"] if has_inflight else np.full(n, -1, dtype=np.int64)
-    return LoadColumns(ts, worker, rank, required, tail_valid, tail_any, tails, inflight, has_inflight)
+    return LoadColumns(ts, worker_col, rank, required, tail_valid, tail_any, tails, inflight, has_inflight)
 
 
 def check_rank_bound(L: Columns, worker: np.ndarray, rank: np.ndarray, worker_dp: np.ndarray) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 
 from .base import LOAD_FIELDS, MAX_DP_SIZE, PARALLEL_ROWS, REQUESTS, TraceError, run_both
-from .columns import Columns, map_names
+from .columns import Coded, Columns, map_names, pool_empty
 from .core import Trace
 from .encode import (
     ClosedLoopColumns,
@@ -29,6 +29,7 @@ from .encode import (
     to_ids,
 )
 from .facts import TraceFacts
+from .fast import load_fast
 from .files import Frames, read_frames
 from .info import TraceInfo, read_trace_info
 from .workers import Universe, make_universe, parse_workers_table
@@ -52,6 +53,9 @@ def load_trace(path: str | os.PathLike, *, model: str | None = None) -> Trace:
     memory are replayed window by window instead (:class:`TraceSet`).
     """
     info = read_trace_info(path)
+    tr = load_fast(path, model=model, info=info)
+    if tr is not None:
+        return tr
     return build_trace(read_frames(path), model=model, info=info)
 
 
@@ -91,16 +95,29 @@ def build_trace(fr: Frames, *, model: str | None = None, universe: Universe | No
         universe = make_universe(table, load_names, names[0], names[1], info.page_size)
     req_model, load_worker, match_worker = to_ids(universe, R, L, rq.model, ld.worker, mt.worker,
                                                   parallel=parallel)
-    check_rank_bound(L, load_worker, ld.rank, universe.worker_dp)
-    check_hash_lengths(R, cl, rq.input_tokens, universe.model_page[req_model] if req_model.size
-                       else np.zeros(0, dtype=np.int64))
-
     selected = None
     sel_null = sel_unknown = None
     if rq.selected is not None:
         selected = map_names(rq.selected, universe.workers)
         sel_null = int(rq.selected.null_count())
         sel_unknown = int(((selected < 0) & rq.selected.is_not_null().to_numpy()).sum())
+    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker,
+                        (selected, sel_null, sel_unknown), model=model, strict_model=strict_model,
+                        index_offset=index_offset, facts=facts, info=info)
+
+
+def finish_trace(fr: Frames, universe: Universe, R: Columns, L: Columns, rq: RequestColumns, mt: MatchColumns,
+                 cl: ClosedLoopColumns, ld: LoadColumns, req_model: np.ndarray, load_worker: np.ndarray,
+                 match_worker: np.ndarray, sel: tuple[np.ndarray | None, int | None, int | None], *,
+                 model: str | None, strict_model: bool, index_offset: int, facts: bool,
+                 info: TraceInfo) -> Trace:
+    """The steps after names are ids (both load paths): the checks that need
+    the universe, the default best prefix, the stable sort, the facts, the
+    model filter."""
+    check_rank_bound(L, load_worker, ld.rank, universe.worker_dp)
+    check_hash_lengths(R, cl, rq.input_tokens, universe.model_page[req_model] if req_model.size
+                       else np.zeros(0, dtype=np.int64))
+    selected, sel_null, sel_unknown = sel
     best = rq.best_prefix
     if best is None or (best < 0).any():      # default: max of the row's match blocks (0 if none)
         dflt = segment_max(mt.blocks, mt.offsets)
@@ -150,8 +167,7 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
     workers, models = universe.workers, universe.models
     n = int(rq.ts.shape[0])
     unknown = match_worker < 0
-    unk_names = (mt.worker.filter(pl.Series(unknown)).unique().sort().to_list()
-                 if want and unknown.any() else [])
+    unk_names = names_at(mt.worker, unknown) if want and unknown.any() else []
     tf = TraceFacts(
         requests=n,
         requests_with_matches=int((mt.lens > 0).sum()),
@@ -194,10 +210,19 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
     return tf
 
 
+def names_at(names: pl.Series | Coded, mask: np.ndarray) -> list[str]:
+    """The distinct names of the rows in ``mask``, sorted."""
+    if isinstance(names, Coded):
+        return names.names_at(mask)
+    return names.filter(pl.Series(mask)).unique().sort().to_list()
+
+
 def observed_ranks(workers: list[str], load_worker: np.ndarray, rank: np.ndarray) -> dict[str, list[int]]:
     """``{worker: sorted distinct ranks}`` of the workers with samples, in worker id order."""
     small = rank < MAX_DP_SIZE
-    key = load_worker.astype(np.int64) * MAX_DP_SIZE + rank
+    key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
+    np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
+    key += rank
     seen = np.bincount(key[small] if not small.all() else key,
                        minlength=len(workers) * MAX_DP_SIZE).reshape(len(workers), MAX_DP_SIZE) > 0
     out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}

@@ -1,0 +1,244 @@
+"""The fast path of :func:`~replay.trace.load_trace`: one ``requests.parquet`` and
+one ``loads.parquet`` whose name columns are plain strings (the layout every
+writer of ours and the capture produce).
+
+What differs from the full path (:func:`~replay.trace.load.build_trace`) is
+only how the name columns are read: ``loads.worker``, ``requests.model``,
+``requests.selected_worker`` and the ``matches`` entries' ``worker`` come out
+of Parquet's dictionary pages as codes into a few distinct names
+(:class:`~replay.trace.columns.Coded`) instead of millions of strings that
+are then hashed twice (distinct names, then ids); ``matches`` is taken apart
+through its Arrow buffers.  Every other column is read by polars and checked
+by the same code as in the full path, and every step after names are ids is
+the same function (:func:`~replay.trace.load.finish_trace`).
+
+Every check is still made, but the fast path only tests that the data pass;
+the one-line error is the full path's: on any failing check (or any layout,
+type or reader problem the fast path does not handle) :class:`Fallback` is
+raised and :func:`load_fast` returns None, and ``load_trace`` loads the
+trace the full way, which names the file, column and row exactly as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
+from .columns import Coded, Columns, pool_empty
+from .core import Trace
+from .encode import ClosedLoopColumns, MatchColumns, RequestColumns, read_closed_loop, read_loads
+from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
+from .info import TraceInfo
+from .workers import Universe, make_universe, parse_workers_table
+
+
+class Fallback(Exception):
+    """The fast path does not apply (or a check fails): load the full way."""
+
+
+def load_fast(path: str | os.PathLike, *, model: str | None, info: TraceInfo) -> Trace | None:
+    """The trace as :func:`~replay.trace.load.build_trace` would encode it, or
+    None when the full path must decide (another layout, other types, or a
+    check that fails: the full path then raises its one-line error)."""
+    try:
+        return _load(os.fspath(path), model, info)
+    except Exception:  # noqa: BLE001 - anything unexpected: the full path reads, checks and names it
+        return None
+
+
+def _is_str(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _single(dirpath: str, kind: str) -> Part:
+    parts = list_parts(dirpath, kind)
+    if len(parts) != 1 or parts[0].name != KINDS[kind]:
+        raise Fallback(f"{kind}: not one {KINDS[kind]}")
+    return parts[0]
+
+
+def _leaf_path(pf: pq.ParquetFile, top: str, leaf: str) -> str:
+    """The Parquet column path of ``top``'s nested field ``leaf`` (writers name
+    the list levels differently)."""
+    sch = pf.schema
+    found = [p for p in (sch.column(i).path for i in range(len(sch)))
+             if p.split(".")[0] == top and p.split(".")[-1] == leaf]
+    if len(found) != 1:
+        raise Fallback(f"{top}.{leaf}: no single leaf")
+    return found[0]
+
+
+def coded(col: pa.ChunkedArray) -> Coded:
+    """A dictionary-encoded string column (chunks may have their own
+    dictionaries) as codes into one list of distinct names."""
+    pos: dict[str, int] = {}
+    parts = []
+    for ch in col.chunks:
+        if not (pa.types.is_dictionary(ch.type) and _is_str(ch.type.value_type)):
+            raise Fallback("not a dictionary of strings")
+        values = ch.dictionary.to_pylist()
+        remap = np.empty(len(values) + 1, dtype=np.int32)
+        for i, v in enumerate(values):
+            remap[i] = -1 if v is None else pos.setdefault(v, len(pos))
+        remap[len(values)] = -1                       # a null row
+        idx = ch.indices
+        if idx.null_count:
+            idx = pc.fill_null(idx.cast(pa.int64()), len(values))
+        parts.append((remap, idx.to_numpy()))
+    codes = pool_empty(sum(len(i) for _r, i in parts), np.int32)
+    at = 0
+    for remap, i in parts:
+        np.take(remap, i, out=codes[at:at + len(i)])
+        at += len(i)
+    return Coded(codes, list(pos))
+
+
+def _read_polars(part: Part, columns: list[str], rows: int) -> pl.DataFrame:
+    df = finish_frame(part, pl.read_parquet(part.path, columns=columns, hive_partitioning=False))
+    if df.height != rows:
+        raise Fallback("row count")
+    return df
+
+
+def _matches(arr: pa.ChunkedArray) -> MatchColumns:
+    """``matches`` (list<struct{worker: dictionary<string>, blocks: int64}>) as
+    CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does."""
+    lst = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if not _is_list(lst.type):
+        raise Fallback("matches: not a list")
+    lens = pc.fill_null(pc.list_value_length(lst), 0).to_numpy().astype(np.int64)
+    off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    ent = lst.flatten()                       # the entries of non-null lists, in row order
+    if ent.null_count or len(ent) != int(off[-1]):
+        raise Fallback("matches: a null entry")
+    fields = dict(zip([f.name for f in ent.type], ent.flatten(), strict=True))
+    worker, blocks = fields["worker"], fields["blocks"]
+    if worker.null_count or blocks.null_count or blocks.type != pa.int64():
+        raise Fallback("matches: a null field")
+    b = blocks.to_numpy()
+    if b.size and (int(b.min()) < 0 or int(b.max()) > MAX_VALUE):
+        raise Fallback("matches: blocks out of range")
+    return MatchColumns(lens, off, coded(pa.chunked_array([worker])), b)
+
+
+def _requests_side(part: Part):
+    pf = pq.ParquetFile(part.path)
+    sch = pf.schema_arrow
+    names = sch.names
+    rows = pf.metadata.num_rows
+    if len(set(names)) != len(names) or rows == 0 or "matches" not in names:
+        raise Fallback("requests: columns")
+    m = sch.field("matches").type
+    if not (_is_list(m) and pa.types.is_struct(m.value_type)
+            and sorted(f.name for f in m.value_type) == ["blocks", "worker"]
+            and _is_str(m.value_type.field("worker").type) and m.value_type.field("blocks").type == pa.int64()):
+        raise Fallback("requests: matches type")
+    dict_cols = [c for c in ("model", "selected_worker") if c in names]
+    if not all(_is_str(sch.field(c).type) for c in dict_cols):
+        raise Fallback("requests: name column types")
+    tab = pq.read_table(part.path, columns=["matches", *dict_cols],
+                        read_dictionary=[_leaf_path(pf, "matches", "worker"), *dict_cols])
+    df = _read_polars(part, [c for c in names if c not in ("matches", *dict_cols)], rows)
+    R = Columns(REQUESTS, df)
+
+    # read_requests' checks and conversions (the name columns coded)
+    ts = R.timestamps("ts")
+    rid_s = R.require("request_id")
+    if rid_s.dtype.is_integer():
+        request_id = R.ints("request_id", nullable=False, lo=-(2**63), hi=2**63 - 1, s=rid_s)
+    else:
+        rid_s = R.strings("request_id", nullable=False, s=rid_s)
+        request_id = None
+    if rid_s.n_unique() != rows:
+        raise Fallback("requests: duplicate request_id")
+    if request_id is None:
+        request_id = rid_s.to_numpy()
+    if "model" in dict_cols:
+        model = coded(tab.column("model"))
+        if model.null_count():                   # null -> the default model
+            if DEFAULT_MODEL not in model.names:
+                model.names.append(DEFAULT_MODEL)
+            model.codes[model.codes < 0] = model.names.index(DEFAULT_MODEL)
+    else:
+        model = Coded(np.zeros(rows, dtype=np.int32), [DEFAULT_MODEL])
+    input_tokens = R.ints("input_tokens", nullable=False)
+    qb_s = R.require("query_blocks")
+    query_blocks = R.ints("query_blocks", nullable=True, fill=0, s=qb_s)
+    best = R.ints("best_prefix_blocks", nullable=True, fill=-1) if R.has("best_prefix_blocks") else None
+    sel = coded(tab.column("selected_worker")) if "selected_worker" in dict_cols else None
+    rq = RequestColumns(ts, request_id, model, input_tokens, query_blocks, int(qb_s.null_count()), best, sel)
+    mt = _matches(tab.column("matches"))
+    cl: ClosedLoopColumns = read_closed_loop(R, rq.input_tokens)
+    return R, df, rq, mt, cl
+
+
+def _loads_side(part: Part):
+    pf = pq.ParquetFile(part.path)
+    sch = pf.schema_arrow
+    names = sch.names
+    rows = pf.metadata.num_rows
+    if len(set(names)) != len(names) or rows == 0 or "worker" not in names or not _is_str(sch.field("worker").type):
+        raise Fallback("loads: columns")
+    worker = coded(pq.read_table(part.path, columns=["worker"], read_dictionary=["worker"]).column("worker"))
+    if worker.null_count():
+        raise Fallback("loads: null worker")
+    df = _read_polars(part, [c for c in names if c != "worker"], rows)
+    L = Columns(LOADS, df)
+    return L, df, read_loads(L, worker)
+
+
+def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
+    from .load import finish_trace  # load imports this module
+
+    require_dir(dirpath)
+    req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
+    wk_df, wk_info = read_table_file(dirpath, WORKERS)
+    table = parse_workers_table(wk_df) if wk_df is not None else None
+    # requests | loads in two threads, the files' sha256 (provenance) in a third
+    ((R, req_df, rq, mt, cl), (L, load_df, ld)), infos = run_both(
+        lambda: run_both(lambda: _requests_side(req_part), lambda: _loads_side(load_part)),
+        lambda: [file_info(p.path) for p in (req_part, load_part)])
+    files = {REQUESTS: infos[0], LOADS: infos[1]}
+    if wk_df is not None:
+        files[WORKERS] = wk_info
+    assert isinstance(rq.model, Coded) and isinstance(mt.worker, Coded) and isinstance(ld.worker, Coded)
+    universe = make_universe(table, ld.worker.used(), mt.worker.used(), rq.model.used(), info.page_size)
+    req_model, load_worker, match_worker = _ids(universe, rq.model, ld.worker, mt.worker)
+    selected = sel_null = sel_unknown = None
+    if isinstance(rq.selected, Coded):
+        selected = rq.selected.ids({w: i for i, w in enumerate(universe.workers)})
+        sel_null = rq.selected.null_count()
+        sel_unknown = int(((selected < 0) & (rq.selected.codes >= 0)).sum())
+        selected.flags.writeable = False          # as the full path's
+    fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
+    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker,
+                        (selected, sel_null, sel_unknown), model=model, strict_model=True, index_offset=0,
+                        facts=True, info=info)
+
+
+def _ids(universe: Universe, model: Coded, load_worker: Coded,
+         match_worker: Coded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """As :func:`~replay.trace.encode.to_ids`: with a workers table only its
+    listed workers are match addresses (-1 otherwise)."""
+    workers = universe.workers
+    listed = universe.worker_listed if universe.has_table else np.ones(len(workers), dtype=bool)
+    req_model = model.ids({m: i for i, m in enumerate(universe.models)})
+    lw = load_worker.ids({w: i for i, w in enumerate(workers)})
+    mw = match_worker.ids({w: i for i, w in enumerate(workers) if listed[i]})
+    if (req_model.size and int(req_model.min()) < 0) or (lw.size and int(lw.min()) < 0):
+        raise Fallback("a name outside the universe")
+    # read-only where the full path's arrays are (views of polars memory there)
+    for a in (req_model, lw) if universe.has_table else (req_model, lw, mw):
+        a.flags.writeable = False
+    return req_model, lw, mw
