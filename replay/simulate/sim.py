@@ -489,11 +489,16 @@ def _write_chunks(rows: LoadRows, path: Path) -> None:
 def _write_dir(out: Path, tables: Mapping[str, pa.Table | LoadRows], meta: dict,
                extra_json: Mapping[str, dict] | None = None) -> None:
     with building(out) as tmp:
-        for name, t in tables.items():
-            if isinstance(t, LoadRows):
-                _write_chunks(t, tmp / name)
-            else:
-                _write_parquet(t, tmp / name)
+        # the load rows (the most to encode) on a thread of their own, beside the other
+        # tables: pyarrow releases the GIL while it encodes, so two cores write both
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            pending = [ex.submit(_write_chunks, t, tmp / name) for name, t in tables.items()
+                       if isinstance(t, LoadRows)]
+            for name, t in tables.items():
+                if not isinstance(t, LoadRows):
+                    _write_parquet(t, tmp / name)
+            for f in pending:
+                f.result()
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
