@@ -30,7 +30,7 @@ Example:
 """
 
 
-BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of samples in the kernel
+BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
 
 
 @click.command(epilog=_EXAMPLE)
@@ -150,7 +150,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     rows = interval_rows(req_log, fleet, publish_interval_ms)
     if rows > BIG_INTERVAL_ROWS and not quiet:
         click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
-                   f"{rows * 104 / 2**30:.1f} GiB in memory per config) for a log spanning "
+                   f"{rows * 104 / 2**30:.1f} GiB before compression, streamed to loads.parquet "
+                   "in bounded memory) for a log spanning "
                    f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
                    "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
                    err=True)

@@ -23,13 +23,31 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.typed import List
 
 from ..kernels._jit import JIT, njit
 from ..kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from ..kernels.layout import LoadColumns
-from ..kernels.snapshot import R_NCOLS, S_NCOLS, advance_dirty_nb, refresh_nb
+from ..kernels.snapshot import (
+    R_AT,
+    R_HAS,
+    R_MAXRUN,
+    R_MAXTOT,
+    R_NCOLS,
+    R_PBUSY,
+    R_PREV_OK,
+    R_PREV_PBUSY,
+    R_PREV_PTOK,
+    R_PTOK,
+    R_RUNNING,
+    R_TAIL,
+    R_TOKENS,
+    R_TOTAL,
+    R_WAITING,
+    R_WU,
+    S_NCOLS,
+    advance_dirty_nb,
+    refresh_nb,
+)
 
 INF = np.int64(1) << 62
 
@@ -237,10 +255,7 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
         rs[r, RS_USED] -= btok[b]
         rs[r, RS_EVICTABLE] -= btok[b]
         stats[SS_EVICTIONS] += 1
-        ev.append(t + lag)
-        ev.append(w)
-        ev.append(b)
-        ev.append(-1 - rs[r, RS_LOCAL])   # sign: evicted; magnitude: local rank + 1
+        _ev_push(ev, t + lag, w, b, -1 - rs[r, RS_LOCAL])  # sign: evicted; magnitude: local rank + 1
         p = parent[b]
         if p >= 0:
             nchild[r, p] -= 1
@@ -248,6 +263,17 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
                 _push_leaf(hk, hb, rs, r, p, present, lock, nchild, last_use, stats)
         return True
     return False
+
+
+@inline
+def _ev_push(ev, a, b, c, d):
+    """Append one KV-index event to the lag queue ``ev`` (``ev[0]`` values held, from ``ev[1]``)."""
+    n = ev[0]
+    ev[n + 1] = a
+    ev[n + 2] = b
+    ev[n + 3] = c
+    ev[n + 4] = d
+    ev[0] = n + 4
 
 
 @inline
@@ -307,10 +333,7 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
         rs[r, RS_USED] += btok[b]
         if j > 0:
             nchild[r, h_ids[lo + j - 1]] += 1
-        ev.append(t + lag)
-        ev.append(w)
-        ev.append(b)
-        ev.append(1 + rs[r, RS_LOCAL])    # sign: stored; magnitude: local rank + 1
+        _ev_push(ev, t + lag, w, b, 1 + rs[r, RS_LOCAL])  # sign: stored; magnitude: local rank + 1
     rs[r, RS_USED] += st[i, ST_PRIVATE]
     if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
         rs[r, RS_MAX_USED] = rs[r, RS_USED]
@@ -542,6 +565,109 @@ def _write_sample(loads, tail, nl, t, r, rs, rinf):
     rs[r, RS_LAST_ROW] = nl
 
 
+@inline
+def _interval_sample(g, t, r, rs, rinf, cur, recs, nr, table, view_inflight, dirty):
+    """Interval publishing: rank ``r``'s sample number ``g`` (of the whole run, in
+    written order) stamped ``t``.  It is applied to the router's rank table as
+    ``kernels.snapshot.advance_dirty_nb`` applies a written sample (every simulated
+    sample has the native tail and a rank inside its worker's dp_size), and
+    recorded in ``recs`` only when its values differ from the rank's previous
+    sample: the rows are expanded from these records afterwards
+    (:func:`expand_interval_nb`), so memory grows with the changes, not with the
+    span.  Returns the new record count."""
+    w = rs[r, RS_WORKER]
+    loc = rs[r, RS_LOCAL]
+    busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
+    running = rs[r, RS_RUN_N]
+    waiting = rs[r, RS_QLEN]
+    maxtot = rs[r, RS_CAP]
+    wu = rs[r, RS_QWU]
+    total = busy + rs[r, RS_QTOK]
+    maxrun = rs[r, RS_MAXRUN]
+    ptok = rs[r, RS_PTOK]
+    pbusy = rs[r, RS_PBUSY_NS] // 1000
+    inf = rinf[w]
+    if not (cur[r, LD_TS] >= 0 and cur[r, LD_RUNNING] == running and cur[r, LD_WAITING] == waiting
+            and cur[r, LD_TOKENS] == busy and cur[r, LD_MAXTOT] == maxtot and cur[r, LD_WU] == wu
+            and cur[r, LD_TOTAL] == total and cur[r, LD_MAXRUN] == maxrun
+            and cur[r, LD_PTOK] == ptok and cur[r, LD_PBUSY] == pbusy
+            and cur[r, LD_INFLIGHT] == inf):
+        cur[r, LD_TS] = g
+        cur[r, LD_RUNNING] = running
+        cur[r, LD_WAITING] = waiting
+        cur[r, LD_TOKENS] = busy
+        cur[r, LD_MAXTOT] = maxtot
+        cur[r, LD_WU] = wu
+        cur[r, LD_TOTAL] = total
+        cur[r, LD_MAXRUN] = maxrun
+        cur[r, LD_PTOK] = ptok
+        cur[r, LD_PBUSY] = pbusy
+        cur[r, LD_INFLIGHT] = inf
+        recs[LD_TS, nr] = g
+        recs[LD_WORKER, nr] = r   # the rank (global); the rows name its worker and local rank
+        recs[LD_RANK, nr] = loc
+        recs[LD_RUNNING, nr] = running
+        recs[LD_WAITING, nr] = waiting
+        recs[LD_TOKENS, nr] = busy
+        recs[LD_MAXTOT, nr] = maxtot
+        recs[LD_WU, nr] = wu
+        recs[LD_TOTAL, nr] = total
+        recs[LD_MAXRUN, nr] = maxrun
+        recs[LD_PTOK, nr] = ptok
+        recs[LD_PBUSY, nr] = pbusy
+        recs[LD_INFLIGHT, nr] = inf
+        nr += 1
+    dirty[w] = True
+    if inf >= 0:
+        view_inflight[w] = inf
+    if table[w, loc, R_HAS] == 1 and table[w, loc, R_TAIL] == 1:
+        table[w, loc, R_PREV_OK] = 1
+        table[w, loc, R_PREV_PTOK] = table[w, loc, R_PTOK]
+        table[w, loc, R_PREV_PBUSY] = table[w, loc, R_PBUSY]
+    else:
+        table[w, loc, R_PREV_OK] = 0
+    table[w, loc, R_HAS] = 1
+    table[w, loc, R_AT] = t
+    table[w, loc, R_RUNNING] = running
+    table[w, loc, R_WAITING] = waiting
+    table[w, loc, R_TOKENS] = busy
+    table[w, loc, R_MAXTOT] = maxtot
+    table[w, loc, R_TAIL] = 1
+    table[w, loc, R_WU] = wu
+    table[w, loc, R_TOTAL] = total
+    table[w, loc, R_MAXRUN] = maxrun
+    table[w, loc, R_PTOK] = ptok
+    table[w, loc, R_PBUSY] = pbusy
+    return nr
+
+
+@njit
+def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local, g_lo, g_hi,
+                       cur_rec, p, out):
+    """Interval publishing's load rows ``g_lo..g_hi-1`` (in written order) into
+    ``out[:, :g_hi - g_lo]`` from the change records of :func:`simulate_nb`:
+    row ``g`` is rank ``order[g % R]``'s sample ``g // R``, stamped ``t0 + phs[g % R]
+    + (g // R) * publish_ns``, with the values of that rank's latest record at or
+    before ``g``.  ``cur_rec[r]`` (each rank's record in effect) and ``p`` (the next
+    record) carry over from one call to the next; returns the new ``p``."""
+    R = order.shape[0]
+    n_rec = recs.shape[1]
+    for g in range(g_lo, g_hi):
+        while p < n_rec and recs[LD_TS, p] <= g:
+            cur_rec[recs[LD_WORKER, p]] = p
+            p += 1
+        j = g % R
+        r = order[j]
+        q = cur_rec[r]
+        x = g - g_lo
+        out[LD_TS, x] = t0 + phs[j] + (g // R) * publish_ns
+        out[LD_WORKER, x] = rank_worker[r]
+        out[LD_RANK, x] = rank_local[r]
+        for c in range(LD_RUNNING, LD_NCOLS):
+            out[c, x] = recs[c, q]
+    return p
+
+
 @njit
 def _flush_heartbeats(loads, tail, nl, t, rs, R):
     """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
@@ -638,15 +764,23 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
         st[i, ST_QNEXT] = -1
     run_ids = np.zeros((R, max_run), dtype=np.int64)
     present = np.zeros((R, B), dtype=np.int8)
-    lock = np.zeros((R, B), dtype=np.int32)
-    nchild = np.zeros((R, B), dtype=np.int32)
-    last_use = np.zeros((R, B), dtype=np.int64)
-    hk = np.zeros((R, heap_cap), dtype=np.int64)
-    hb = np.zeros((R, heap_cap), dtype=np.int64)
+    # lock, nchild and last_use are written when a block is stored on a rank and read only
+    # while it is present there; the heaps only below their sizes: no zero fill (about
+    # 100 MB of memset per run on the Mooncake log)
+    lock = np.empty((R, B), dtype=np.int32)
+    nchild = np.empty((R, B), dtype=np.int32)
+    last_use = np.empty((R, B), dtype=np.int64)
+    hk = np.empty((R, heap_cap), dtype=np.int64)
+    hb = np.empty((R, heap_cap), dtype=np.int64)
     # block-major, so one block's holders are one cache line (the matches walk below)
     idx = np.zeros((B, n_workers), dtype=np.int32)
     depth = np.zeros(max(nf, 1), dtype=np.int64)
-    ev = List.empty_list(types.int64)
+    # the KV index's lag queue: 4 values per event from ev[1], ev[0] values held.  Every
+    # store is one block of an admitted request (each request is admitted once) and every
+    # eviction undoes a store, so 8 values per prefix block bound it; np.empty touches only
+    # the pages used (the queue restarts at 0 whenever the index has caught up)
+    ev = np.empty(1 + 8 * h_ids.shape[0] + 8, dtype=np.int64)
+    ev[0] = 0
     ev_head = 0
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
@@ -654,13 +788,11 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     # sized for the samples up to the last arrival, plus a quarter (it grows if
     # the drain takes longer): growing by doubling touches far more memory
     on_change = pub_delay > 0
-    n_samples = 1024
-    if on_change:
-        n_samples += 2 * R + 6 * N  # about four changes per request; grows if needed
-    elif N > 0 and publish_ns > 0:
-        n_samples += R * ((req_ts[N - 1] - req_ts[0]) // publish_ns + 2) * 5 // 4
+    # (interval publishing: the change records of _interval_sample, bounded by the events)
+    n_samples = 1024 + 2 * R + 6 * N  # about four changes per request; grows if needed
     loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
-    tail = np.ones(n_samples, dtype=np.bool_)
+    tail = np.ones(n_samples if on_change else 1, dtype=np.bool_)
+    cur = np.full((R, LD_NCOLS), -1, dtype=np.int64)  # interval: each rank's latest record
     nl = 0
     m_off = np.zeros(N + 1, dtype=np.int64)
     m_worker = np.zeros(1024, dtype=np.int64)
@@ -685,19 +817,20 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
         for r in range(R):  # every rank publishes once just before the first request
             rs[r, RS_NEXT_SAMPLE] = req_ts[0] - pub_delay
             rs[r, RS_DUE_KIND] = DUE_CHANGE
-    elif N > 0:
-        t0 = req_ts[0] - publish_ns
-        for r in range(R):
-            rs[r, RS_NEXT_SAMPLE] = t0 + rank_phase[r]
     next_req = 0
     n_done = 0
-    # Every rank publishes every publish_ns from its own phase, so the ranks
-    # sample in one fixed cyclic order (phase, then rank): the next sample time
-    # is that of order[k_samp], with no scan.  Step ends change only when a
-    # step starts (after a step end or an arrival), so their minimum is
-    # recomputed only then.
+    # Interval publishing: every rank publishes every publish_ns from its own
+    # phase (its first sample one interval before the first request plus the
+    # phase), so the ranks sample in one fixed cyclic order (phase, then rank):
+    # sample g is rank order[g % R]'s number g // R, and its time needs no scan.
+    # Step ends change only when a step starts (after a step end or an
+    # arrival), so their minimum is recomputed only then.
     order = np.argsort(rank_phase[:R], kind="mergesort")
-    k_samp = 0
+    phs = np.empty(R, dtype=np.int64)
+    for j in range(R):
+        phs[j] = rank_phase[order[j]]
+    t0 = req_ts[0] - publish_ns if N > 0 else 0
+    g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
     steps_changed = True
     t_step = INF
     while n_done < N:
@@ -714,7 +847,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 if rs[r, RS_NEXT_SAMPLE] < t_samp:
                     t_samp = rs[r, RS_NEXT_SAMPLE]
         else:
-            t_samp = rs[order[k_samp], RS_NEXT_SAMPLE] if R > 0 else INF
+            t_samp = t0 + phs[g_next % R] + (g_next // R) * publish_ns if R > 0 else INF
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
             steps_changed = True
@@ -742,20 +875,32 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 rs[r, RS_DUE_KIND] = DUE_HEARTBEAT
         elif t_samp <= t_arr:
             # every sample due before the next step end and up to the next arrival, in one go
-            # (nothing else happens in between, so the event order is unchanged)
+            # (nothing else happens in between, so the event order is unchanged).  Their
+            # values cannot change inside the run, so past each rank's first two samples
+            # only its last one matters (the rank table keeps the latest and the previous
+            # sample): a long run (idle time) skips to its last R samples.
+            limit = min(t_step, t_arr + 1)
+            loads = _grow2(loads, nl + R)
+            g = g_next
+            cnt = 0
             while True:
-                t = t_samp
-                loads = _grow2(loads, nl + R)
-                tail = _grow1(tail, nl + R)
-                while rs[order[k_samp], RS_NEXT_SAMPLE] == t:  # ranks due now, (phase, rank) order
-                    r = order[k_samp]
-                    k_samp = k_samp + 1 if k_samp + 1 < R else 0
-                    _write_sample(loads, tail, nl, t, r, rs, rinf)
-                    nl += 1
-                    rs[r, RS_NEXT_SAMPLE] = t + publish_ns
-                t_samp = rs[order[k_samp], RS_NEXT_SAMPLE]
-                if t_samp >= t_step or t_samp > t_arr:
+                j = g % R
+                t = t0 + phs[j] + (g // R) * publish_ns
+                if t >= limit:
                     break
+                nl = _interval_sample(g, t, order[j], rs, rinf, cur, loads, nl, table,
+                                      view_inflight, dirty)
+                g += 1
+                cnt += 1
+                if cnt == 2 * R:
+                    g_end = 0  # samples stamped before the limit: sum over ranks
+                    for jj in range(R):
+                        span = limit - t0 - phs[jj]
+                        if span > 0:
+                            g_end += (span + publish_ns - 1) // publish_ns
+                    if g_end - R > g:
+                        g = g_end - R
+            g_next = g
         else:
             t = t_arr
             i = next_req
@@ -766,16 +911,16 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
                 tail = _grow1(tail, nl + R)
                 nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
             # the KV index as the router sees it (events lagged by lag_ns)
-            ne = len(ev)
-            while ev_head < ne and ev[ev_head] <= t:
-                idx[ev[ev_head + 2], ev[ev_head + 1]] += 1 if ev[ev_head + 3] > 0 else -1
+            ne = ev[0]
+            while ev_head < ne and ev[ev_head + 1] <= t:
+                idx[ev[ev_head + 3], ev[ev_head + 2]] += 1 if ev[ev_head + 4] > 0 else -1
                 if cache_log is not None:
                     for x in range(4):
-                        cache_log.append(ev[ev_head + x])
+                        cache_log.append(ev[ev_head + 1 + x])
                 ev_head += 4
                 stats[SS_INDEX_EVENTS] += 1
             if ev_head == ne and ne > 0:
-                ev.clear()
+                ev[0] = 0
                 ev_head = 0
             # matches: one entry per fleet worker holding >= 1 leading block,
             # deepest first, then worker id
@@ -817,13 +962,16 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             m_off[i + 1] = nm
             rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
             # the load snapshot: exactly the samples written so far
-            written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl], loads[LD_RANK, :nl],
-                                  loads[LD_RUNNING, :nl], loads[LD_WAITING, :nl],
-                                  loads[LD_TOKENS, :nl], loads[LD_MAXTOT, :nl], tail[:nl],
-                                  loads[LD_WU, :nl], loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
-                                  loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
-                                  loads[LD_INFLIGHT, :nl])
-            ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
+            # (interval publishing applied its samples to the rank table as it wrote them)
+            if on_change:
+                written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl],
+                                      loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
+                                      loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
+                                      loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
+                                      loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
+                                      loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
+                                      loads[LD_INFLIGHT, :nl])
+                ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
             refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
             w, reason, decision, failure = select_prefill_nb(
                 req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
@@ -880,6 +1028,8 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
             else:
                 _cut_decode(r, t, rs)
     if cache_log is not None:
-        for x in range(ev_head, len(ev)):
-            cache_log.append(ev[x])
-    return rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], nl, stats, rs
+        for x in range(ev_head, ev[0]):
+            cache_log.append(ev[x + 1])
+    n_rows = nl if on_change else g_next
+    return (rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], n_rows, stats, rs,
+            order, phs, t0)

@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,15 +46,89 @@ SIM_JSON = "sim.json"
 TRACE_JSON = "trace.json"
 PUBLISH_DELAY_NS = 1_000_000
 MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
+# load rows are made and written this many at a time: pyarrow's default row group
+# length, so loads.parquet streamed chunk by chunk has the row groups (and bytes) of one
+# write of the whole table
+CHUNK_ROWS = 1024 * 1024
+
+
+@dataclass
+class LoadRows:
+    """The load rows (``loads.parquet``) of one simulation, made on demand, chunk by chunk.
+
+    On-change publishing writes its rows in the kernel (``rows``, ``[nb.LD_*, n]``);
+    interval publishing's rows grow with the span (idle time included), so the
+    kernel keeps only each rank's changes (``recs``) and
+    :func:`nb.expand_interval_nb` makes the rows from them, ``CHUNK_ROWS`` at a
+    time: memory is bounded by the events and one chunk, whatever the span.
+    """
+
+    urls: list[str]
+    n_rows: int
+    rows: np.ndarray | None = None
+    recs: np.ndarray | None = None
+    order: np.ndarray | None = None
+    phs: np.ndarray | None = None
+    t0: int = 0
+    publish_ns: int = 0
+    rank_worker: np.ndarray | None = None
+    rank_local: np.ndarray | None = None
+
+    def _table(self, block: np.ndarray) -> pa.Table:
+        return pa.table({
+            "ts": pa.array(block[nb.LD_TS]),
+            # decoded from a dictionary in C++: a million Python strings would dominate
+            "worker": pa.DictionaryArray.from_arrays(
+                pa.array(block[nb.LD_WORKER].astype(np.int32)), pa.array(self.urls, type=pa.string())
+            ).dictionary_decode(),
+            "dp_rank": pa.array(block[nb.LD_RANK]),
+            "num_running_reqs": pa.array(block[nb.LD_RUNNING]),
+            "num_waiting_reqs": pa.array(block[nb.LD_WAITING]),
+            "num_tokens": pa.array(block[nb.LD_TOKENS]),
+            "max_total_num_tokens": pa.array(block[nb.LD_MAXTOT]),
+            "num_waiting_uncached_tokens": pa.array(block[nb.LD_WU]),
+            "num_total_tokens": pa.array(block[nb.LD_TOTAL]),
+            "max_running_requests": pa.array(block[nb.LD_MAXRUN]),
+            "total_prefill_uncached_tokens": pa.array(block[nb.LD_PTOK]),
+            "total_prefill_busy_us": pa.array(block[nb.LD_PBUSY]),
+            "router_inflight": pa.array(block[nb.LD_INFLIGHT]),
+        })
+
+    def chunks(self, size: int = CHUNK_ROWS) -> Iterator[pa.Table]:
+        """The rows in order, as tables of ``size`` rows (the last one shorter; one
+        empty table when there is no row)."""
+        if self.rows is not None:
+            for lo in range(0, max(self.n_rows, 1), size):
+                yield self._table(self.rows[:, lo:min(lo + size, self.n_rows)])
+            return
+        assert self.recs is not None and self.order is not None
+        cur = np.zeros(self.order.shape[0], dtype=np.int64)
+        p = 0
+        for lo in range(0, max(self.n_rows, 1), size):
+            hi = min(lo + size, self.n_rows)
+            block = np.empty((nb.LD_NCOLS, hi - lo), dtype=np.int64)
+            p = nb.expand_interval_nb(self.recs, self.order, self.phs, self.t0, self.publish_ns,
+                                      self.rank_worker, self.rank_local, lo, hi, cur, p, block)
+            t = self._table(block)
+            del block
+            yield t
+            del t
+
+    def table(self) -> pa.Table:
+        """Every row in one table (memory grows with the rows: interval publishing's with the span)."""
+        return pa.concat_tables(list(self.chunks()))
 
 
 @dataclass
 class SimResult:
-    """One simulation: the per-request outcomes, the run statistics, and the trace tables."""
+    """One simulation: the per-request outcomes, the run statistics, and the trace tables.
+
+    ``loads`` is made from ``load_rows`` on first use (with interval publishing its
+    rows grow with the log's span, idle time included; writing them streams in chunks)."""
 
     config: RouterConfig
     requests: pl.DataFrame
-    loads: pl.DataFrame
+    load_rows: LoadRows
     workers: pl.DataFrame
     outcomes: pl.DataFrame
     summary: dict[str, Any]
@@ -62,6 +136,14 @@ class SimResult:
     out_dir: Path | None = None
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    _loads: pl.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def loads(self) -> pl.DataFrame:
+        """The load rows (``loads.parquet``) as a DataFrame."""
+        if self._loads is None:
+            self._loads = pl.from_arrow(self.load_rows.table())
+        return self._loads
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -80,6 +162,7 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
     rank_off = np.zeros(nw + 1, dtype=np.int64)
     np.cumsum(dp, out=rank_off[1:])
     rw = np.repeat(np.arange(nw), dp)
+    rank_local = np.arange(rw.shape[0], dtype=np.int64) - rank_off[rw]
     prefill_tps = np.array([workers[w].prefill_tokens_per_s for w in rw], dtype=np.float64)
     decode_ns = np.array([max(1, round(1e9 / workers[w].decode_tokens_per_s)) for w in rw],
                          dtype=np.int64)
@@ -128,7 +211,7 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
                 publish_ns=publish_ns, heap_cap=int(heap_cap), rank_decode_slope=slope,
                 rank_chunk=chunk, rank_policy=policy, pub_delay=int(pub_delay),
-                pub_idle=int(pub_idle))
+                pub_idle=int(pub_idle), rank_worker=rw.astype(np.int64), rank_local=rank_local)
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
@@ -148,7 +231,17 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
-def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -> tuple:
+def _load_rows(fleet: Fleet, inputs: dict, out: tuple) -> LoadRows:
+    """The load rows of a kernel run ``out`` (:func:`nb.simulate_nb`'s tuple)."""
+    loads, n_rows, order, phs, t0 = out[4], int(out[5]), out[8], out[9], int(out[10])
+    if inputs["pub_delay"] > 0:  # on-change: the kernel wrote the rows
+        return LoadRows(list(fleet.urls), n_rows, rows=loads)
+    return LoadRows(list(fleet.urls), n_rows, recs=loads, order=order, phs=phs, t0=t0,
+                    publish_ns=int(inputs["publish_ns"]), rank_worker=inputs["rank_worker"],
+                    rank_local=inputs["rank_local"])
+
+
+def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple:
     urls = np.array(fleet.urls, dtype=object)
     n = log.n_requests
 
@@ -182,25 +275,6 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
         "ttft_ms": ms(rq[:, nb.RQ_FIRST], ts),
         "latency_ms": ms(np.where(sel >= 0, rq[:, nb.RQ_DONE], -1), ts),
     })
-    lw = loads[nb.LD_WORKER]
-    loads_t = pa.table({
-        "ts": pa.array(loads[nb.LD_TS]),
-        # decoded from a dictionary in C++: a million Python strings would dominate
-        "worker": pa.DictionaryArray.from_arrays(
-            pa.array(lw.astype(np.int32)), pa.array(fleet.urls, type=pa.string())
-        ).dictionary_decode(),
-        "dp_rank": pa.array(loads[nb.LD_RANK]),
-        "num_running_reqs": pa.array(loads[nb.LD_RUNNING]),
-        "num_waiting_reqs": pa.array(loads[nb.LD_WAITING]),
-        "num_tokens": pa.array(loads[nb.LD_TOKENS]),
-        "max_total_num_tokens": pa.array(loads[nb.LD_MAXTOT]),
-        "num_waiting_uncached_tokens": pa.array(loads[nb.LD_WU]),
-        "num_total_tokens": pa.array(loads[nb.LD_TOTAL]),
-        "max_running_requests": pa.array(loads[nb.LD_MAXRUN]),
-        "total_prefill_uncached_tokens": pa.array(loads[nb.LD_PTOK]),
-        "total_prefill_busy_us": pa.array(loads[nb.LD_PBUSY]),
-        "router_inflight": pa.array(loads[nb.LD_INFLIGHT]),
-    })
     workers = pa.table({
         "worker": pa.array(fleet.urls, type=pa.string()),
         "model": pa.array([w.model for w in fleet.workers], type=pa.string()),
@@ -233,7 +307,7 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, loads, inputs) -
                              type=pa.string()),
         "completions": pa.array(rq[:, nb.RQ_COMPLETIONS]),
     })
-    return requests, loads_t, workers, outcomes
+    return requests, workers, outcomes
 
 
 def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
@@ -362,17 +436,18 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
         from numba.typed import List
 
         log_list = List.empty_list(types.int64)
-    rq, m_off, m_w, m_b, loads, _nl, stats, rs = _run_kernel(inputs, config, seed, freshness_ms,
-                                                             index_lag_ms, forced, log_list)
+    kout = _run_kernel(inputs, config, seed, freshness_ms, index_lag_ms, forced, log_list)
+    rq, m_off, m_w, m_b, stats, rs = kout[0], kout[1], kout[2], kout[3], kout[6], kout[7]
     seconds = time.perf_counter() - t0
-    req_t, loads_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, loads, inputs)
+    load_rows = _load_rows(fleet, inputs, kout)
+    req_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, inputs)
     stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
             and name != "SS_NCOLS"}
     stat["max_kv_used_minus_capacity"] = int((rs[:, nb.RS_MAX_USED] - rs[:, nb.RS_CAP]).max())
     stat["max_queue_len"] = int(rs[:, nb.RS_MAX_QLEN].max())
-    stat["load_rows"] = int(loads.shape[1])
+    stat["load_rows"] = load_rows.n_rows
     summary = _summary(log, rq, out_t, stats)
-    res = SimResult(config, pl.from_arrow(req_t), pl.from_arrow(loads_t), pl.from_arrow(workers_t),
+    res = SimResult(config, pl.from_arrow(req_t), load_rows, pl.from_arrow(workers_t),
                     pl.from_arrow(out_t), summary, stat, out, seconds)
     if log_list is not None:
         res.extra["cache_log"] = np.asarray(log_list, dtype=np.int64).reshape(-1, 4)
@@ -390,17 +465,40 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                                 "publish_policy": fleet.spec.publish_policy,
                                 "publish_interval_ms": int(publish_interval_ms),
                                 "forced_placement": forced is not None}}
-        _write_dir(out, {"requests.parquet": req_t, "loads.parquet": loads_t,
+        _write_dir(out, {"requests.parquet": req_t, "loads.parquet": load_rows,
                          "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
                    {TRACE_JSON: trace_info})
     return res
 
 
-def _write_dir(out: Path, tables: Mapping[str, pa.Table], meta: dict,
+def _write_chunks(rows: LoadRows, path: Path) -> None:
+    """``rows`` written chunk by chunk: the bytes of ``_write_parquet`` of the whole table
+    (each chunk is one row group of pyarrow's default length), in memory bounded by a chunk."""
+    writer = None
+    try:
+        for t in rows.chunks(CHUNK_ROWS):
+            if writer is None:
+                writer = pq.ParquetWriter(path, t.schema, compression="zstd")
+            writer.write_table(t)
+            del t
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _write_dir(out: Path, tables: Mapping[str, pa.Table | LoadRows], meta: dict,
                extra_json: Mapping[str, dict] | None = None) -> None:
     with building(out) as tmp:
-        for name, t in tables.items():
-            _write_parquet(t, tmp / name)
+        # the load rows (the most to encode) on a thread of their own, beside the other
+        # tables: pyarrow releases the GIL while it encodes, so two cores write both
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            pending = [ex.submit(_write_chunks, t, tmp / name) for name, t in tables.items()
+                       if isinstance(t, LoadRows)]
+            for name, t in tables.items():
+                if not isinstance(t, LoadRows):
+                    _write_parquet(t, tmp / name)
+            for f in pending:
+                f.result()
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
         (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
