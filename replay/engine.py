@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -207,6 +208,47 @@ def _blocks_per_chunk(threads: int | None) -> int:
     return max(1, 2 * int(n))
 
 
+def _block_pool(n_threads: int) -> ThreadPoolExecutor | None:
+    """The threads that replay a chunk's blocks (None: one thread, the caller's)."""
+    if n_threads <= 1:
+        return None
+    global _POOL
+    if _POOL is None or _POOL[0] != n_threads:
+        _POOL = (n_threads, ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="replay-block"))
+    return _POOL[1]
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
+               fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
+               keep: bool, out: layout.Outputs, totals: layout.Accumulators) -> None:
+    """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s threads.
+
+    The kernel is plain ``njit`` with ``nogil`` (not numba's ``parallel=True``,
+    whose compile took a quarter of a first start's): each call gets one
+    block's one-row slices of the block states and accumulators, so block
+    ``k`` reads and writes exactly what it did as iteration ``k`` of a
+    parallel loop, and the threads run the calls at once.  Every call has the
+    same argument types, so there is one specialization.
+    """
+    def one(k: int) -> None:
+        one_pass.run_chunk_nb(
+            layout.BlockStates(blocks.lo[k:k + 2], blocks.ptrs[k:k + 1], blocks.tables[k:k + 1],
+                               blocks.inflights[k:k + 1]),
+            req, matches, fleets, loads, dp, freshness_ns, knobs, plan, seed, max_matches, keep, out,
+            layout.Accumulators(totals.acc[k:k + 1], totals.hist_wait[k:k + 1], totals.hist_div[k:k + 1],
+                                totals.stats[k:k + 1]))
+
+    if pool is None or nb == 1:
+        for k in range(nb):
+            one(k)
+    else:
+        for f in [pool.submit(one, k) for k in range(nb)]:
+            f.result()
+
+
 def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                 freshness_ns: int = DEFAULT_FRESHNESS_NS,
                 chunk_decisions: int = DEFAULT_CHUNK_DECISIONS,
@@ -258,6 +300,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     dummy_i = np.zeros((layout.O_NCOLS, 1, n_cfg), dtype=np.int64)
     dummy_f = np.zeros((layout.F_NCOLS, 1, n_cfg), dtype=np.float64)
     ptr = 0
+    pool = _block_pool(numba.get_num_threads())
     for start in range(0, n_req, chunk):
         stop = min(n_req, start + chunk)
         n = stop - start
@@ -278,14 +321,13 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         chunk_req = layout.Requests(*(
             col[start:stop] if (name != "selected_worker" or has_selected) else col
             for name, col in zip(layout.Requests._fields, req, strict=True)))
-        one_pass.run_chunk_nb(
-            layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
-            chunk_req,
-            layout.Matches(m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b]),
-            fleets, loads, dp, int(freshness_ns), enc.knobs, plan, int(seed), max_matches, keep,
-            layout.Outputs(out_i, out_f, fl_min, fl_fresh),
-            layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
-                                totals.stats[:nb]))
+        run_blocks(pool, nb, layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
+                   chunk_req,
+                   layout.Matches(m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b]),
+                   fleets, loads, dp, int(freshness_ns), enc.knobs, plan, int(seed), max_matches, keep,
+                   layout.Outputs(out_i, out_f, fl_min, fl_fresh),
+                   layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
+                                       totals.stats[:nb]))
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
         inflight[...] = inflights[nb - 1]
