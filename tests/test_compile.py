@@ -16,12 +16,14 @@ import threading
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from replay import engine
 from replay.cli import main
 from replay.config import Grid
 from replay.generate import generate_trace
+from replay.kernels import one_pass
 from replay.trace import load_trace
 
 SAMPLE = "traces/sample"
@@ -75,3 +77,12 @@ def test_compile_in_background_then_sweep(tmp_path):
     thread.join()
     for kernel, sig in engine.kernel_signatures().items():
         assert kernel.signatures == [sig], kernel.py_func.__name__
+
+
+def test_inner_kernel_refuses_a_python_call():
+    """A kernel compiled without its Python wrapper (``_jit.njit_inner``) is a
+    TypeError when called from Python, before and after the grid kernel used it."""
+    for _ in range(2):
+        with pytest.raises(TypeError, match="other kernels only"):
+            one_pass._decide_request(*([0] * 14))
+        _replay(load_trace(SAMPLE))

@@ -77,3 +77,27 @@ def njit(fn):
     dispatcher = numba.njit(**JIT)(fn)
     dispatcher.__class__ = _Dispatcher
     return dispatcher
+
+
+class _InnerDispatcher(_Dispatcher):
+    """A kernel compiled without the wrappers that let Python call it: only
+    other kernels call it.  A Python call is a TypeError (numba would call a
+    missing wrapper and crash), so no overload goes into the table Python
+    calls are matched against."""
+
+    def add_overload(self, cres):
+        self.overloads[tuple(cres.signature.args)] = cres
+
+    def _compile_for_args(self, *args, **kws):
+        raise TypeError(f"{self.py_func.__name__} is compiled for calls from other kernels only "
+                        "(replay/kernels/_jit.py: njit_inner)")
+
+
+def njit_inner(fn):
+    """``njit`` for a kernel that only other kernels call: numba generates no
+    Python or C-callable wrapper for it (the largest helpers take named tuples
+    of a dozen arrays, whose unboxing code was compiled and optimised for
+    nothing)."""
+    dispatcher = numba.njit(no_cpython_wrapper=True, no_cfunc_wrapper=True, **JIT)(fn)
+    dispatcher.__class__ = _InnerDispatcher
+    return dispatcher

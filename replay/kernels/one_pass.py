@@ -21,7 +21,7 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-from ._jit import njit
+from ._jit import njit, njit_inner
 from .accumulate import accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
@@ -142,7 +142,7 @@ def _count_below(values, n, bound):
     return cnt
 
 
-@njit
+@njit_inner
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, knobs, plan, seed, sc):
     """Decide one request under every config.
