@@ -49,6 +49,24 @@ def test_cli_cached_second_start(benchmark, report, work_dir):
            sources_changed_between_runs=bool(stamps) and S.source_stamp() != stamps[0])
 
 
+def test_first_start(benchmark, report, work_dir):
+    """Issue 13's first start: README's sample sweep with an empty numba cache
+    (everything it needs compiled), then the same with the cache it filled.
+    Timed: the cold run; ``extra_info`` has wall and CPU to the first decision
+    and in total for both (CPU is the honest figure on a shared machine)."""
+    benchmark.group = "cli-start"
+    runs: dict[str, dict] = {}
+
+    def cold_then_warm():
+        env = S.fresh_numba_cache(work_dir)
+        runs["cold"] = S.first_start(work_dir, env)
+        runs["cached"] = S.first_start(work_dir, env)
+
+    benchmark.pedantic(cold_then_warm, rounds=1, iterations=1)
+    report(**{f"{k}_{name}": v for k, r in runs.items() for name, v in r.items()},
+           floor_first_decision_s=S.FLOORS["first_decision_s"], floor_cached_sample_s=S.FLOORS["cached_sample_s"])
+
+
 def timed_cli(args: list[str]) -> tuple[float, float]:
     """``router-replay ARGS`` as a subprocess: (wall s, CPU s = user + system of the child, all its
     threads).  On a shared machine the CPU time is the steadier figure; both are reported."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -207,6 +209,125 @@ def _blocks_per_chunk(threads: int | None) -> int:
     return max(1, 2 * int(n))
 
 
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def frozen(columns):
+    """A ``kernels/layout.py`` tuple with every array a read-only view.
+
+    numba compiles a kernel once per argument *type*, and a read-only array
+    is another type than a writable one: the loader hands over some columns
+    zero-copy from Arrow (read-only) and others converted, and which ones
+    differ from trace to trace (the bundled sample and the 1M bench trace
+    differed in 10 of 14 load columns), so each trace layout compiled the
+    grid kernel again (half a minute).  Every kernel input is passed
+    read-only, whatever the loader did.
+    """
+    return type(columns)(*(readonly(x) if isinstance(x, np.ndarray) else x for x in columns))
+
+
+def _block_pool(n_threads: int) -> ThreadPoolExecutor | None:
+    """The threads that replay a chunk's blocks (None: one thread, the caller's)."""
+    if n_threads <= 1:
+        return None
+    global _POOL
+    if _POOL is None or _POOL[0] != n_threads:
+        _POOL = (n_threads, ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="replay-block"))
+    return _POOL[1]
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
+               fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
+               keep: bool, out: layout.Outputs, totals: layout.Accumulators) -> None:
+    """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s threads.
+
+    The kernel is plain ``njit`` with ``nogil`` (not numba's ``parallel=True``,
+    whose compile took a quarter of a first start's): each call gets one
+    block's one-row slices of the block states and accumulators, so block
+    ``k`` reads and writes exactly what it did as iteration ``k`` of a
+    parallel loop, and the threads run the calls at once.  Every call has the
+    same argument types, so there is one specialization.
+    """
+    def one(k: int) -> None:
+        one_pass.run_chunk_nb(
+            layout.BlockStates(blocks.lo[k:k + 2], blocks.ptrs[k:k + 1], blocks.tables[k:k + 1],
+                               blocks.inflights[k:k + 1]),
+            req, matches, fleets, loads, dp, freshness_ns, knobs, plan, seed, max_matches, keep, out,
+            layout.Accumulators(totals.acc[k:k + 1], totals.hist_wait[k:k + 1], totals.hist_div[k:k + 1],
+                                totals.stats[k:k + 1]))
+
+    if pool is None or nb == 1:
+        for k in range(nb):
+            one(k)
+    else:
+        for f in [pool.submit(one, k) for k in range(nb)]:
+            f.result()
+
+
+def kernel_signatures() -> dict:
+    """The one argument-type signature of each kernel a sweep calls, ``{dispatcher: types}``.
+
+    Built from tiny arrays of the types :func:`iter_chunks` passes (inputs
+    :func:`frozen`, state and outputs writable), so the kernels can be compiled
+    (or loaded from numba's cache) before any trace is read.
+    ``tests/test_compile.py`` holds a sweep to exactly these signatures.
+    """
+    i64 = readonly(np.zeros(1, dtype=np.int64))
+    loads = layout.LoadColumns(*(readonly(np.zeros(1, dtype=np.bool_ if name == "has_tail" else np.int64))
+                                 for name in layout.LoadColumns._fields))
+    enc = encode_configs([RouterConfig()])
+    table, inflight = new_rank_table(1, 1)
+    tables = np.zeros((1,) + table.shape, dtype=np.int64)
+    inflights = np.zeros((1, 1), dtype=np.int64)
+    ptrs = np.zeros(1, dtype=np.int64)
+    totals = Totals(1, 1)
+    split_args = (0, i64, loads, i64, table, inflight, tables, inflights, ptrs)
+    run_args = (
+        layout.BlockStates(np.zeros(2, dtype=np.int64), ptrs, tables, inflights),
+        layout.Requests(*(i64 for _ in layout.Requests._fields)), layout.Matches(i64, i64, i64),
+        layout.Fleets(i64, i64, readonly(np.zeros((1, 1), dtype=np.bool_))), loads, i64, 0,
+        frozen(enc.knobs), frozen(enc.plan), 0, 0, False,
+        layout.Outputs(np.zeros((layout.O_NCOLS, 1, 1), dtype=np.int64),
+                       np.zeros((layout.F_NCOLS, 1, 1), dtype=np.float64),
+                       np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)),
+        layout.Accumulators(totals._acc, totals.hist_wait, totals.hist_div, totals.stats))
+    return {one_pass.split_states_nb: tuple(numba.typeof(a) for a in split_args),
+            one_pass.run_chunk_nb: tuple(numba.typeof(a) for a in run_args)}
+
+
+def compile_kernels() -> None:
+    """Compile (or load from the cache) the kernels a sweep calls, for the
+    signatures of :func:`kernel_signatures`."""
+    for dispatcher, sig in kernel_signatures().items():
+        dispatcher.compile(sig)
+
+
+def compile_in_background() -> threading.Thread:
+    """:func:`compile_kernels` on a daemon thread, started now.
+
+    A sweep starts it before reading its trace: the first start compiles
+    while the trace is read and checked (numba's compiler lock makes the
+    replay wait for the kernel if it is not ready yet; a failed compile here
+    is simply made again, and raised, by the replay's own call).
+    """
+    def run() -> None:
+        try:
+            compile_kernels()
+        except Exception:  # noqa: BLE001 - the replay's own call compiles again and raises
+            pass
+
+    thread = threading.Thread(target=run, name="compile-kernels", daemon=True)
+    thread.start()
+    return thread
+
+
 def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                 freshness_ns: int = DEFAULT_FRESHNESS_NS,
                 chunk_decisions: int = DEFAULT_CHUNK_DECISIONS,
@@ -233,23 +354,24 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     if threads is not None:
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
-    fleets = fleet_tables(trace)
+    fleets = frozen(fleet_tables(trace))
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
-    dp = dp_sizes(trace)
+    dp = readonly(dp_sizes(trace))
     m_off = trace.match_offsets.astype(np.int64)
-    m_worker = trace.match_worker.astype(np.int64)
-    m_blocks = trace.match_blocks.astype(np.int64)
+    m_worker = readonly(trace.match_worker.astype(np.int64))
+    m_blocks = readonly(trace.match_blocks.astype(np.int64))
     sizes = np.diff(m_off)
     max_matches = int(sizes.max()) if sizes.size else 0
-    loads = load_columns(trace)
-    req = request_columns(trace)
+    loads = frozen(load_columns(trace))
+    req = frozen(request_columns(trace))
+    knobs = frozen(enc.knobs)
     has_selected = req.selected_worker.shape[0] > 0
-    plan = enc.plan
+    plan = frozen(enc.plan)
     if totals is None:
         totals = Totals(blocks_per_chunk, n_cfg)
     if totals.acc[:, :, :].any() and not (totals.parent == plan.parent).all():
         raise ValueError("totals were filled for configs in another order")
-    totals.parent = plan.parent
+    totals.parent = enc.plan.parent
     if totals.acc.shape[0] < blocks_per_chunk:
         raise ValueError("totals has fewer block slots than a chunk has blocks")
     tables = np.zeros((blocks_per_chunk,) + table.shape, dtype=np.int64)
@@ -258,6 +380,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     dummy_i = np.zeros((layout.O_NCOLS, 1, n_cfg), dtype=np.int64)
     dummy_f = np.zeros((layout.F_NCOLS, 1, n_cfg), dtype=np.float64)
     ptr = 0
+    pool = _block_pool(numba.get_num_threads())
     for start in range(0, n_req, chunk):
         stop = min(n_req, start + chunk)
         n = stop - start
@@ -265,7 +388,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         lo = np.arange(0, n, block, dtype=np.int64)
         nb = lo.shape[0]
         block_lo = np.append(lo, n).astype(np.int64)
-        ptr = one_pass.split_states_nb(ptr, req.ts[start:stop][lo], loads, dp, table, inflight,
+        ptr = one_pass.split_states_nb(ptr, readonly(req.ts[start:stop][lo]), loads, dp, table, inflight,
                                        tables[:nb], inflights[:nb], ptrs[:nb])
         if keep:
             out_i = np.empty((layout.O_NCOLS, n, n_cfg), dtype=np.int64)
@@ -278,14 +401,13 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         chunk_req = layout.Requests(*(
             col[start:stop] if (name != "selected_worker" or has_selected) else col
             for name, col in zip(layout.Requests._fields, req, strict=True)))
-        one_pass.run_chunk_nb(
-            layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
-            chunk_req,
-            layout.Matches(m_off[start:stop + 1] - a, m_worker[a:b], m_blocks[a:b]),
-            fleets, loads, dp, int(freshness_ns), enc.knobs, plan, int(seed), max_matches, keep,
-            layout.Outputs(out_i, out_f, fl_min, fl_fresh),
-            layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
-                                totals.stats[:nb]))
+        run_blocks(pool, nb, layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
+                   chunk_req,
+                   layout.Matches(readonly(m_off[start:stop + 1] - a), m_worker[a:b], m_blocks[a:b]),
+                   fleets, loads, dp, int(freshness_ns), knobs, plan, int(seed), max_matches, keep,
+                   layout.Outputs(out_i, out_f, fl_min, fl_fresh),
+                   layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
+                                       totals.stats[:nb]))
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
         inflight[...] = inflights[nb - 1]

@@ -264,6 +264,10 @@ class LocalExecutor(Executor):
 
     name = "local"
 
+    def prepare(self) -> None:
+        """Start compiling (or loading) the kernels while the trace is read."""
+        engine.compile_in_background()
+
     def replay(self, job: Job, window_ns: int) -> Done:
         if window_ns == 0:
             return _replay_local(job, [job.source])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from .engine import dp_sizes, fleet_tables, load_columns, n_rank_slots
+from .engine import dp_sizes, fleet_tables, frozen, load_columns, n_rank_slots, readonly
 from .kernels.snapshot import fleet_readings_nb, new_rank_table
 from .trace import Trace
 
@@ -48,9 +48,11 @@ def fleet_readings(trace: Trace, freshness_ns: int = 5_000_000_000) -> tuple[np.
     if n == 0:
         return out_min, out_fresh
     table, inflight = new_rank_table(max(trace.n_workers, 1), n_rank_slots(trace))
-    fleet_readings_nb(np.ascontiguousarray(trace.req_ts, dtype=np.int64),
-                      np.ascontiguousarray(trace.req_model, dtype=np.int64),
-                      load_columns(trace), dp_sizes(trace), table, inflight, fleet_tables(trace),
+    # inputs read-only whatever the loader gave (one specialization for every trace)
+    fleet_readings_nb(readonly(np.ascontiguousarray(trace.req_ts, dtype=np.int64)),
+                      readonly(np.ascontiguousarray(trace.req_model, dtype=np.int64)),
+                      frozen(load_columns(trace)), readonly(dp_sizes(trace)), table, inflight,
+                      frozen(fleet_tables(trace)),
                       int(freshness_ns), out_min, out_fresh)
     return out_min, out_fresh
 

@@ -11,6 +11,13 @@ kernel source (and the label codes and decision columns they freeze): any edit s
 cache.  A user's ``NUMBA_CACHE_DIR`` says where that folder goes: it is the
 parent of the hash folder, never the cache itself (one cache folder kept
 across edits once ran a stale kernel and crashed the process).
+
+What a first start compiles (issue 13): every kernel is plain ``njit``; the
+engine runs a chunk's blocks on its own threads (``engine.run_blocks``; the
+kernels release the GIL) instead of numba's ``parallel=True``, whose parfor
+passes made the grid kernel's compile about a quarter longer; and a kernel
+calling another compiles one specialization per argument type, never one per
+constant value (:class:`_Dispatcher`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 from pathlib import Path
 
 import numba
+from numba.core import types as _types
+from numba.core.registry import CPUDispatcher as _CPUDispatcher
 
 _HERE = Path(__file__).resolve().parent
 
@@ -46,5 +55,49 @@ numba.config.CACHE_DIR = str(cache_dir())
 
 JIT = dict(cache=True, nogil=True, boundscheck=False)
 
-njit = numba.njit(**JIT)
-njit_parallel = numba.njit(parallel=True, **JIT)
+class _Dispatcher(_CPUDispatcher):
+    """numba's dispatcher, except that a call from another kernel compiles one
+    specialization per argument *type*, not per constant value.
+
+    numba types a constant argument (``f(x, 0)``, ``f(a, True)``) as a literal
+    and compiles the callee again for each value: the sweep's kernels had 27
+    such extra specializations (``cmp_tuple_nb(.., -1)``, ``_tournament_cmp(..,
+    True)``, ...), each a full compile.  A kernel's result never depends on
+    being specialized (LLVM still propagates the constant when it inlines the
+    callee); only compile time does.
+    """
+
+    def get_call_template(self, args, kws):
+        return super().get_call_template(tuple(_types.unliteral(a) for a in args),
+                                         {k: _types.unliteral(v) for k, v in kws.items()})
+
+
+def njit(fn):
+    """``numba.njit`` with the options above and :class:`_Dispatcher`."""
+    dispatcher = numba.njit(**JIT)(fn)
+    dispatcher.__class__ = _Dispatcher
+    return dispatcher
+
+
+class _InnerDispatcher(_Dispatcher):
+    """A kernel compiled without the wrappers that let Python call it: only
+    other kernels call it.  A Python call is a TypeError (numba would call a
+    missing wrapper and crash), so no overload goes into the table Python
+    calls are matched against."""
+
+    def add_overload(self, cres):
+        self.overloads[tuple(cres.signature.args)] = cres
+
+    def _compile_for_args(self, *args, **kws):
+        raise TypeError(f"{self.py_func.__name__} is compiled for calls from other kernels only "
+                        "(replay/kernels/_jit.py: njit_inner)")
+
+
+def njit_inner(fn):
+    """``njit`` for a kernel that only other kernels call: numba generates no
+    Python or C-callable wrapper for it (the largest helpers take named tuples
+    of a dozen arrays, whose unboxing code was compiled and optimised for
+    nothing)."""
+    dispatcher = numba.njit(no_cpython_wrapper=True, no_cfunc_wrapper=True, **JIT)(fn)
+    dispatcher.__class__ = _InnerDispatcher
+    return dispatcher

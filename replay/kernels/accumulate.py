@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .. import labels
-from ._jit import njit
+from ._jit import njit, njit_inner
 from .layout import (
     ACC,
     F_SELECTED_QUEUE_MS,
@@ -97,7 +97,7 @@ def diverted_bucket_nb(v):
     return b
 
 
-@njit
+@njit_inner
 def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
     """Add ``sign`` times decision column ``k`` to config ``c``'s accumulators."""
     top = hw.shape[0] - 1
@@ -173,7 +173,7 @@ def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
         hd[diverted_bucket_nb(res_i[O_BEST_REJECTED_BLOCKS, k]), c] += sign
 
 
-@njit
+@njit_inner
 def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import labels
 from ..config import KNOBS
-from ._jit import njit
+from ._jit import njit, njit_inner
 from .rng import draw_nb
 from .snapshot import (
     S_BASIC,
@@ -383,7 +383,7 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
                                  wcol, pin_locality)
 
 
-@njit
+@njit_inner
 def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
                           rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality):
     """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
@@ -750,7 +750,7 @@ def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs
                               wcol, pin_locality)
 
 
-@njit
+@njit_inner
 def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
                        rel, audit, scratch_i, all_queued, any_below, wcol, pin_locality):
     """Section 8's cache rung: returns (worker, reason, label).
@@ -778,7 +778,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
                                         audit[A_ALL_QUEUED] == 1)
 
 
-@njit
+@njit_inner
 def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i):
     """Section 4's domain rungs over the one global domain: (worker, reason).
 

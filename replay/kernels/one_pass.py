@@ -21,7 +21,7 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-from ._jit import njit, njit_parallel
+from ._jit import njit, njit_inner
 from .accumulate import accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
@@ -123,8 +123,12 @@ def split_states_nb(ptr, block_ts, loads, dp_size, table, inflight, tables, infl
     dirty = np.zeros(inflight.shape[0], dtype=np.bool_)
     for b in range(block_ts.shape[0]):
         ptr = advance_dirty_nb(ptr, block_ts[b], loads, dp_size, table, inflight, dirty)
-        tables[b] = table
-        inflights[b] = inflight
+        tb = tables[b]
+        for w in range(table.shape[0]):
+            inflights[b, w] = inflight[w]
+            for r in range(table.shape[1]):
+                for k in range(table.shape[2]):
+                    tb[w, r, k] = table[w, r, k]
         ptrs[b] = ptr
     return ptr
 
@@ -138,7 +142,7 @@ def _count_below(values, n, bound):
     return cnt
 
 
-@njit
+@njit_inner
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, knobs, plan, seed, sc):
     """Decide one request under every config.
@@ -329,7 +333,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     return used, n_ladder
 
 
-@njit_parallel
+@njit
 def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs, plan, seed,
                  max_matches, keep, out, totals):
     """Replay a chunk of requests under every config, one block of requests per thread.
