@@ -109,6 +109,7 @@ Scratch = namedtuple("Scratch", (
     "res_f",       # float64[n_cfg, F_NCOLS]
     "src_of",      # int64[n_cfg]: row of res_i holding config c's decision
     "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
+    "ungated",     # int64[n_groups]: row of the group's cache-rung decision under a limit gating none of its candidates
 ), module=__name__)
 
 # Limit and floor classes count the fleet readings below each distinct limit and
@@ -292,6 +293,9 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     used = 0
     n_ladder = 0
     n_dist = 0
+    ungated = sc.ungated
+    for g in range(ungated.shape[0]):
+        ungated[g] = -1
     for c in range(n_cfg):
         g = group[c]
         li = cfg_li[c]
@@ -299,7 +303,11 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         r = 1 if wcol == S_WAITING_PER_RANK else 0
         lcl = lclass[r, li]
         fcl = fclass[r, cfg_fi[c]]
-        fc = fcl if gated_any[g, li] else 0
+        gated = gated_any[g, li]
+        if not gated and ungated[g] >= 0:
+            src_of[c] = ungated[g]
+            continue
+        fc = fcl if gated else 0
         key = (g * width + lcl) * 3 + fc
         src = memo[key]
         if src >= 0:
@@ -316,6 +324,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             k_abs_tokens[c], k_abs_ms[c],
             k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
             k_pin_order[c] == PIN_LOCALITY)
+        rung_chose = w >= 0
         failure = -1
         if w < 0:
             # the domain rungs depend on (group, limit class) only: computed once
@@ -400,6 +409,13 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             n_dist += 1
         memo[key] = slot
         src_of[c] = slot
+        if not gated and rung_chose:
+            # the limit gates none of the group's candidates and the cache rung
+            # chose: no candidate is rejected, so neither the fell-back tier nor
+            # the pin can fire, and the fleet is not all queued (a fresh fleet
+            # worker at the limit would be a gated candidate); the outcome is the
+            # same under every limit that gates none of them
+            ungated[g] = slot
     for u in range(used):
         memo[scratch_i[6, u]] = -1
     for u in range(n_ladder):
@@ -493,6 +509,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
             np.zeros(n_cfg, dtype=np.int64),
             np.zeros(_HIST_MAX + 2, dtype=np.int64),
+            np.full(n_groups, -1, dtype=np.int64),
         )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
