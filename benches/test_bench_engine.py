@@ -7,6 +7,8 @@ every decision is booked into the per-config accumulators, none is kept, no Parq
 
 from __future__ import annotations
 
+import time
+
 import _support as S
 import pytest
 from conftest import stat
@@ -33,6 +35,35 @@ def test_engine_decisions_per_second(benchmark, report, bench_trace, grid_name):
         grid=S.GRIDS[grid_name], configs=len(configs), skipped=len(g.skipped), decisions=n,
         decisions_per_s=(n / best) if best else None, floor_decisions_per_s=S.FLOORS["decisions_per_s"],
     )
+
+
+# Issue 13's engine floor: the 152-config grid (16 limits x none,1..16 floors, floor > limit
+# refused), on one thread and on two.  Decisions per wall second is the floor's figure; the
+# process CPU time per run is reported beside it because the machine is shared (wall figures
+# swing with other work, CPU seconds much less).
+GRID_152 = {"--worker-queue-limit": "1..16", "--saturation-queue-floor": "none,1..16"}
+FLOOR_152 = 60e6
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_engine_152_grid(benchmark, report, bench_trace, threads):
+    from replay.config import Grid
+
+    configs = Grid.from_texts(GRID_152).configs
+    cpu: list[float] = []
+
+    def run() -> int:
+        t0 = time.process_time()
+        n = S.run_engine(bench_trace, configs, threads=threads)
+        cpu.append(time.process_time() - t0)
+        return n
+
+    benchmark.group = f"engine-152-{S.size_label(S.BENCH_PARAMS['n_requests'])}"
+    n = benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    best = stat(benchmark, "min")
+    report(grid=GRID_152, configs=len(configs), threads=threads, decisions=n,
+           decisions_per_s=(n / best) if best else None, cpu_s=min(cpu),
+           decisions_per_cpu_s=n / min(cpu), floor_decisions_per_s=FLOOR_152)
 
 
 # Policy variants (issue 15): the "mixed" grid under each variant, and under both values

@@ -65,13 +65,19 @@ def encode_configs(configs: Sequence[RouterConfig]) -> EncodedConfigs:
         fi[c] = fl_list.index(fl)
     # parent: the previous config of the same group and limit (configs differing
     # only in the floor, in canonical order), so a chain of floors shares one
-    # booking wherever neighbouring floors decide alike
+    # booking wherever neighbouring floors decide alike; the first config of a
+    # limit hangs off the first config of the group's previous limit, so
+    # neighbouring limits that decide alike share one booking too
     last: dict[tuple[int, int], int] = {}
+    first_of_group: dict[int, int] = {}
     parent = np.arange(n, dtype=np.int64)
     for c in range(n):
         key = (int(group[c]), int(li[c]))
         if key in last:
             parent[c] = last[key]
+        else:
+            parent[c] = first_of_group.get(key[0], c)
+            first_of_group[key[0]] = c
         last[key] = c
     per_worker = bool((knobs.variant_floor_scaling
                        == KNOBS["variant_floor_scaling"].choices.index("per-worker")).any())

@@ -98,99 +98,101 @@ def diverted_bucket_nb(v):
 
 
 @njit_inner
-def _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, sign):
-    """Add ``sign`` times decision column ``k`` to config ``c``'s accumulators."""
+def _book_nb(a, hw, hd, c, row, ms, q, selected_worker, sign):
+    """Add ``sign`` times decision ``row`` (``O_*`` fields; ``ms`` its selected
+    queue estimate) to config ``c``'s accumulators."""
     top = hw.shape[0] - 1
-    w = res_i[O_WORKER, k]
+    w = row[O_WORKER]
     # "requests" and "agree_known" are per-request constants: booked per block
     # by book_block_constants_nb.  A replayed 503 counts as a disagreement.
     if selected_worker >= 0 and selected_worker == w:
         a[c, _AGREE] += sign
     if w < 0:
         a[c, _FAILED] += sign
-        f = res_i[O_FAILURE, k]
+        f = row[O_FAILURE]
         if f >= 0:
             a[c, _FAIL0 + f] += sign
         return
     a[c, _ROUTED] += sign
-    dec = res_i[O_DECISION, k]
+    dec = row[O_DECISION]
     a[c, _DEC0 + dec] += sign
-    a[c, _POL0 + res_i[O_POLICY_REASON, k]] += sign
+    a[c, _POL0 + row[O_POLICY_REASON]] += sign
     a[c, _QUERY] += sign * (q)
-    matched = res_i[O_MATCHED_BLOCKS, k]
+    matched = row[O_MATCHED_BLOCKS]
     if matched > 0:
-        sel = res_i[O_SELECTED_BLOCKS, k]
+        sel = row[O_SELECTED_BLOCKS]
         a[c, _MATCHED] += sign * (matched)
         a[c, _SELECTED] += sign * (sel)
         a[c, _OWNER_CHANCES] += sign
         if sel > 0:
             a[c, _OWNER_HITS] += sign
         # the waterfall: three stored terms, the choosing step keeps the rest
-        lc = res_i[O_LOST_CANDIDATES, k]
-        lg = res_i[O_LOST_QUEUE_GATE, k]
-        lcap = res_i[O_LOST_CAPACITY, k]
+        lc = row[O_LOST_CANDIDATES]
+        lg = row[O_LOST_QUEUE_GATE]
+        lcap = row[O_LOST_CAPACITY]
         a[c, _LOST_CANDIDATES] += sign * lc
         a[c, _LOST_GATE] += sign * lg
         a[c, _LOST_CAPACITY] += sign * lcap
         rest = matched - sel - lc - lg - lcap
-        reason = res_i[O_REASON, k]
+        reason = row[O_REASON]
         if reason == _PIN:
             a[c, _LOST_PIN] += sign * rest
         elif reason == _CANDIDATE:
             a[c, _LOST_TOURNAMENT] += sign * rest
         else:
             a[c, _LOST_FALLBACK] += sign * rest
-    a[c, _COLD] += sign * (res_i[O_UNCACHED_TOKENS, k])
-    sw = res_i[O_SELECTED_WAITING, k]
+    a[c, _COLD] += sign * (row[O_UNCACHED_TOKENS])
+    sw = row[O_SELECTED_WAITING]
     if sw >= 0:
         a[c, _WAIT_KNOWN] += sign
         a[c, _WAIT_SUM] += sign * (sw)
         hw[sw if sw < top else top, c] += sign
-    wu = res_i[O_SELECTED_WAITING_UNCACHED, k]
+    wu = row[O_SELECTED_WAITING_UNCACHED]
     if wu >= 0:
         a[c, _WU_KNOWN] += sign
         a[c, _WU_SUM] += sign * (wu)
-        ms = res_f[F_SELECTED_QUEUE_MS, k]
         if not math.isnan(ms):
             a[c, _MS_KNOWN] += sign
             a[c, _US_SUM] += sign * (np.int64(np.round(ms * 1000.0)))
-    if res_i[O_PRESSURE_SOURCE, k] < 0:
+    if row[O_PRESSURE_SOURCE] < 0:
         return  # no cache resolution ran: every audit counter is 0
-    gate = res_i[O_GATE_REJECTED, k]
-    fell = res_i[O_FELL_BACK, k]
-    if res_i[O_REASON, k] == _PIN:
+    gate = row[O_GATE_REJECTED]
+    fell = row[O_FELL_BACK]
+    if row[O_REASON] == _PIN:
         a[c, _PINNED] += sign
     elif gate > 0 and fell == 0:
         a[c, _DIVERTED] += sign
     a[c, _FELL_BACK] += sign * (fell)
-    a[c, _ALL_QUEUED] += sign * (res_i[O_FLEET_ALL_QUEUED, k])
-    a[c, _COMPARED] += sign * (res_i[O_GUARD_COMPARED, k])
-    a[c, _OVERRIDES] += sign * (res_i[O_GUARD_OVERRIDES, k])
-    a[c, _EVAL] += sign * (res_i[O_ADMISSION_EVALUATED, k])
-    a[c, _ADM_REJ] += sign * (res_i[O_ADMISSION_REJECTED, k])
+    a[c, _ALL_QUEUED] += sign * (row[O_FLEET_ALL_QUEUED])
+    a[c, _COMPARED] += sign * (row[O_GUARD_COMPARED])
+    a[c, _OVERRIDES] += sign * (row[O_GUARD_OVERRIDES])
+    a[c, _EVAL] += sign * (row[O_ADMISSION_EVALUATED])
+    a[c, _ADM_REJ] += sign * (row[O_ADMISSION_REJECTED])
     a[c, _GATE_REJ] += sign * (gate)
     if dec == _WORKER_QUEUED:
-        hd[diverted_bucket_nb(res_i[O_BEST_REJECTED_BLOCKS, k]), c] += sign
+        hd[diverted_bucket_nb(row[O_BEST_REJECTED_BLOCKS]), c] += sign
 
 
 @njit_inner
 def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 
-    Config ``c``'s decision is column ``src_of[c]`` of ``res_i[O_*, :]`` /
-    ``res_f[F_*, :]`` (kernels/layout.py); ``totals`` is a ``layout.Accumulators``
+    Config ``c``'s decision is row ``src_of[c]`` of ``res_i[:, O_*]`` /
+    ``res_f[:, F_*]`` (kernels/layout.py; one row per distinct decision, so two
+    configs decide alike exactly when their rows are the same); ``totals`` is a ``layout.Accumulators``
     whose ``acc[b, c, ACC_*]`` keeps one config's counters together and
     ``hist_wait[b, v, c]`` and ``hist_div[b, bucket, c]`` keep configs innermost.
 
     Configs are booked relative to a parent (``parent[c] < c``: the previous
-    config of the same knob group and limit, so a chain over the floors; a root
-    is its own parent).  A parent books
+    config of the same knob group and limit, so a chain over the floors, and for
+    the first config of a limit the first config of the group's previous limit;
+    a group's first config is its own parent).  A parent books
     its decision; a child books nothing when its decision is its parent's (the
     usual case: a floor only matters when the limit gates a candidate) and
     otherwise the difference.  ``fold_parents`` adds each parent's totals to its
     children once, at the end, so every total is exact.
     """
-    n_cfg = res_i.shape[1]
+    n_cfg = src_of.shape[0]
     q = query_blocks if query_blocks > 0 else 0
     a = totals.acc[b]
     hw = totals.hist_wait[b]
@@ -199,10 +201,11 @@ def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks,
         p = parent[c]
         k = src_of[c]
         if p == c:
-            _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, 1)
+            _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
         elif k != src_of[p]:
-            _book_nb(a, hw, hd, c, k, res_i, res_f, q, selected_worker, 1)
-            _book_nb(a, hw, hd, c, src_of[p], res_i, res_f, q, selected_worker, -1)
+            kp = src_of[p]
+            _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
+            _book_nb(a, hw, hd, c, res_i[kp], res_f[kp, F_SELECTED_QUEUE_MS], q, selected_worker, -1)
 
 
 def fold_parents(acc, hist_wait, hist_div, parent):

@@ -528,6 +528,15 @@ def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, po
         for w in workers:
             pool[m] = w
             m += 1
+    return sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+
+
+@njit
+def sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx):
+    """best_two_of_sample over the tier ``pool[:m]`` already chosen (``sample_pair_nb``).
+
+    Returns (best, runner_up, next_draw_index); best = -1 for an empty pool.
+    """
     if m == 0:
         return -1, -1, draw
     kk = max(k, 1)
@@ -801,6 +810,30 @@ def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratc
     if w >= 0:
         return w, reason
     w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
+    return w, CAPACITY_FALLBACK
+
+
+@njit
+def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, seed, req_index, work, idx):
+    """``domain_rungs_nb`` given the sampler's tier ``pool[:m]`` (the queue-gate
+    tier of ``fleet`` under ``limit``, or the whole fleet when that is empty or
+    there is no limit), which depends on the snapshot and the limit class only:
+    the grid pass builds it once per request and class.  The three draws all
+    sample that same tier; ``work`` is scratch for the range fallback
+    (length >= fleet size), ``idx`` the sampler's index scratch.
+    """
+    if fleet.shape[0] == 0:
+        return -1, -1
+    draw = 0
+    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
+    if w >= 0:
+        return w, reason
+    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
+    if w >= 0:
+        return w, reason
+    w, _r, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
     return w, CAPACITY_FALLBACK
 
 

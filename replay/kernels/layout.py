@@ -11,9 +11,9 @@ is typed by hand in a kernel.  They are derived from two tables:
   with None as -1, ``bool`` -> int64 0/1, ``float`` -> float64 with None as
   NaN, ``choice`` -> int64 index into ``KnobSpec.choices``.
 * the **field table**, ``replay.fields.DECISION_FIELDS``: one decision of the
-  grid pass is a column of ``res_i`` (every integer, bool and label field, in
-  table order: ``res_i[O_<FIELD>, c]``) and of ``res_f`` (the float fields:
-  ``res_f[F_<FIELD>, c]``).  ``O_WORKER``, ``O_MATCHED_BLOCKS``, ...,
+  grid pass is a row of ``res_i`` (every integer, bool and label field, in
+  table order: ``res_i[u, O_<FIELD>]``) and of ``res_f`` (the float fields:
+  ``res_f[u, F_<FIELD>]``), one row per distinct decision of a request.  ``O_WORKER``, ``O_MATCHED_BLOCKS``, ...,
   ``F_SELECTED_QUEUE_MS`` are generated from the table's names.
 
 How to add a knob: add the field to ``RouterConfig`` and its row to

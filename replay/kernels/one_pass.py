@@ -39,7 +39,7 @@ from .decide import (
     C_WORKER,
     PIN_LOCALITY,
     cache_rung_with_nb,
-    domain_rungs_nb,
+    domain_rungs_pooled_nb,
     failure_of_nb,
     gate_column_nb,
     locality_nb,
@@ -83,7 +83,6 @@ from .snapshot import (
     S_WAITING_PER_RANK,
     S_WU,
     advance_dirty_nb,
-    fleet_reading_nb,
     refresh_nb,
 )
 
@@ -106,10 +105,17 @@ Scratch = namedtuple("Scratch", (
     "ladder_w",    # int64[n_groups * (max_fleet + 2)]: domain-rung worker per (group, limit class), -2 = not yet
     "ladder_r",    # int64[same]: its reason
     "seen",        # bool[n_workers]: prepare_candidates_nb's scratch
-    "res_i",       # int64[O_NCOLS, n_cfg]: the distinct decisions (layout.O_*)
-    "res_f",       # float64[F_NCOLS, n_cfg]
-    "src_of",      # int64[n_cfg]: column of res_i holding config c's decision
+    "res_i",       # int64[n_cfg, O_NCOLS]: the distinct decisions, one row each (layout.O_*)
+    "res_f",       # float64[n_cfg, F_NCOLS]
+    "src_of",      # int64[n_cfg]: row of res_i holding config c's decision
+    "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
+    "ungated",     # int64[n_groups]: row of the group's cache-rung decision under a limit gating none of its candidates
 ), module=__name__)
+
+# Limit and floor classes count the fleet readings below each distinct limit and
+# floor; when every such value is at most this, one counting pass over the fleet
+# serves them all (else each value scans the fleet).
+_HIST_MAX = 1024
 
 
 @njit
@@ -147,12 +153,15 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                     est, knobs, plan, seed, sc):
     """Decide one request under every config.
 
-    Each distinct outcome is computed once, into the column ``sc.res_i[:, c]`` /
-    ``sc.res_f[:, c]`` of the first config ``c`` that reaches it;
-    ``sc.src_of[c]`` names the column holding config ``c``'s decision.
+    Each distinct outcome is computed once, into the next row ``sc.res_i[u]`` /
+    ``sc.res_f[u]``; an outcome equal in every field to an earlier row is kept
+    only once, so the rows are the request's distinct decisions and
+    ``sc.src_of[c]`` names the row holding config ``c``'s decision.
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
-    Returns (distinct outcomes computed, domain-rung evaluations).
+    Returns (distinct outcomes computed, domain-rung evaluations) and the
+    request's fleet readings (``snapshot.fleet_reading_nb``: smallest fresh
+    waiting count, -1 when none; fresh fleet workers).
     """
     n_fleet = fleet.shape[0]
     n_cfg = sc.src_of.shape[0]
@@ -195,26 +204,65 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     # floor-scaling variant's per-rank reading (only when a config uses it).
     big = np.int64(1) << 62
     n_absent = 0
+    fleet_min = -1
     n_rows = 2 if plan.per_worker else 1
     for j in range(n_fleet):
         w = fleet[j]
         if snap[w, S_BASIC] == 1:
-            fleet_wait[0, j] = snap[w, S_WAITING]
+            x = snap[w, S_WAITING]
+            fleet_wait[0, j] = x
             fleet_wait[1, j] = snap[w, S_WAITING_PER_RANK]
+            if fleet_min < 0 or x < fleet_min:
+                fleet_min = x
         else:
             fleet_wait[0, j] = big
             fleet_wait[1, j] = big
             n_absent += 1
+    top = -1
+    for j in range(lim_vals.shape[0]):
+        top = max(top, lim_vals[j])
+    for j in range(fl_vals.shape[0]):
+        top = max(top, fl_vals[j])
+    hist = sc.hist
     for r in range(n_rows):
-        for j in range(lim_vals.shape[0]):
-            lim = lim_vals[j]
-            lclass[r, j] = 0 if lim < 0 else _count_below(fleet_wait[r], n_fleet, lim) + 1
-        for j in range(fl_vals.shape[0]):
-            fl = fl_vals[j]
-            if fl < 0:
-                fclass[r, j] = 0
-            else:
-                fclass[r, j] = 2 if _count_below(fleet_wait[r], n_fleet, fl) > 0 else 1
+        fw = fleet_wait[r]
+        counted = top <= _HIST_MAX
+        if counted:
+            # hist[v] = readings below v for v <= top + 1 (absent and larger readings
+            # land in the last bucket; a negative reading takes the scanning path)
+            for v in range(top + 2):
+                hist[v] = 0
+            for j in range(n_fleet):
+                x = fw[j]
+                if x < 0:
+                    counted = False
+                    break
+                hist[x if x <= top else top + 1] += 1
+        if counted:
+            run = 0
+            for v in range(top + 2):
+                h = hist[v]
+                hist[v] = run
+                run += h
+            for j in range(lim_vals.shape[0]):
+                lim = lim_vals[j]
+                lclass[r, j] = 0 if lim < 0 else hist[lim] + 1
+            for j in range(fl_vals.shape[0]):
+                fl = fl_vals[j]
+                if fl < 0:
+                    fclass[r, j] = 0
+                else:
+                    fclass[r, j] = 2 if hist[fl] > 0 else 1
+        else:
+            for j in range(lim_vals.shape[0]):
+                lim = lim_vals[j]
+                lclass[r, j] = 0 if lim < 0 else _count_below(fw, n_fleet, lim) + 1
+            for j in range(fl_vals.shape[0]):
+                fl = fl_vals[j]
+                if fl < 0:
+                    fclass[r, j] = 0
+                else:
+                    fclass[r, j] = 2 if _count_below(fw, n_fleet, fl) > 0 else 1
     has_signal = qb > 0
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
@@ -248,6 +296,10 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     width = n_fleet + 2
     used = 0
     n_ladder = 0
+    n_dist = 0
+    ungated = sc.ungated
+    for g in range(ungated.shape[0]):
+        ungated[g] = -1
     for c in range(n_cfg):
         g = group[c]
         li = cfg_li[c]
@@ -255,14 +307,16 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         r = 1 if wcol == S_WAITING_PER_RANK else 0
         lcl = lclass[r, li]
         fcl = fclass[r, cfg_fi[c]]
-        fc = fcl if gated_any[g, li] else 0
+        gated = gated_any[g, li]
+        if not gated and ungated[g] >= 0:
+            src_of[c] = ungated[g]
+            continue
+        fc = fcl if gated else 0
         key = (g * width + lcl) * 3 + fc
         src = memo[key]
         if src >= 0:
             src_of[c] = src
             continue
-        memo[key] = c
-        src_of[c] = c
         scratch_i[6, used] = key
         used += 1
         cand = cands[g]
@@ -274,13 +328,28 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             k_abs_tokens[c], k_abs_ms[c],
             k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
             k_pin_order[c] == PIN_LOCALITY)
+        rung_chose = w >= 0
         failure = -1
         if w < 0:
             # the domain rungs depend on (group, limit class) only: computed once
             lk = g * width + lcl
             if ladder_w[lk] == -2:
-                lw, lr = domain_rungs_nb(fleet, snap, est, L, lim, wcol, k_choices[c], seed,
-                                         req_index, scratch_i)
+                # the sampler's tier: the queue-gate tier (absent readings pass the
+                # gate), or the whole fleet without a limit or when it is empty
+                pool = scratch_i[0]
+                m = 0
+                if lim >= 0:
+                    fw = fleet_wait[r]
+                    for j in range(n_fleet):
+                        x = fw[j]
+                        pool[m] = fleet[j]
+                        m += (x < lim) | (x == big)
+                if m == 0:
+                    for j in range(n_fleet):
+                        pool[j] = fleet[j]
+                    m = n_fleet
+                lw, lr = domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, lim, wcol, k_choices[c],
+                                                seed, req_index, scratch_i[1], scratch_i[5])
                 ladder_w[lk] = lw
                 ladder_r[lk] = lr
                 scratch_i[7, n_ladder] = lk
@@ -290,7 +359,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             if w < 0:
                 decision = -1
                 failure = failure_of_nb(group_n[g] > 0, n_fleet)
-        row = res_i[:, c]
+        row = res_i[n_dist]
         row[O_WORKER] = w
         row[O_REASON] = reason
         row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
@@ -315,7 +384,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
              row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
             row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
             row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
-            res_f[F_SELECTED_QUEUE_MS, c] = est[w]
+            res_f[n_dist, F_SELECTED_QUEUE_MS] = est[w]
         else:
             row[O_SELECTED_BLOCKS] = 0
             row[O_UNCACHED_TOKENS] = -1
@@ -325,12 +394,37 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             row[O_LOST_TO] = -1
             row[O_SELECTED_WAITING] = -1
             row[O_SELECTED_WAITING_UNCACHED] = -1
-            res_f[F_SELECTED_QUEUE_MS, c] = np.nan
+            res_f[n_dist, F_SELECTED_QUEUE_MS] = np.nan
+        # an outcome equal in every field to one computed before (another key can
+        # decide alike) refers to that one, so accumulate.py books it as shared
+        # (the float field is est[w] or NaN: equal whenever the worker is)
+        slot = n_dist
+        for d in range(n_dist):
+            rd = res_i[d]
+            same = True
+            for col in range(O_NCOLS):
+                if rd[col] != row[col]:
+                    same = False
+                    break
+            if same:
+                slot = d
+                break
+        if slot == n_dist:
+            n_dist += 1
+        memo[key] = slot
+        src_of[c] = slot
+        if not gated and rung_chose:
+            # the limit gates none of the group's candidates and the cache rung
+            # chose: no candidate is rejected, so neither the fell-back tier nor
+            # the pin can fire, and the fleet is not all queued (a fresh fleet
+            # worker at the limit would be a gated candidate); the outcome is the
+            # same under every limit that gates none of them
+            ungated[g] = slot
     for u in range(used):
         memo[scratch_i[6, u]] = -1
     for u in range(n_ladder):
         ladder_w[scratch_i[7, u]] = -2
-    return used, n_ladder
+    return used, n_ladder, fleet_min, n_fleet - n_absent
 
 
 @njit
@@ -415,9 +509,11 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
             np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
             np.zeros(n_workers, dtype=np.bool_),
-            np.zeros((O_NCOLS, n_cfg), dtype=np.int64),
-            np.zeros((F_NCOLS, n_cfg), dtype=np.float64),
+            np.zeros((n_cfg, O_NCOLS), dtype=np.int64),
+            np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
             np.zeros(n_cfg, dtype=np.int64),
+            np.zeros(_HIST_MAX + 2, dtype=np.int64),
+            np.full(n_groups, -1, dtype=np.int64),
         )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
@@ -430,13 +526,12 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
             lo = m_off[i]
             hi = m_off[i + 1]
-            n_rung, n_ladder = _decide_request(
+            n_rung, n_ladder, fleet_min[i], fleet_fresh[i] = _decide_request(
                 req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
                 matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
                 knobs, plan, seed, sc)
             s_rung += n_rung
             s_ladder += n_ladder
-            fleet_min[i], fleet_fresh[i] = fleet_reading_nb(snap, fleet)
             sel = req_selected[i] if has_selected else -1
             accumulate_request_nb(block_totals, b, sc.res_i, sc.res_f, sc.src_of, parent,
                                   req_qb[i], sel)
@@ -444,9 +539,9 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
                 for c in range(n_cfg):
                     src = sc.src_of[c]
                     for col in range(O_NCOLS):
-                        out_i[col, i, c] = sc.res_i[col, src]
+                        out_i[col, i, c] = sc.res_i[src, col]
                     for col in range(F_NCOLS):
-                        out_f[col, i, c] = sc.res_f[col, src]
+                        out_f[col, i, c] = sc.res_f[src, col]
         n_sel = 0
         if has_selected:
             for i in range(block_lo[b], block_lo[b + 1]):
