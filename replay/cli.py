@@ -142,6 +142,9 @@ class _OneLineErrors(click.Group):
         if args is None and _DONE:
             import threading
 
+            if "replay.engine" in sys.modules:
+                sys.modules["replay.engine"].close_block_pool()
+
             if threading.active_count() == 1:
                 _exit_now(code)
         sys.exit(code)

@@ -249,6 +249,15 @@ def _block_pool(n_threads: int) -> ThreadPoolExecutor | None:
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
+def close_block_pool() -> None:
+    """Join the block threads (idle once a replay has returned), so a finished command's
+    process holds no thread of ours and may end without the interpreter's teardown."""
+    global _POOL
+    if _POOL is not None:
+        _POOL[1].shutdown(wait=True)
+        _POOL = None
+
+
 def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
                fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
                keep: bool, out: layout.Outputs, totals: layout.Accumulators) -> None:
