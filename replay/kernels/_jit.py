@@ -75,7 +75,8 @@ class _Dispatcher(_CPUDispatcher):
 def njit(fn):
     """``numba.njit`` with the options above and :class:`_Dispatcher`."""
     dispatcher = numba.njit(**JIT)(fn)
-    dispatcher.__class__ = _Dispatcher
+    if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1 (the plain-Python runs)
+        dispatcher.__class__ = _Dispatcher
     return dispatcher
 
 
@@ -99,5 +100,6 @@ def njit_inner(fn):
     of a dozen arrays, whose unboxing code was compiled and optimised for
     nothing)."""
     dispatcher = numba.njit(no_cpython_wrapper=True, no_cfunc_wrapper=True, **JIT)(fn)
-    dispatcher.__class__ = _InnerDispatcher
+    if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1
+        dispatcher.__class__ = _InnerDispatcher
     return dispatcher
