@@ -94,16 +94,20 @@ class RequestColumns:
     selected: pl.Series | Coded | None
 
 
+def request_id_column(R: Columns):
+    """``request_id`` checked (integers in int64, else non-null strings): the column, and its
+    int64 array when it holds integers (None for strings)."""
+    rid_s = R.require("request_id")
+    if rid_s.dtype.is_integer():
+        return rid_s, R.ints("request_id", nullable=False, lo=-(2**63), hi=2**63 - 1, s=rid_s)
+    return R.strings("request_id", nullable=False, s=rid_s), None
+
+
 def read_requests(R: Columns) -> RequestColumns:
     """The scalar request columns, checked (``request_id`` unique)."""
     n = R.df.height
     ts = R.timestamps("ts")
-    rid_s = R.require("request_id")
-    if rid_s.dtype.is_integer():
-        request_id = R.ints("request_id", nullable=False, lo=-(2**63), hi=2**63 - 1, s=rid_s)
-    else:
-        rid_s = R.strings("request_id", nullable=False, s=rid_s)
-        request_id = None
+    rid_s, request_id = request_id_column(R)
     dup = None if rid_s.n_unique() == n else ~rid_s.is_first_distinct()   # n_unique: the cheap test
     if dup is not None and dup.any():
         row = int(dup.arg_max())

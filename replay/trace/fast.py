@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
 from .columns import Coded, Columns, pool_empty
 from .core import Trace
-from .encode import ClosedLoopColumns, MatchColumns, RequestColumns, read_closed_loop, read_loads
+from .encode import ClosedLoopColumns, MatchColumns, RequestColumns, read_closed_loop, read_loads, request_id_column
 from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
 from .info import TraceInfo
 from .workers import Universe, make_universe, parse_workers_table
@@ -154,12 +154,7 @@ def _requests_side(part: Part):
 
     # read_requests' checks and conversions (the name columns coded)
     ts = R.timestamps("ts")
-    rid_s = R.require("request_id")
-    if rid_s.dtype.is_integer():
-        request_id = R.ints("request_id", nullable=False, lo=-(2**63), hi=2**63 - 1, s=rid_s)
-    else:
-        rid_s = R.strings("request_id", nullable=False, s=rid_s)
-        request_id = None
+    rid_s, request_id = request_id_column(R)
     if rid_s.n_unique() != rows:
         raise Fallback("requests: duplicate request_id")
     if request_id is None:
