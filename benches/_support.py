@@ -37,6 +37,8 @@ BENCH_PARAMS = dict(n_requests=int(os.environ.get("ROUTER_REPLAY_BENCH_REQUESTS"
 GRIDS: dict[str, dict[str, str]] = {
     "mixed": {"--worker-queue-limit": "2,4,6,8,10,12,14,16", "--saturation-queue-floor": "none,1..8"},
     "all_valid": {"--worker-queue-limit": "8..15", "--saturation-queue-floor": "none,1..8"},
+    # issue 13's grid: 16 limits x 17 floors, 152 valid configs
+    "g152": {"--worker-queue-limit": "1..16", "--saturation-queue-floor": "none,1..16"},
 }
 
 # Sub-trace for the reference ratio: this many requests.

@@ -12,9 +12,6 @@ run's own timings (run.json: load, replay, write) and its CPU seconds (from
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +20,6 @@ import polars as pl
 
 ROUNDS = 2
 FLOOR_RATIO = 20.0
-GRID_152 = ["--worker-queue-limit", "1..16", "--saturation-queue-floor", "none,1..16"]
 
 
 def _plain_read(d: Path) -> int:
@@ -33,16 +29,7 @@ def _plain_read(d: Path) -> int:
 
 
 def _sweep(trace_dir: Path, work: Path) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="run-", dir=work)) / "run"
-    try:
-        r = S.run_cli(["sweep", str(trace_dir), "--out", str(out), "-q", "--no-decisions", *GRID_152])
-        run = json.loads((out / "run.json").read_text())
-        r["timings"] = run.get("timings", {})
-        r["n_configs"] = len(run.get("config_ids", []))
-        r["n_requests"] = run["trace"]["requests"]
-        return r
-    finally:
-        shutil.rmtree(out.parent, ignore_errors=True)
+    return S.run_sweep_cli(trace_dir, "g152", decisions=False, work=work)
 
 
 def test_sweep_vs_plain_read(benchmark, report, bench_trace_dir, warmed, work_dir):

@@ -41,7 +41,7 @@ def test_engine_decisions_per_second(benchmark, report, bench_trace, grid_name):
 # refused), on one thread and on two.  Decisions per wall second is the floor's figure; the
 # process CPU time per run is reported beside it because the machine is shared (wall figures
 # swing with other work, CPU seconds much less).
-GRID_152 = {"--worker-queue-limit": "1..16", "--saturation-queue-floor": "none,1..16"}
+GRID_152 = S.GRIDS["g152"]
 FLOOR_152 = 60e6
 
 
