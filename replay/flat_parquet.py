@@ -150,25 +150,21 @@ def _rle(values: np.ndarray, lengths: np.ndarray, bit_width: int) -> np.ndarray:
     times) as RLE runs only: a ULEB128 header ``length << 1`` then the value in
     ``ceil(bit_width / 8)`` little-endian bytes."""
     h = lengths.astype(np.uint64) << np.uint64(1)
-    nb = np.ones(len(h), np.int64)
-    for k in range(1, 10):
-        more = h >= np.uint64(1 << (7 * k))
-        if not more.any():
-            break
-        nb += more
     vw = (bit_width + 7) // 8
-    ends = np.cumsum(nb + vw)
-    starts = ends - (nb + vw)
-    out = np.empty(int(ends[-1]) if len(ends) else 0, np.uint8)
-    for k in range(int(nb.max()) if len(nb) else 0):
-        at = nb > k
-        byte = (h[at] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        byte |= np.where(nb[at] > k + 1, np.uint64(0x80), np.uint64(0))
-        out[starts[at] + k] = byte.astype(np.uint8)
+    n_head = max(1, (int(h.max()).bit_length() + 6) // 7) if len(h) else 1
+    # one row per run: its header's bytes (as many as the longest run needs) then the value's;
+    # the header bytes a run does not need are dropped at the end, in row order
+    m = np.empty((len(h), n_head + vw), np.uint8)
+    keep = np.ones(m.shape, bool) if n_head > 1 else None
+    for k in range(n_head):
+        part = h >> np.uint64(7 * k)
+        m[:, k] = (part & np.uint64(0x7F)) | ((part >= np.uint64(0x80)).astype(np.uint64) << np.uint64(7))
+        if k and keep is not None:
+            keep[:, k] = part > 0
     v = values.astype(np.uint64)
     for k in range(vw):
-        out[starts + nb + k] = ((v >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)
-    return out
+        m[:, n_head + k] = (v >> np.uint64(8 * k)) & np.uint64(0xFF)
+    return m.reshape(-1) if keep is None else m[keep]
 
 
 def _dense_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -334,8 +334,7 @@ class DecisionWriter:
         data["query_blocks"] = fp.Runs(qb, per_req)
         data["config_id"] = self._config_runs(n)
         for name, col in _CODE_FIELDS.items():           # labels and nullable counts: null where < 0
-            v = np.maximum(o[col], -1)
-            r = fp.runs_of(v)
+            r = fp.runs_of(o[col])     # (unequal negative values split a null run: harmless)
             data[name] = fp.Runs(r.values, r.lengths, r.values < 0)
         for name, col in _PLAIN_FIELDS.items():
             data[name] = fp.runs_of(o[col])
