@@ -240,3 +240,11 @@ def test_flat_writer_round_trips_every_kind(tmp_path_factory, groups, data):
         if vals:
             assert (st_.min, st_.max) == (min(vals), max(vals))
         assert st_.null_count == md.row_group(g).num_rows - len(vals)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**24 - 1), min_size=1, max_size=200), st.integers(1, 24))
+def test_bitpacked_encoder_matches_plain_decoding(values, bit_width):
+    v = np.array([x & ((1 << bit_width) - 1) for x in values], np.int64)
+    got = fp._bitpacked(v, bit_width).tobytes()
+    assert rle_runs_plain(got, bit_width, len(v)) == v.tolist()
