@@ -1,8 +1,9 @@
 """What the outputs cost: the output rule and the plan step (issues 9 and 14):
 ``rundir.guard`` walks every input file (symlinks resolved), ``sweep.plan`` reads the
 Parquet footers instead of an index pass; and writing ``decisions.parquet`` in either
-layout (issue 13), alone and in a 1M-request sweep.  Run with
-``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
+layout (issue 13), alone and in a 1M-request sweep, and the ``long`` layout's writer
+(``replay/flat_parquet.py``) against the pyarrow writer it replaced (:class:`ArrowLongWriter`).
+Run with ``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import resource
 import shutil
 import time
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from replay import executors, rundir
@@ -109,37 +113,166 @@ def test_bench_decisions_writer_old_vs_new(writer_chunks, tmp_path):
     assert best["outcomes"] > 0
 
 
-def sweep_cpu(trace_dir, work, layout: str) -> dict:
-    """``router-replay sweep`` of the 1M trace, ``mixed`` grid, decisions kept in ``layout``:
-    wall s, CPU s of the process (user + system, from getrusage of the children) and the
-    run's own timings."""
+class ArrowLongWriter:
+    """The baseline: the ``long`` layout's writer before issue 13's second step, copied
+    (951522e's ``DecisionWriter``: one Arrow table a chunk, label codes as dictionary
+    columns, per-request columns expanded with ``np.repeat``, ``pq.ParquetWriter`` with
+    zstd, statistics on every column), with the waterfall's five columns that came
+    after it, so it writes the same table as today's writer."""
+
+    def __init__(self, path: str, trace, config_ids):
+        from replay import labels
+
+        self.path, self.trace = path, trace
+        self.config_ids = np.asarray(config_ids, dtype=np.int32)
+        self.tables = {name: pa.array(list(values), type=pa.string()) for name, values in (
+            ("worker", trace.workers), ("reason", labels.REASONS), ("policy_reason", labels.POLICY_REASONS),
+            ("decision", labels.DECISIONS), ("failure", labels.FAILURES),
+            ("pressure_source", labels.PRESSURE_SOURCES), ("lost_to", labels.LOSS_STEPS))}
+        self.writer: pq.ParquetWriter | None = None
+
+    @staticmethod
+    def _labels(table, codes):
+        codes = codes.astype(np.int32)
+        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), table)
+
+    @staticmethod
+    def _nullable(values, dtype=np.int64):
+        return pa.array(values.astype(dtype), mask=values < 0)
+
+    def write(self, chunk) -> None:
+        from replay.kernels import layout as kl
+
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
+        rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
+        ids = self.trace.request_id[chunk.start:chunk.stop]
+        if ids.dtype == object:
+            rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
+        else:
+            rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
+        qb = np.maximum(self.trace.req_query_blocks[chunk.start:chunk.stop], 0).astype(np.int64)
+        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
+        failed = o[kl.O_WORKER] < 0
+        t = self.tables
+
+        def i32(col):
+            return pa.array(o[col].astype(np.int32))
+
+        table = pa.table({
+            "request_id": rid,
+            "config_id": pa.array(np.tile(self.config_ids, n)),
+            "worker": self._labels(t["worker"], o[kl.O_WORKER]),
+            "reason": self._labels(t["reason"], o[kl.O_REASON]),
+            "policy_reason": self._labels(t["policy_reason"], o[kl.O_POLICY_REASON]),
+            "decision": self._labels(t["decision"], o[kl.O_DECISION]),
+            "failure": self._labels(t["failure"], o[kl.O_FAILURE]),
+            "query_blocks": pa.array(qb[rep]),
+            "matched_blocks": pa.array(o[kl.O_MATCHED_BLOCKS]),
+            "selected_blocks": pa.array(o[kl.O_SELECTED_BLOCKS]),
+            "uncached_tokens": self._nullable(o[kl.O_UNCACHED_TOKENS]),
+            "gate_rejected": i32(kl.O_GATE_REJECTED),
+            "admission_evaluated": i32(kl.O_ADMISSION_EVALUATED),
+            "admission_rejected": i32(kl.O_ADMISSION_REJECTED),
+            "best_rejected_blocks": pa.array(o[kl.O_BEST_REJECTED_BLOCKS]),
+            "fleet_all_queued": pa.array(o[kl.O_FLEET_ALL_QUEUED] == 1),
+            "fell_back": pa.array(o[kl.O_FELL_BACK] == 1),
+            "selected_waiting": self._nullable(o[kl.O_SELECTED_WAITING]),
+            "selected_waiting_uncached": self._nullable(o[kl.O_SELECTED_WAITING_UNCACHED]),
+            "selected_queue_ms": pa.array(ms, mask=np.isnan(ms)),
+            "pressure_source": self._labels(t["pressure_source"], o[kl.O_PRESSURE_SOURCE]),
+            "guard_compared": i32(kl.O_GUARD_COMPARED),
+            "guard_overrides": i32(kl.O_GUARD_OVERRIDES),
+            "blocks_lost": pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed),
+            "lost_to": self._labels(t["lost_to"], o[kl.O_LOST_TO]),
+            "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
+            "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
+            "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
+        })
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd", store_schema=False)
+        self.writer.write_table(table)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def write_long_cpu(path, writer_chunks, which: str) -> float:
+    """CPU seconds of writing every chunk in the long layout: ``new`` (DecisionWriter) or ``old``."""
+    from replay.results import DecisionWriter
+
+    sub, ids, chunks = writer_chunks
+    t0 = time.process_time()
+    w = DecisionWriter(str(path), sub, ids) if which == "new" else ArrowLongWriter(str(path), sub, ids)
+    for c in chunks:
+        w.write(c)
+    w.close()
+    return time.process_time() - t0
+
+
+def test_bench_long_writer_old_vs_new(writer_chunks, tmp_path):
+    """The default layout's writer against the pyarrow one it replaced, on the same chunks,
+    alternated back to back, best of 5 CPU s each (issue 13's floor: 3x; reported, not
+    asserted), and the two files read back equal."""
+    import _support as S
+    import polars as pl
+
+    best = {"old": math.inf, "new": math.inf}
+    size = {}
+    for _ in range(5):
+        for which in best:
+            p = tmp_path / f"{which}.parquet"
+            best[which] = min(best[which], write_long_cpu(p, writer_chunks, which))
+            size[which] = p.stat().st_size
+    rows = WRITER_REQUESTS * len(writer_chunks[1])
+    assert pl.read_parquet(tmp_path / "new.parquet").equals(pl.read_parquet(tmp_path / "old.parquet"))
+    S.REPORT["long_writer"] = {
+        **{f"{k}_cpu_s": round(v, 3) for k, v in best.items()},
+        **{f"{k}_rows_per_cpu_s": round(rows / v) for k, v in best.items()},
+        **{f"{k}_bytes": v for k, v in size.items()},
+        "speedup": round(best["old"] / best["new"], 2), "floor": 3.0}
+
+
+def sweep_cpu(trace_dir, work, layout: str | None) -> dict:
+    """``router-replay sweep`` of the 1M trace, ``mixed`` grid, decisions kept in ``layout``
+    (None: ``--no-decisions``): wall s, CPU s of the process (user + system, from getrusage
+    of the children) and the run's own timings."""
     import _support as S
 
     out = work / f"sweep-{layout}"
+    keep = ["--no-decisions"] if layout is None else ["--decisions-layout", layout]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = S.run_cli(["sweep", str(trace_dir), "--out", str(out), "-q", "--force", "--no-report",
-                   "--decisions-layout", layout, *S.grid_args("mixed")])
+                   *keep, *S.grid_args("mixed")])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     run = json.loads((out / "run.json").read_text())
-    size = (out / "decisions.parquet").stat().st_size
+    size = (out / "decisions.parquet").stat().st_size if layout is not None else 0
     shutil.rmtree(out, ignore_errors=True)
     return {"wall_s": r["wall_s"], "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
             "timings": run["timings"], "decisions_bytes": size}
 
 
 def test_bench_sweep_with_decisions_old_vs_new(bench_trace_dir, warmed, work_dir):
-    """End to end on the 1M trace (``mixed``: 60M decision rows), both layouts alternated, best of 2."""
+    """End to end on the 1M trace (``mixed``: 60M decision rows), both layouts and
+    ``--no-decisions`` alternated, best of 2; what keeping decisions adds is each layout's
+    figure minus the ``--no-decisions`` one (issue 13's measure)."""
     import _support as S
 
-    got: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    got: dict[str | None, list[dict]] = {layout: [] for layout in (*LAYOUTS, None)}
     for _ in range(2):
-        for layout in LAYOUTS:
+        for layout in got:
             got[layout].append(sweep_cpu(bench_trace_dir, work_dir, layout))
     rep = {}
     for layout, runs in got.items():
-        rep[f"{layout}_cpu_s"] = round(min(r["cpu_s"] for r in runs), 2)
-        rep[f"{layout}_wall_s"] = round(min(r["wall_s"] for r in runs), 2)
-        rep[f"{layout}_write_s"] = round(min(r["timings"]["accumulate_and_write_s"] for r in runs), 2)
-        rep[f"{layout}_bytes"] = runs[-1]["decisions_bytes"]
+        name = layout or "no_decisions"
+        rep[f"{name}_cpu_s"] = round(min(r["cpu_s"] for r in runs), 2)
+        rep[f"{name}_wall_s"] = round(min(r["wall_s"] for r in runs), 2)
+        rep[f"{name}_write_s"] = round(min(r["timings"]["accumulate_and_write_s"] for r in runs), 2)
+        rep[f"{name}_bytes"] = runs[-1]["decisions_bytes"]
+    for layout in LAYOUTS:
+        rep[f"{layout}_extra_wall_s"] = round(rep[f"{layout}_wall_s"] - rep["no_decisions_wall_s"], 2)
+        rep[f"{layout}_extra_cpu_s"] = round(rep[f"{layout}_cpu_s"] - rep["no_decisions_cpu_s"], 2)
     S.REPORT["sweep_with_decisions"] = rep
     assert rep["outcomes_cpu_s"] > 0

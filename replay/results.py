@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import decision_store as store
+from . import flat_parquet as fp
 from . import labels, outcomes
 from .config import KNOBS
 from .engine import Chunk, Totals
@@ -145,6 +146,26 @@ def _quantiles(hist: np.ndarray, q: float) -> list:
 
 
 # ---------------------------------------------------------------------------
+# the long layout's columns by how they are taken from the kernels' rows (kernels/layout.py O_*)
+_CODE_FIELDS = {   # label codes and nullable counts: null where < 0
+    "worker": kl.O_WORKER, "reason": kl.O_REASON, "policy_reason": kl.O_POLICY_REASON,
+    "decision": kl.O_DECISION, "failure": kl.O_FAILURE, "uncached_tokens": kl.O_UNCACHED_TOKENS,
+    "selected_waiting": kl.O_SELECTED_WAITING, "selected_waiting_uncached": kl.O_SELECTED_WAITING_UNCACHED,
+    "pressure_source": kl.O_PRESSURE_SOURCE, "lost_to": kl.O_LOST_TO,
+}
+_PLAIN_FIELDS = {  # never null
+    "matched_blocks": kl.O_MATCHED_BLOCKS, "selected_blocks": kl.O_SELECTED_BLOCKS,
+    "gate_rejected": kl.O_GATE_REJECTED, "admission_evaluated": kl.O_ADMISSION_EVALUATED,
+    "admission_rejected": kl.O_ADMISSION_REJECTED, "best_rejected_blocks": kl.O_BEST_REJECTED_BLOCKS,
+    "guard_compared": kl.O_GUARD_COMPARED, "guard_overrides": kl.O_GUARD_OVERRIDES,
+}
+_LOST_FIELDS = {   # null where the decision failed
+    "lost_candidates": kl.O_LOST_CANDIDATES, "lost_queue_gate": kl.O_LOST_QUEUE_GATE,
+    "lost_capacity": kl.O_LOST_CAPACITY,
+}
+_INT32_FIELDS = ("gate_rejected", "admission_evaluated", "admission_rejected", "guard_compared", "guard_overrides")
+
+
 class DecisionWriter:
     """Streams decisions to Parquet, one row group per chunk.
 
@@ -166,8 +187,11 @@ class DecisionWriter:
         self.failures = pa.array(labels.FAILURES, type=pa.string())
         self.sources = pa.array(labels.PRESSURE_SOURCES, type=pa.string())
         self.loss_steps = pa.array(labels.LOSS_STEPS, type=pa.string())
-        self.writer: pq.ParquetWriter | None = None
+        self.writer: pq.ParquetWriter | None = None     # the outcomes layout (pyarrow)
+        self.flat: fp.FlatParquetWriter | None = None   # the long layout
+        self._config_cache: tuple[int, fp.Runs] | None = None
         self.rows = 0
+        self.failed = False
         self.closed = False
 
     @staticmethod
@@ -220,39 +244,119 @@ class DecisionWriter:
 
     def write(self, chunk: Chunk, trace: Trace | None = None) -> None:
         """Append a chunk's rows; ``trace`` is the window the chunk belongs to
-        (default: the writer's trace)."""
-        tr = self.trace if trace is None else trace
-        n = chunk.stop - chunk.start
-        n_cfg = len(self.config_ids)
+        (default: the writer's trace).  After a failed write the file is left
+        unfinished (:meth:`close` then writes nothing)."""
+        try:
+            self._write(chunk, trace)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _ids(self, tr, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk's request ids and query blocks (at least 0)."""
         ids = getattr(tr, "request_id", np.zeros(0, dtype=object))[chunk.start:chunk.stop]
         qb = np.maximum(getattr(tr, "req_query_blocks", np.zeros(0, dtype=np.int64))[chunk.start:chunk.stop],
                         0).astype(np.int64)
-        if self.layout == store.OUTCOMES:
-            table = self._outcomes_table(chunk, ids, qb)
+        return ids, qb
+
+    def long_table(self, chunk: Chunk, trace: Trace | None = None) -> pa.Table:
+        """A chunk's long rows as one Arrow table, as earlier versions wrote them through
+        pyarrow (dictionary columns for labels): the reference the long file is held to
+        (``tests/test_decisions_writer.py``)."""
+        tr = self.trace if trace is None else trace
+        ids, qb = self._ids(tr, chunk)
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
+        rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
+        if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
+            rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
         else:
-            o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
-            rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
-            if ids.dtype == object:  # string ids: the chunk's ids as a dictionary
-                rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
-            else:
-                rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
-            fields = self._fields(o, chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1))
-            head = {"request_id": rid, "config_id": pa.array(np.tile(self.config_ids, n))}
-            cols = {**head, **{k: v for k, v in fields.items() if k in store.BEFORE_QUERY_BLOCKS},
-                    "query_blocks": pa.array(qb[rep]),
-                    **{k: v for k, v in fields.items() if k not in store.BEFORE_QUERY_BLOCKS}}
-            table = pa.table(cols)
+            rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
+        fields = self._fields(o, chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1))
+        head = {"request_id": rid, "config_id": pa.array(np.tile(self.config_ids, n))}
+        return pa.table({**head, **{k: v for k, v in fields.items() if k in store.BEFORE_QUERY_BLOCKS},
+                         "query_blocks": pa.array(qb[rep]),
+                         **{k: v for k, v in fields.items() if k not in store.BEFORE_QUERY_BLOCKS}})
+
+    def _write(self, chunk: Chunk, trace: Trace | None) -> None:
+        tr = self.trace if trace is None else trace
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        ids, qb = self._ids(tr, chunk)
+        if self.layout == store.LONG:
+            self._write_long(chunk, ids, qb)
+            return
+        table = self._outcomes_table(chunk, ids, qb)
         if self.writer is None:
             # Dictionary columns are written as plain Parquet strings (dictionary
             # pages); without the stored Arrow schema, readers get strings back.
-            # (outcomes: statistics on request_id only; no reader uses the lists' min/max)
-            stats: bool | list[str] = True if self.layout == store.LONG else ["request_id"]
+            # (statistics on request_id only; no reader uses the lists' min/max)
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd",
-                                           store_schema=False, write_statistics=stats)
-            if self.layout == store.OUTCOMES:
-                self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids.tolist()))
+                                           store_schema=False, write_statistics=["request_id"])
+            self.writer.add_key_value_metadata(store.outcomes_metadata(self.config_ids.tolist()))
         self.writer.write_table(table)
         self.rows += n * n_cfg
+
+    def _long_columns(self, string_ids: bool) -> list[fp.Column]:
+        """The long layout's columns (store.LONG_COLUMNS), their kinds and label tables."""
+        labelled = {"worker": self.workers, "reason": self.reasons, "policy_reason": self.policy,
+                    "decision": self.decisions, "failure": self.failures, "pressure_source": self.sources,
+                    "lost_to": self.loss_steps}
+        kinds = {"request_id": "string" if string_ids else "int64", "config_id": "int32",
+                 "selected_queue_ms": "float64", "fleet_all_queued": "bool", "fell_back": "bool",
+                 **{c: "int32" for c in _INT32_FIELDS}}
+        return [fp.Column(c, "string" if c in labelled else kinds.get(c, "int64"), labelled.get(c))
+                for c in store.LONG_COLUMNS]
+
+    def _write_long(self, chunk: Chunk, ids: np.ndarray, qb: np.ndarray) -> None:
+        """One row group of the long layout: every column handed over as its runs
+        (:mod:`replay.flat_parquet`), the same values and types the Arrow table of
+        earlier versions had."""
+        n = chunk.stop - chunk.start
+        n_cfg = len(self.config_ids)
+        string_ids = ids.dtype == object
+        if self.flat is None:
+            self.flat = fp.FlatParquetWriter(self.path, self._long_columns(string_ids))
+        rows = n * n_cfg
+        if rows == 0:
+            return
+        o = chunk.out_i.reshape(kl.O_NCOLS, rows)
+        per_req = np.full(n, n_cfg, dtype=np.int64)
+        data: dict[str, object] = {}
+        if string_ids:
+            names = pa.array(ids.tolist(), pa.string())
+            null = None if names.null_count == 0 else np.asarray(names.is_null())
+            data["request_id"] = (fp.Runs(np.arange(n, dtype=np.int64), per_req, null),
+                                  names.fill_null("") if null is not None else names)
+        else:
+            data["request_id"] = fp.Runs(np.asarray(ids, dtype=np.int64), per_req)
+        data["query_blocks"] = fp.Runs(qb, per_req)
+        data["config_id"] = self._config_runs(n)
+        for name, col in _CODE_FIELDS.items():           # labels and nullable counts: null where < 0
+            r = fp.runs_of(o[col])     # (unequal negative values split a null run: harmless)
+            data[name] = fp.Runs(r.values, r.lengths, r.values < 0)
+        for name, col in _PLAIN_FIELDS.items():
+            data[name] = fp.runs_of(o[col])
+        data["fleet_all_queued"] = o[kl.O_FLEET_ALL_QUEUED] == 1
+        data["fell_back"] = o[kl.O_FELL_BACK] == 1
+        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
+        data["selected_queue_ms"] = fp.runs_of(ms.view(np.int64), np.isnan(ms))
+        # the waterfall's columns are null where the decision failed (no worker)
+        failed = o[kl.O_WORKER] < 0
+        fchange = failed[1:] != failed[:-1]
+        data["blocks_lost"] = fp.runs_of(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], failed, fchange)
+        for name, col in _LOST_FIELDS.items():
+            data[name] = fp.runs_of(o[col], failed, fchange)
+        self.flat.write_row_group(rows, data)
+        self.rows += rows
+
+    def _config_runs(self, n: int) -> fp.Runs:
+        """config_id: the grid's ids once per request (runs of one row; kept for the chunk size)."""
+        if self._config_cache is None or self._config_cache[0] != n:
+            vals = np.tile(self.config_ids.astype(np.int64), n)
+            self._config_cache = (n, fp.Runs(vals, np.ones(len(vals), dtype=np.int64)))
+        return self._config_cache[1]
 
     def _outcomes_table(self, chunk: Chunk, ids: np.ndarray, qb: np.ndarray) -> pa.Table:
         """One row per request: its id, query blocks, each config's outcome index and, as
@@ -281,10 +385,19 @@ class DecisionWriter:
         if self.closed:
             return
         self.closed = True
-        if self.writer is None:  # no requests: still leave a readable, empty file
+        if self.failed:         # a failed write leaves the file unfinished
+            if self.flat is not None:
+                self.flat.abort()
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+            return
+        if self.writer is None and self.flat is None:  # no requests: still leave a readable, empty file
             n_cfg = len(self.config_ids)
             self.write(Chunk(0, 0, np.zeros((kl.O_NCOLS, 0, n_cfg), dtype=np.int64),
                              np.zeros((kl.F_NCOLS, 0, n_cfg), dtype=np.float64)))
+        if self.flat is not None:
+            self.flat.close()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
