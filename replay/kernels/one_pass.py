@@ -110,6 +110,9 @@ Scratch = namedtuple("Scratch", (
     "src_of",      # int64[n_cfg]: row of res_i holding config c's decision
     "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
     "rung",        # int64[n_groups * (max_matches + 1) * 6, _R_NCOLS]: cache-rung results by rung key
+    "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
+    "gl_new",      # bool[n_cfg]: position t of gl_cfg starts a run
+    "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
 
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
@@ -308,19 +311,39 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     n_ladder = 0
     n_dist = 0
     n_rungs = 0
-    for c in range(n_cfg):
-        g = group[c]
-        li = cfg_li[c]
-        wcol = gate_column_nb(k_scaling[c])
-        r = 1 if wcol == S_WAITING_PER_RANK else 0
-        lcl = lclass[r, li]
+    gl_cfg = sc.gl_cfg
+    gl_new = sc.gl_new
+    fc_slot = sc.fc_slot
+    g = 0
+    li = 0
+    r = 0
+    lcl = 0
+    n_gated = 0
+    # configs in runs of one (group, limit): inside a run only the floor class
+    # can change the decision, so each run computes (or looks up) at most three
+    for t in range(n_cfg):
+        c = gl_cfg[t]
+        if gl_new[t]:
+            g = group[c]
+            li = cfg_li[c]
+            wcol = gate_column_nb(k_scaling[c])
+            r = 1 if wcol == S_WAITING_PER_RANK else 0
+            lcl = lclass[r, li]
+            n_gated = gated_n[g, li]
+            fc_slot[0] = -1
+            fc_slot[1] = -1
+            fc_slot[2] = -1
         fcl = fclass[r, cfg_fi[c]]
-        n_gated = gated_n[g, li]
         fc = fcl if n_gated > 0 else 0
+        src = fc_slot[fc]
+        if src >= 0:
+            src_of[c] = src
+            continue
         key = (g * width + lcl) * 3 + fc
         src = memo[key]
         if src >= 0:
             src_of[c] = src
+            fc_slot[fc] = src
             continue
         scratch_i[6, used] = key
         used += 1
@@ -337,6 +360,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                 slot = rrow[_R_SLOT]
                 memo[key] = slot
                 src_of[c] = slot
+                fc_slot[fc] = slot
                 continue
             for j in range(A_NCOLS):
                 audit[j] = rrow[j]
@@ -442,6 +466,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             n_dist += 1
         memo[key] = slot
         src_of[c] = slot
+        fc_slot[fc] = slot
         if rrow[_R_W] >= 0:
             rrow[_R_SLOT] = slot
     for u in range(used):
@@ -509,6 +534,20 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     m_off = matches.offsets
     fleet_w = fleets.workers
     parent = plan.parent
+    # the configs in runs of one (group, limit) (_decide_request's loop)
+    gl_cfg = np.empty(n_cfg, dtype=np.int64)
+    gl_new = np.zeros(n_cfg, dtype=np.bool_)
+    placed = np.zeros(n_cfg, dtype=np.bool_)
+    t = 0
+    for c in range(n_cfg):
+        if placed[c]:
+            continue
+        gl_new[t] = True
+        for c2 in range(c, n_cfg):
+            if not placed[c2] and plan.group[c2] == plan.group[c] and plan.li[c2] == plan.li[c]:
+                placed[c2] = True
+                gl_cfg[t] = c2
+                t += 1
     for b in numba.prange(n_blocks):
         table = tables[b]
         inflight = inflights[b]
@@ -540,6 +579,9 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros(n_cfg, dtype=np.int64),
             np.zeros(_HIST_MAX + 2, dtype=np.int64),
             np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
+            gl_cfg,
+            gl_new,
+            np.full(3, -1, dtype=np.int64),
         )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
