@@ -10,8 +10,11 @@ fleet worker reads below it, and only when the limit gates some candidate
 same other knobs ("group") and the same classes make the same decision (the
 sampler's draws do not depend on the config, see docs/replay-model.md), so
 each request computes every distinct outcome once and the other configs refer
-to it.  The domain rungs depend on the limit class alone and are shared the
-same way.  ``stats`` counts both, so a run can report how much was shared.
+to it.  The cache rung sees the limit only through which candidates it gates
+(their count names the set) and whether the whole fleet is queued, so it runs
+once per such key and a rung that chose decides the row for every limit class
+with that key.  The domain rungs depend on the limit class alone and are shared
+the same way.  ``stats`` counts both, so a run can report how much was shared.
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     ``sc.src_of[c]`` names the row holding config ``c``'s decision.
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
-    Returns (distinct outcomes computed, domain-rung evaluations) and the
+    Returns (cache-rung evaluations, domain-rung evaluations) and the
     request's fleet readings (``snapshot.fleet_reading_nb``: smallest fresh
     waiting count, -1 when none; fresh fleet workers).
     """
@@ -494,7 +497,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     own loads, keeps its own snapshot current (``refresh_nb``), decides every
     config and books the results into its own accumulators
     ``totals.acc[b]``... (merged exactly afterwards); ``totals.stats[b]`` counts
-    the distinct outcomes and domain-rung evaluations it computed.  With
+    the cache-rung and domain-rung evaluations it computed.  With
     ``keep``, every decision is also written to ``out.ints[O_*, i, c]`` /
     ``out.floats[F_*, i, c]`` (one contiguous array per column).  Results
     depend on nothing but (trace, config, seed), never on threads or chunking.
