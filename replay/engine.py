@@ -120,7 +120,7 @@ class Totals:
         self._acc = np.zeros((n_blocks, n_configs, layout.N_ACC), dtype=np.int64)
         self.hist_wait = np.zeros((n_blocks, layout.WAIT_HIST, n_configs), dtype=np.int64)
         self.hist_div = np.zeros((n_blocks, layout.N_DIV, n_configs), dtype=np.int64)
-        # work done: distinct outcomes computed, domain-rung evaluations
+        # work done: cache-rung evaluations, domain-rung evaluations
         self.stats = np.zeros((n_blocks, 2), dtype=np.int64)
 
     @property

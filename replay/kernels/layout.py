@@ -157,4 +157,4 @@ N_DIV = len(labels.DIVERTED_BUCKETS) + 1
 Accumulators = namedtuple("Accumulators", ("acc", "hist_wait", "hist_div", "stats"), module=__name__)
 Accumulators.__doc__ = """Per thread block ``b``: ``acc[b, c, ACC_*]`` (config-major), ``hist_wait[b, v, c]``,
 ``hist_div[b, bucket, c]`` (``kernels/accumulate.py``) and ``stats[b]``
-(distinct outcomes computed, domain-rung evaluations)."""
+(cache-rung evaluations, domain-rung evaluations)."""

@@ -10,8 +10,11 @@ fleet worker reads below it, and only when the limit gates some candidate
 same other knobs ("group") and the same classes make the same decision (the
 sampler's draws do not depend on the config, see docs/replay-model.md), so
 each request computes every distinct outcome once and the other configs refer
-to it.  The domain rungs depend on the limit class alone and are shared the
-same way.  ``stats`` counts both, so a run can report how much was shared.
+to it.  The cache rung sees the limit only through which candidates it gates
+(their count names the set) and whether the whole fleet is queued, so it runs
+once per such key and a rung that chose decides the row for every limit class
+with that key.  The domain rungs depend on the limit class alone and are shared
+the same way.  ``stats`` counts both, so a run can report how much was shared.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ Scratch = namedtuple("Scratch", (
     "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
     "group_n",     # int64[n_groups]: candidates kept per group
     "group_rep",   # int64[n_groups]: a config of each group
-    "gated_any",   # bool[n_groups, lim_vals]: the limit gates a candidate of the group
+    "gated_n",     # int64[n_groups, lim_vals]: how many of the group's candidates the limit gates
     "ladder_w",    # int64[n_groups * (max_fleet + 2)]: domain-rung worker per (group, limit class), -2 = not yet
     "ladder_r",    # int64[same]: its reason
     "seen",        # bool[n_workers]: prepare_candidates_nb's scratch
@@ -109,8 +112,21 @@ Scratch = namedtuple("Scratch", (
     "res_f",       # float64[n_cfg, F_NCOLS]
     "src_of",      # int64[n_cfg]: row of res_i holding config c's decision
     "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
-    "ungated",     # int64[n_groups]: row of the group's cache-rung decision under a limit gating none of its candidates
+    "rung",        # int64[n_groups * (max_matches + 1) * 6, _R_NCOLS]: cache-rung results by rung key
+    "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
+    "gl_new",      # bool[n_cfg]: position t of gl_cfg starts a run
+    "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
+
+# Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
+# the rung's worker, reason and label, and the decision row it chose (a slot
+# of ``res_i``, when the rung chose a worker).
+_R_SET = A_NCOLS
+_R_W = A_NCOLS + 1
+_R_REASON = A_NCOLS + 2
+_R_LABEL = A_NCOLS + 3
+_R_SLOT = A_NCOLS + 4
+_R_NCOLS = A_NCOLS + 5
 
 # Limit and floor classes count the fleet readings below each distinct limit and
 # floor; when every such value is at most this, one counting pass over the fleet
@@ -159,7 +175,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     ``sc.src_of[c]`` names the row holding config ``c``'s decision.
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
-    Returns (distinct outcomes computed, domain-rung evaluations) and the
+    Returns (cache-rung evaluations, domain-rung evaluations) and the
     request's fleet readings (``snapshot.fleet_reading_nb``: smallest fresh
     waiting count, -1 when none; fresh fleet workers).
     """
@@ -178,7 +194,8 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     cands = sc.cands
     group_n = sc.group_n
     group_rep = sc.group_rep
-    gated_any = sc.gated_any
+    gated_n = sc.gated_n
+    rung = sc.rung
     ladder_w = sc.ladder_w
     ladder_r = sc.ladder_r
     src_of = sc.src_of
@@ -285,50 +302,89 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         wcol = gate_column_nb(k_scaling[c0])
         for j in range(lim_vals.shape[0]):
             lim = lim_vals[j]
-            gated = False
+            n_gated = 0
             if lim >= 0:
                 for t in range(n):
                     w = cands[g, t, C_WORKER]
-                    if snap[w, S_BASIC] == 1 and snap[w, wcol] >= lim:
-                        gated = True
-                        break
-            gated_any[g, j] = gated
+                    n_gated += snap[w, S_BASIC] == 1 and snap[w, wcol] >= lim
+            gated_n[g, j] = n_gated
     width = n_fleet + 2
+    rwidth = cands.shape[1] + 1
     used = 0
     n_ladder = 0
     n_dist = 0
-    ungated = sc.ungated
-    for g in range(ungated.shape[0]):
-        ungated[g] = -1
-    for c in range(n_cfg):
-        g = group[c]
-        li = cfg_li[c]
-        wcol = gate_column_nb(k_scaling[c])
-        r = 1 if wcol == S_WAITING_PER_RANK else 0
-        lcl = lclass[r, li]
+    n_rungs = 0
+    gl_cfg = sc.gl_cfg
+    gl_new = sc.gl_new
+    fc_slot = sc.fc_slot
+    g = 0
+    li = 0
+    r = 0
+    lcl = 0
+    n_gated = 0
+    # configs in runs of one (group, limit): inside a run only the floor class
+    # can change the decision, so each run computes (or looks up) at most three
+    for t in range(n_cfg):
+        c = gl_cfg[t]
+        if gl_new[t]:
+            g = group[c]
+            li = cfg_li[c]
+            wcol = gate_column_nb(k_scaling[c])
+            r = 1 if wcol == S_WAITING_PER_RANK else 0
+            lcl = lclass[r, li]
+            n_gated = gated_n[g, li]
+            fc_slot[0] = -1
+            fc_slot[1] = -1
+            fc_slot[2] = -1
         fcl = fclass[r, cfg_fi[c]]
-        gated = gated_any[g, li]
-        if not gated and ungated[g] >= 0:
-            src_of[c] = ungated[g]
+        fc = fcl if n_gated > 0 else 0
+        src = fc_slot[fc]
+        if src >= 0:
+            src_of[c] = src
             continue
-        fc = fcl if gated else 0
         key = (g * width + lcl) * 3 + fc
         src = memo[key]
         if src >= 0:
             src_of[c] = src
+            fc_slot[fc] = src
             continue
         scratch_i[6, used] = key
         used += 1
-        cand = cands[g]
         lim = k_limit[c]
         all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
-        w, reason, decision = cache_rung_with_nb(
-            group_n[g], cand, L, snap, est, lim, k_floor[c],
-            k_margin[c], k_guard[c] == 1,
-            k_abs_tokens[c], k_abs_ms[c],
-            k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
-            k_pin_order[c] == PIN_LOCALITY)
-        rung_chose = w >= 0
+        # the cache rung sees the limit only through the set of gated candidates
+        # (the gate is monotone in the limit, so their count names the set) and
+        # whether the fleet is all queued; the floor through its class: one
+        # evaluation per rung key, and a rung that chose decides the whole row
+        rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
+        rrow = rung[rk]
+        if rrow[_R_SET] == 1:
+            if rrow[_R_W] >= 0:
+                slot = rrow[_R_SLOT]
+                memo[key] = slot
+                src_of[c] = slot
+                fc_slot[fc] = slot
+                continue
+            for j in range(A_NCOLS):
+                audit[j] = rrow[j]
+            w = np.int64(-1)
+            reason = rrow[_R_REASON]
+            decision = rrow[_R_LABEL]
+        else:
+            w, reason, decision = cache_rung_with_nb(
+                group_n[g], cands[g], L, snap, est, lim, k_floor[c],
+                k_margin[c], k_guard[c] == 1,
+                k_abs_tokens[c], k_abs_ms[c],
+                k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
+                k_pin_order[c] == PIN_LOCALITY)
+            for j in range(A_NCOLS):
+                rrow[j] = audit[j]
+            rrow[_R_SET] = 1
+            rrow[_R_W] = w
+            rrow[_R_REASON] = reason
+            rrow[_R_LABEL] = decision
+            scratch_i[8, n_rungs] = rk
+            n_rungs += 1
         failure = -1
         if w < 0:
             # the domain rungs depend on (group, limit class) only: computed once
@@ -413,18 +469,16 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             n_dist += 1
         memo[key] = slot
         src_of[c] = slot
-        if not gated and rung_chose:
-            # the limit gates none of the group's candidates and the cache rung
-            # chose: no candidate is rejected, so neither the fell-back tier nor
-            # the pin can fire, and the fleet is not all queued (a fresh fleet
-            # worker at the limit would be a gated candidate); the outcome is the
-            # same under every limit that gates none of them
-            ungated[g] = slot
+        fc_slot[fc] = slot
+        if rrow[_R_W] >= 0:
+            rrow[_R_SLOT] = slot
     for u in range(used):
         memo[scratch_i[6, u]] = -1
     for u in range(n_ladder):
         ladder_w[scratch_i[7, u]] = -2
-    return used, n_ladder, fleet_min, n_fleet - n_absent
+    for u in range(n_rungs):
+        rung[scratch_i[8, u], _R_SET] = 0
+    return n_rungs, n_ladder, fleet_min, n_fleet - n_absent
 
 
 @njit
@@ -443,7 +497,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     own loads, keeps its own snapshot current (``refresh_nb``), decides every
     config and books the results into its own accumulators
     ``totals.acc[b]``... (merged exactly afterwards); ``totals.stats[b]`` counts
-    the distinct outcomes and domain-rung evaluations it computed.  With
+    the cache-rung and domain-rung evaluations it computed.  With
     ``keep``, every decision is also written to ``out.ints[O_*, i, c]`` /
     ``out.floats[F_*, i, c]`` (one contiguous array per column).  Results
     depend on nothing but (trace, config, seed), never on threads or chunking.
@@ -483,6 +537,20 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     m_off = matches.offsets
     fleet_w = fleets.workers
     parent = plan.parent
+    # the configs in runs of one (group, limit) (_decide_request's loop)
+    gl_cfg = np.empty(n_cfg, dtype=np.int64)
+    gl_new = np.zeros(n_cfg, dtype=np.bool_)
+    placed = np.zeros(n_cfg, dtype=np.bool_)
+    t = 0
+    for c in range(n_cfg):
+        if placed[c]:
+            continue
+        gl_new[t] = True
+        for c2 in range(c, n_cfg):
+            if not placed[c2] and plan.group[c2] == plan.group[c] and plan.li[c2] == plan.li[c]:
+                placed[c2] = True
+                gl_cfg[t] = c2
+                t += 1
     for b in numba.prange(n_blocks):
         table = tables[b]
         inflight = inflights[b]
@@ -501,11 +569,11 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
             np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
             np.zeros(A_NCOLS, dtype=np.int64),
-            np.zeros((8, width), dtype=np.int64),
+            np.zeros((9, width), dtype=np.int64),
             np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
             np.zeros(n_groups, dtype=np.int64),
             group_rep,
-            np.zeros((n_groups, plan.lim_vals.shape[0]), dtype=np.bool_),
+            np.zeros((n_groups, plan.lim_vals.shape[0]), dtype=np.int64),
             np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
             np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
             np.zeros(n_workers, dtype=np.bool_),
@@ -513,7 +581,10 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
             np.zeros(n_cfg, dtype=np.int64),
             np.zeros(_HIST_MAX + 2, dtype=np.int64),
-            np.full(n_groups, -1, dtype=np.int64),
+            np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
+            gl_cfg,
+            gl_new,
+            np.full(3, -1, dtype=np.int64),
         )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
