@@ -35,7 +35,8 @@ _HERE = Path(__file__).resolve().parent
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(_HERE.glob("*.py")) + [_HERE.parent / "labels.py", _HERE.parent / "fields.py"]:
+    kernels = [p for p in sorted(_HERE.glob("*.py")) if p.name != "warm.py"]   # warm.py: orchestration only
+    for path in kernels + [_HERE.parent / "labels.py", _HERE.parent / "fields.py"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(numba.__version__.encode())
@@ -55,6 +56,12 @@ numba.config.CACHE_DIR = str(cache_dir())
 
 JIT = dict(cache=True, nogil=True, boundscheck=False)
 
+# ``{id(dispatcher): wait}``: called once, before a kernel's call to that
+# dispatcher is typed (``warm.py``: the first start's other process compiles it
+# into the on-disk cache; numba then loads it from there instead of compiling it
+# a second time here)
+BEFORE_TYPING: dict = {}
+
 class _Dispatcher(_CPUDispatcher):
     """numba's dispatcher, except that a call from another kernel compiles one
     specialization per argument *type*, not per constant value.
@@ -68,6 +75,10 @@ class _Dispatcher(_CPUDispatcher):
     """
 
     def get_call_template(self, args, kws):
+        if BEFORE_TYPING:
+            wait = BEFORE_TYPING.pop(id(self), None)
+            if wait is not None:
+                wait()
         return super().get_call_template(tuple(_types.unliteral(a) for a in args),
                                          {k: _types.unliteral(v) for k, v in kws.items()})
 
