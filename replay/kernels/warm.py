@@ -187,8 +187,11 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
     with _ONCE:
         first = not _STARTED
         _STARTED = True
-    if numba.config.DISABLE_JIT or os.environ.get(ENV_SWITCH, "1") == "0" or run_sig is None or not first:
-        LAST.update(mode="off" if first else "again")
+    if not first:            # a later compile in this process: the first one decided
+        yield []
+        return
+    if numba.config.DISABLE_JIT or os.environ.get(ENV_SWITCH, "1") == "0" or run_sig is None:
+        LAST.update(mode="off")
         yield []
         return
     if not cache_is_cold(one_pass.run_chunk_nb):
