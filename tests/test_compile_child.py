@@ -155,3 +155,23 @@ def test_no_child_without_the_jit(tmp_path):
                             "NUMBA_DISABLE_JIT": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "off"
+
+
+def test_a_cached_start_does_not_import_scipy_linalg(tmp_path):
+    """numba's BLAS probe (``import scipy.linalg``, about 0.4 s of a cached start)
+    is not made for the sweep's kernels (``_jit._arraymath_without_scipy``);
+    a kernel that does use BLAS still compiles and gets it."""
+    code = ("import sys\n"
+            "import numpy as np, numba\n"
+            "from replay import engine\n"
+            "engine.compile_kernels()\n"
+            "assert 'scipy.linalg' not in sys.modules, 'scipy.linalg imported'\n"
+            "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
+            "a = np.arange(6.0).reshape(2, 3)\n"
+            "assert np.array_equal(dot(a, a.T), a @ a.T)\n"
+            "assert 'scipy.linalg' in sys.modules\n"
+            "print('ok')")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "ok"

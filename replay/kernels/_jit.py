@@ -54,6 +54,39 @@ def cache_dir() -> Path:
 
 numba.config.CACHE_DIR = str(cache_dir())
 
+
+def _arraymath_without_scipy() -> None:
+    """Import numba's ``np`` function registry without importing scipy.
+
+    numba imports ``numba.np.arraymath`` on its first compile or cache load,
+    and that module asks once whether BLAS is there by importing
+    ``scipy.linalg`` (about 0.4 s of a 1.9 s cached start).  The answer is used
+    only to pick the inner product of ``np.correlate``/``np.convolve`` (which
+    no kernel calls); ``np.dot`` and ``np.linalg`` check BLAS again, and import
+    scipy, when a kernel uses them.  So the module is imported here with that
+    one check answering "no BLAS".
+    """
+    import sys
+
+    if "numba.np.arraymath" in sys.modules or numba.config.DISABLE_JIT:
+        return
+    from numba.np import linalg
+
+    real = linalg.ensure_blas
+
+    def no_blas():
+        raise ImportError("not asked: see replay/kernels/_jit.py")
+
+    linalg.ensure_blas = no_blas
+    try:
+        from numba.np import arraymath
+    finally:
+        linalg.ensure_blas = real
+    arraymath.ensure_blas = real
+
+
+_arraymath_without_scipy()
+
 JIT = dict(cache=True, nogil=True, boundscheck=False)
 
 # ``{id(dispatcher): wait}``: called once, before a kernel's call to that
