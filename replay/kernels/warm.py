@@ -10,9 +10,8 @@ in the cache and loads it instead of compiling it again (``dispatcher.stats``
 counts a cache hit).  The split (measured per function with numba's
 ``numba:compile`` events, nested compiles subtracted, on the sample sweep):
 
-* the other process: ``snapshot.refresh_nb`` (about 1.5 s), then
-  ``one_pass._decide_request`` and its helpers (about 11 of the 28 CPU s),
-  except ``cache_rung_with_nb``;
+* the other process: ``one_pass._decide_request`` and its helpers (about 11 of
+  the 28 CPU s), except ``cache_rung_with_nb``;
 * this process, first: ``decide.cache_rung_with_nb`` (about 4 s; the other
   process waits for it when its ``_decide_request`` reaches the call), and
   ``accumulate_request_nb`` (typed after ``_decide_request`` in the grid
@@ -71,7 +70,7 @@ def inner_signatures(run_sig: tuple) -> dict:
     two processes, built from the grid kernel's own signature ``run_sig``
     (``engine.kernel_signatures()[run_chunk_nb]``) the way ``run_chunk_nb``
     and ``_decide_request`` call them."""
-    from . import accumulate, decide, one_pass, snapshot
+    from . import accumulate, decide, one_pass
 
     i8, f8, b1 = types.int64, types.float64, types.boolean
     knobs_t, plan_t, totals_t = run_sig[7], run_sig[8], run_sig[13]
@@ -90,15 +89,13 @@ def inner_signatures(run_sig: tuple) -> dict:
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
                 _arr(i8, 1), _arr(i8, 2), b1, b1, i8, b1)
     acc_sig = (totals_t, i8, _arr(i8, 2), _arr(f8, 2), _arr(i8, 1), ro_i8, i8, i8)
-    refresh_sig = (_arr(i8, 3), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2), _arr(f8, 1), _arr(i8, 1), _arr(b1, 1))
-    return {"refresh_nb": (snapshot.refresh_nb, refresh_sig),
-            "_decide_request": (one_pass._decide_request, decide_sig),
+    return {"_decide_request": (one_pass._decide_request, decide_sig),
             "cache_rung_with_nb": (decide.cache_rung_with_nb, rung_sig),
             "accumulate_request_nb": (accumulate.accumulate_request_nb, acc_sig)}
 
 
 # the split: the child compiles these, in this order ...
-CHILD = ("refresh_nb", "_decide_request")
+CHILD = ("_decide_request",)
 # ... this process compiles these first (the child waits for the ones it calls)
 PARENT_FIRST = ("cache_rung_with_nb", "accumulate_request_nb")
 
