@@ -412,8 +412,13 @@ def progress(n):
         first.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
 run_sweep(sys.argv[1], {"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..4"},
           out=sys.argv[2], progress=progress)
+import resource
+from replay.kernels import warm
+kids = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"first_decision_wall_s": first["wall_s"], "first_decision_cpu_s": first["cpu_s"],
-                  "total_wall_s": time.perf_counter() - t0, "total_cpu_s": time.process_time() - c0}))
+                  "total_wall_s": time.perf_counter() - t0, "total_cpu_s": time.process_time() - c0,
+                  "compile_child_cpu_s": kids.ru_utime + kids.ru_stime,
+                  "compile_mode": warm.LAST.get("mode"), "compile_waited_s": warm.LAST.get("waited_s", 0.0)}))
 """
 
 
@@ -422,7 +427,11 @@ def first_start(work: Path, env: dict | None = None) -> dict:
     none,2,4,8 --saturation-queue-floor none,1..4`` through ``run_sweep`` in a
     child process with ``env`` (default: a fresh, empty ``NUMBA_CACHE_DIR``):
     wall and CPU seconds (the child's own) to the first decision and in total,
-    plus the parent's wall time of the whole child (interpreter start included)."""
+    plus the parent's wall time of the whole child (interpreter start included).
+    On a cold cache the sweep compiles on both cores (``replay/kernels/warm.py``):
+    ``compile_child_cpu_s`` is the CPU time of its compile process (reaped before
+    the first decision), ``compile_mode`` what ``warm.both_cores`` did; set
+    ``ROUTER_REPLAY_COMPILE_CHILD=0`` in ``env`` for the one-process compile."""
     own = env is None
     env = fresh_numba_cache(work) if own else env
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work)) / "run"

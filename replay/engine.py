@@ -21,7 +21,7 @@ import numpy as np
 from .config import KNOBS, RouterConfig
 from .fields import DECISION_FIELDS, empty_decisions
 from .kernels import accumulate as kacc
-from .kernels import layout, one_pass
+from .kernels import layout, one_pass, warm
 from .kernels.snapshot import new_rank_table
 from .trace import Trace
 
@@ -319,9 +319,24 @@ def kernel_signatures() -> dict:
 
 def compile_kernels() -> None:
     """Compile (or load from the cache) the kernels a sweep calls, for the
-    signatures of :func:`kernel_signatures`."""
-    for dispatcher, sig in kernel_signatures().items():
-        dispatcher.compile(sig)
+    signatures of :func:`kernel_signatures`.
+
+    On a cold cache the compile uses both cores (``kernels/warm.py``): another
+    process compiles part of the kernel tree into the cache while this one
+    compiles its own part first, then the kernels, which load the other
+    process's part from the cache.
+    """
+    sigs = kernel_signatures()
+    with warm.both_cores(sigs) as first:
+        for dispatcher, sig, done in first:
+            try:
+                dispatcher.compile(sig)
+            except Exception:  # noqa: BLE001 - a helper's signature drifted: the kernel compiles what it needs
+                pass
+            finally:
+                done(dispatcher)
+        for dispatcher, sig in sigs.items():
+            dispatcher.compile(sig)
 
 
 def compile_in_background() -> threading.Thread:

@@ -35,7 +35,8 @@ _HERE = Path(__file__).resolve().parent
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(_HERE.glob("*.py")) + [_HERE.parent / "labels.py", _HERE.parent / "fields.py"]:
+    kernels = [p for p in sorted(_HERE.glob("*.py")) if p.name != "warm.py"]   # warm.py: orchestration only
+    for path in kernels + [_HERE.parent / "labels.py", _HERE.parent / "fields.py"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(numba.__version__.encode())
@@ -53,7 +54,48 @@ def cache_dir() -> Path:
 
 numba.config.CACHE_DIR = str(cache_dir())
 
+
+def _arraymath_without_scipy() -> None:
+    """Import numba's ``np`` function registry without importing scipy.
+
+    numba imports ``numba.np.arraymath`` on its first compile or cache load,
+    and that module asks once whether BLAS is there by importing
+    ``scipy.linalg`` (about 0.4 s of a 1.9 s cached start).  The answer is used
+    only to pick the inner product of ``np.correlate``/``np.convolve`` (which
+    no kernel calls); ``np.dot`` and ``np.linalg`` check BLAS again, and import
+    scipy, when a kernel uses them.  So the module is imported here with that
+    one check answering "no BLAS".
+    """
+    import sys
+
+    if "numba.np.arraymath" in sys.modules or numba.config.DISABLE_JIT:
+        return
+    from numba.np import linalg
+
+    real = getattr(linalg, "ensure_blas", None)
+    if real is None:        # another numba: leave its import alone (the probe only costs time)
+        return
+
+    def no_blas():
+        raise ImportError("not asked: see replay/kernels/_jit.py")
+
+    linalg.ensure_blas = no_blas
+    try:
+        from numba.np import arraymath
+    finally:
+        linalg.ensure_blas = real
+    arraymath.ensure_blas = real
+
+
+_arraymath_without_scipy()
+
 JIT = dict(cache=True, nogil=True, boundscheck=False)
+
+# ``{id(dispatcher): wait}``: called once, before a kernel's call to that
+# dispatcher is typed (``warm.py``: the first start's other process compiles it
+# into the on-disk cache; numba then loads it from there instead of compiling it
+# a second time here)
+BEFORE_TYPING: dict = {}
 
 class _Dispatcher(_CPUDispatcher):
     """numba's dispatcher, except that a call from another kernel compiles one
@@ -68,6 +110,10 @@ class _Dispatcher(_CPUDispatcher):
     """
 
     def get_call_template(self, args, kws):
+        if BEFORE_TYPING:
+            wait = BEFORE_TYPING.pop(id(self), None)
+            if wait is not None:
+                wait()
         return super().get_call_template(tuple(_types.unliteral(a) for a in args),
                                          {k: _types.unliteral(v) for k, v in kws.items()})
 
