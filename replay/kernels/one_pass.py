@@ -118,6 +118,17 @@ Scratch = namedtuple("Scratch", (
     "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
 
+# Each Scratch field's (dtype, ndim), as run_chunk_nb allocates it. Keep the two
+# in step: a cold first start types the compile child's _decide_request from this
+# table (warm.inner_signatures), and tests/test_compile_child.py fails when the
+# parent then finds no cached _decide_request of the type it calls.
+_i, _f, _b = np.int64, np.float64, np.bool_
+SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fclass": (_i, 2), "fleet_wait": (_i, 2), "audit": (_i, 1),
+                 "ints": (_i, 2), "cands": (_i, 3), "group_n": (_i, 1), "group_rep": (_i, 1), "gated_n": (_i, 2),
+                 "ladder_w": (_i, 1), "ladder_r": (_i, 1), "seen": (_b, 1), "res_i": (_i, 2), "res_f": (_f, 2),
+                 "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_new": (_b, 1),
+                 "fc_slot": (_i, 1)}
+
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
 # the rung's worker, reason and label, and the decision row it chose (a slot
 # of ``res_i``, when the rung chose a worker).

@@ -75,15 +75,9 @@ def inner_signatures(run_sig: tuple) -> dict:
     i8, f8, b1 = types.int64, types.float64, types.boolean
     knobs_t, plan_t, totals_t = run_sig[7], run_sig[8], run_sig[13]
     ro_i8 = _arr(i8, 1, True)
-    # one_pass.Scratch, field by field (run_chunk_nb allocates each)
-    i, f, b = np.int64, np.float64, np.bool_
-    scratch_dims = {"memo": (i, 1), "lclass": (i, 2), "fclass": (i, 2), "fleet_wait": (i, 2),
-                    "audit": (i, 1), "ints": (i, 2), "cands": (i, 3), "group_n": (i, 1),
-                    "group_rep": (i, 1), "gated_any": (b, 2), "ladder_w": (i, 1), "ladder_r": (i, 1),
-                    "seen": (b, 1), "res_i": (i, 2), "res_f": (f, 2), "src_of": (i, 1), "hist": (i, 1),
-                    "ungated": (i, 1)}
-    scratch_t = numba.typeof(one_pass.Scratch(*(np.zeros((1,) * scratch_dims[f][1], dtype=scratch_dims[f][0])
-                                                 for f in one_pass.Scratch._fields)))
+    scratch_t = numba.typeof(one_pass.Scratch(*(np.zeros((1,) * ndim, dtype=dtype)
+                                                 for dtype, ndim in (one_pass.SCRATCH_TYPES[f]
+                                                                     for f in one_pass.Scratch._fields))))
     decide_sig = (i8, i8, i8, i8, ro_i8, ro_i8, _arr(b1, 1, True), ro_i8, _arr(i8, 2), _arr(f8, 1),
                   knobs_t, plan_t, i8, scratch_t)
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
