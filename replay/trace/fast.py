@@ -187,21 +187,34 @@ def _requests_side(part: Part):
     return R, df, rq, mt, cl
 
 
-def _loads_side(part: Part):
+def _loads_file(part: Part) -> tuple[pq.ParquetFile, bool]:
+    """``loads.parquet``'s footer checked; True when its integer columns are read row group
+    by row group (:func:`_ints_by_group`), with the worker column read apart."""
     pf = pq.ParquetFile(part.path)
     sch = pf.schema_arrow
     names = sch.names
-    rows = pf.metadata.num_rows
-    if len(set(names)) != len(names) or rows == 0 or "worker" not in names or not _is_str(sch.field("worker").type):
+    if (len(set(names)) != len(names) or pf.metadata.num_rows == 0 or "worker" not in names
+            or not _is_str(sch.field("worker").type)):
         raise Fallback("loads: columns")
+    return pf, pf.metadata.num_row_groups > 1 and _plain_ints(sch)
+
+
+def _load_workers(part: Part) -> Coded:
     worker = coded(pq.read_table(part.path, columns=["worker"], read_dictionary=["worker"]).column("worker"))
     if worker.null_count():
         raise Fallback("loads: null worker")
-    others = [c for c in names if c != "worker"]
-    if pf.metadata.num_row_groups > 1 and _plain_ints(sch):
+    return worker
+
+
+def _loads_side(part: Part, pf: pq.ParquetFile, grouped: bool):
+    """The loads without their worker column when ``grouped`` (``(rows, ts, columns)``),
+    else the whole loads side (``(Columns, frame, LoadColumns)``)."""
+    others = [c for c in pf.schema_arrow.names if c != "worker"]
+    rows = pf.metadata.num_rows
+    if grouped:
         ts, cols = _ints_by_group(part, others, pf.metadata)
-        empty = pl.DataFrame()           # nothing reads the frame after the checks; errors name the file
-        return Columns(LOADS, empty), empty, loads_from_columns(rows, ts, worker, cols)
+        return rows, ts, cols
+    worker = _load_workers(part)
     df = _read_polars(part, others, rows)
     L = Columns(LOADS, df)
     return L, df, read_loads(L, worker)
@@ -272,10 +285,24 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
     wk_df, wk_info = read_table_file(dirpath, WORKERS)
     table = parse_workers_table(wk_df) if wk_df is not None else None
+    pf, grouped = _loads_file(load_part)
+
+    def requests_task():
+        # the loads' worker column too when the loads are read by row groups: the requests
+        # side finishes well before the loads' integer columns are in (issue 13)
+        return _requests_side(req_part), _load_workers(load_part) if grouped else None
+
     # requests | loads in two threads, the files' sha256 (provenance) in a third
-    ((R, req_df, rq, mt, cl), (L, load_df, ld)), infos = run_both(
-        lambda: run_both(lambda: _requests_side(req_part), lambda: _loads_side(load_part)),
+    ((req_out, worker), load_out), infos = run_both(
+        lambda: run_both(requests_task, lambda: _loads_side(load_part, pf, grouped)),
         lambda: [file_info(p.path) for p in (req_part, load_part)])
+    R, req_df, rq, mt, cl = req_out
+    if grouped:
+        rows, ts, cols = load_out
+        load_df = pl.DataFrame()        # nothing reads the frame after the checks; errors name the file
+        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols)
+    else:
+        L, load_df, ld = load_out
     files = {REQUESTS: infos[0], LOADS: infos[1]}
     if wk_df is not None:
         files[WORKERS] = wk_info
