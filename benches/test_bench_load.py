@@ -51,3 +51,43 @@ def test_load_trace_vs_plain_read(benchmark, report, bench_trace_dir):
     assert tr.n_requests > 0 and tr.facts.requests == tr.n_requests
     if benchmark.enabled:
         assert ratio <= FLOOR_RATIO, f"load_trace {min(full):.2f} s is {ratio:.2f}x the plain read {min(plain):.2f} s"
+
+
+_FRESH_LOAD = r"""
+import json, sys, time
+import replay.sweep                      # the sweep's imports, as the CLI has them before it loads
+from replay.trace import load_trace
+t0, c0 = time.perf_counter(), time.process_time()
+tr = load_trace(sys.argv[1])
+print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                  "requests": tr.n_requests}))
+"""
+
+
+def test_load_trace_fresh_process(benchmark, report, bench_trace_dir):
+    """The first load in a fresh process (what one sweep does), against the plain read in a
+    fresh process of its own, alternating, best of ``ROUNDS``: wall and CPU (all threads)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_bench_end_to_end import plain_read_fresh
+
+    benchmark.group = "load"
+    plain: list[dict] = []
+    full: list[dict] = []
+
+    def one_round():
+        plain.append(plain_read_fresh(bench_trace_dir))
+        p = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(bench_trace_dir)], capture_output=True,
+                           text=True, check=True)
+        full.append(json.loads(p.stdout))
+
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    pw, pc = min(r["wall_s"] for r in plain), min(r["cpu_s"] for r in plain)
+    fw, fc = min(r["wall_s"] for r in full), min(r["cpu_s"] for r in full)
+    report(plain_read_fresh_s=round(pw, 3), load_trace_fresh_s=round(fw, 3), ratio=round(fw / pw, 2),
+           plain_read_fresh_cpu_s=round(pc, 3), load_trace_fresh_cpu_s=round(fc, 3), cpu_ratio=round(fc / pc, 2))
+    assert full[0]["requests"] > 0
+    if benchmark.enabled:
+        assert fw / pw <= FLOOR_RATIO, f"load_trace (fresh) {fw:.2f} s is {fw / pw:.2f}x the plain read {pw:.2f} s"

@@ -317,6 +317,11 @@ def kernel_signatures() -> dict:
             one_pass.run_chunk_nb: tuple(numba.typeof(a) for a in run_args)}
 
 
+def kernels_cold() -> bool:
+    """True when the grid kernel is not in numba's on-disk cache (a first start compiles)."""
+    return warm.cache_is_cold(one_pass.run_chunk_nb)
+
+
 def compile_kernels() -> None:
     """Compile (or load from the cache) the kernels a sweep calls, for the
     signatures of :func:`kernel_signatures`.

@@ -251,6 +251,10 @@ class Executor:
     def prepare(self) -> None:
         """Fail early (before any index pass) when the executor cannot run here."""
 
+    def warm(self) -> None:
+        """Get ready to replay, in the background: called once the trace is in memory, or
+        before a windowed sweep's index pass (which then overlaps it)."""
+
     def default_window(self, tset: TraceSet) -> int:
         """The window for a trace that would fit in memory (0: replay it whole)."""
         return 0
@@ -265,8 +269,21 @@ class LocalExecutor(Executor):
     name = "local"
 
     def prepare(self) -> None:
-        """Start compiling (or loading) the kernels while the trace is read."""
-        engine.compile_in_background()
+        """On a cold numba cache, start compiling now: the compile (about 20 s) then overlaps
+        reading the trace.  A filled cache is loaded later, by :meth:`warm`."""
+        if engine.kernels_cold():
+            self.warm()
+
+    def warm(self) -> None:
+        """Start compiling (or loading from numba's cache) the kernels on a background thread.
+
+        Not during an in-memory load (issue 13): loading the cached kernels is ~0.7 CPU s of
+        mostly GIL-holding Python, and on two cores it slowed the load by more than it saved
+        (fresh processes, load then kernels one after the other: less CPU and wall in total
+        than both at once).  A first start compiles while the trace is read (:meth:`prepare`)."""
+        if not getattr(self, "_warmed", False):
+            self._warmed = True
+            engine.compile_in_background()
 
     def replay(self, job: Job, window_ns: int) -> Done:
         if window_ns == 0:

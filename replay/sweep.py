@@ -163,7 +163,7 @@ def run_sweep(
     check_grid(grid, threads)
     ex = executors.executor(executor, address=ray_address, configs_per_task=configs_per_task,
                             retries=ray_retries, cpus=ray_cpus)
-    ex.prepare()                # before a long index pass, not after
+    ex.prepare()                # fail before a long index pass, not after
     if isinstance(window, str):
         try:
             window = parse_window(window)
@@ -185,6 +185,7 @@ def run_sweep(
     hashed = None
     if tset is None:
         source: Trace | TraceSet = trace if isinstance(trace, Trace) else load_trace(trace, model=model)
+        ex.warm()               # after the load, not competing with it (executors.LocalExecutor.warm)
     else:
         source = tset
         if model is not None and model not in tset.model_counts:
@@ -297,6 +298,7 @@ def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executo
                 return Plan(0, None, f"{counts[0]:,} requests and {counts[1]:,} load rows fit in memory")
     if status is not None:
         status(f"indexing {trace_dir}")
+    ex.warm()                   # the kernels get ready while the index is read
     tset = TraceSet.open(trace_dir, hash_files=False)
     window_ns = auto_window(tset) if window is None else int(window)
     if window_ns == 0:

@@ -344,14 +344,24 @@ class LoadColumns:
     has_inflight: bool
 
 
+def load_specs() -> list[IntSpec]:
+    """The integer load columns besides ``ts``, as :meth:`Columns.int_columns` checks them."""
+    return [IntSpec("dp_rank", True, 0, 0, MAX_INT32, pl.Int32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
+            *(IntSpec(c, True) for c in TAIL_COLUMNS), IntSpec("router_inflight", True)]
+
+
 def read_loads(L: Columns, worker: Coded | None = None) -> LoadColumns:
     """The load columns, checked; ``worker`` given (coded) when the frame lacks it."""
     n = L.df.height
     ts = L.timestamps("ts")
     worker_col: pl.Series | Coded = L.strings("worker", nullable=False) if worker is None else worker
-    specs = [IntSpec("dp_rank", True, 0, 0, MAX_INT32, pl.Int32), *(IntSpec(c, False) for c in LOAD_REQUIRED),
-             *(IntSpec(c, True) for c in TAIL_COLUMNS), IntSpec("router_inflight", True)]
-    cols = L.int_columns(specs)
+    return loads_from_columns(n, ts, worker_col, L.int_columns(load_specs()))
+
+
+def loads_from_columns(n: int, ts: np.ndarray, worker_col: pl.Series | Coded,
+                       cols: dict[str, np.ndarray]) -> LoadColumns:
+    """:func:`read_loads` after the checks: ``cols`` as :meth:`Columns.int_columns` returns
+    them (present columns only, nulls filled) -> the rank, tail and inflight columns."""
     rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(n, dtype=np.int32)
     required = [cols[c] for c in LOAD_REQUIRED]
     tails = []

@@ -32,7 +32,16 @@ import pyarrow.parquet as pq
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
 from .columns import Coded, Columns, pool_empty
 from .core import Trace
-from .encode import ClosedLoopColumns, MatchColumns, RequestColumns, read_closed_loop, read_loads, request_id_column
+from .encode import (
+    ClosedLoopColumns,
+    MatchColumns,
+    RequestColumns,
+    load_specs,
+    loads_from_columns,
+    read_closed_loop,
+    read_loads,
+    request_id_column,
+)
 from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
 from .info import TraceInfo
 from .workers import Universe, make_universe, parse_workers_table
@@ -178,19 +187,95 @@ def _requests_side(part: Part):
     return R, df, rq, mt, cl
 
 
-def _loads_side(part: Part):
+def _loads_file(part: Part) -> tuple[pq.ParquetFile, bool]:
+    """``loads.parquet``'s footer checked; True when its integer columns are read row group
+    by row group (:func:`_ints_by_group`), with the worker column read apart."""
     pf = pq.ParquetFile(part.path)
     sch = pf.schema_arrow
     names = sch.names
-    rows = pf.metadata.num_rows
-    if len(set(names)) != len(names) or rows == 0 or "worker" not in names or not _is_str(sch.field("worker").type):
+    if (len(set(names)) != len(names) or pf.metadata.num_rows == 0 or "worker" not in names
+            or not _is_str(sch.field("worker").type)):
         raise Fallback("loads: columns")
+    return pf, pf.metadata.num_row_groups > 1 and _plain_ints(sch)
+
+
+def _load_workers(part: Part) -> Coded:
     worker = coded(pq.read_table(part.path, columns=["worker"], read_dictionary=["worker"]).column("worker"))
     if worker.null_count():
         raise Fallback("loads: null worker")
-    df = _read_polars(part, [c for c in names if c != "worker"], rows)
+    return worker
+
+
+def _loads_side(part: Part, pf: pq.ParquetFile, grouped: bool):
+    """The loads without their worker column when ``grouped`` (``(rows, ts, columns)``),
+    else the whole loads side (``(Columns, frame, LoadColumns)``)."""
+    others = [c for c in pf.schema_arrow.names if c != "worker"]
+    rows = pf.metadata.num_rows
+    if grouped:
+        ts, cols = _ints_by_group(part, others, pf.metadata)
+        return rows, ts, cols
+    worker = _load_workers(part)
+    df = _read_polars(part, others, rows)
     L = Columns(LOADS, df)
     return L, df, read_loads(L, worker)
+
+
+def _plain_ints(sch: pa.Schema) -> bool:
+    """Every load column that :func:`~replay.trace.encode.read_loads` reads (``ts`` and the
+    integer columns) is a signed integer where present: :func:`_ints_by_group` applies."""
+    want = {"ts", *(sp.col for sp in load_specs())}
+    return all(pa.types.is_signed_integer(sch.field(c).type) for c in sch.names if c in want)
+
+
+def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``ts`` and the integer load columns of a file of several row groups, each read
+    straight into one contiguous array, as :meth:`~replay.trace.columns.Columns.int_columns`
+    returns them (nulls filled, writeable, as the full path's copies of chunked columns).
+
+    Polars reads the file row group by row group (the other columns too, as the full path
+    reads them), and each group's values are copied into the arrays: one group's decoded
+    columns are in memory at a time, where reading the whole file and then copying every
+    column out of its chunks touched twice the memory (issue 13: fresh pages cost more
+    than the decoding on this machine).  The checks are the full path's, made on the
+    groups' statistics (min, max, nulls): any failure is a :class:`Fallback`."""
+    specs = [sp for sp in load_specs() if sp.col in columns]
+    if "ts" not in columns or any(not sp.nullable for sp in load_specs() if sp.col not in columns):
+        raise Fallback("loads: a required column is missing")
+    rows = meta.num_rows
+    lo_hi = {"ts": (-(2**63), 2**63 - 1), **{sp.col: (sp.lo, sp.hi) for sp in specs}}
+    nullable = {"ts": False, **{sp.col: sp.nullable for sp in specs}}
+    fill = {sp.col: sp.fill for sp in specs}
+    out = {"ts": pool_empty(rows, np.int64),
+           **{sp.col: pool_empty(rows, np.int32 if sp.dtype == pl.Int32 else np.int64) for sp in specs}}
+    scan = pl.scan_parquet(part.path, hive_partitioning=False).select(columns)
+    at = 0
+    for g in range(meta.num_row_groups):
+        k = meta.row_group(g).num_rows
+        df = scan.slice(at, k).collect()
+        if df.height != k:
+            raise Fallback("loads: row group size")
+        stats = df.select([e for c in out for e in (pl.col(c).min().cast(pl.Int128).alias(f"lo:{c}"),
+                                                     pl.col(c).max().cast(pl.Int128).alias(f"hi:{c}"),
+                                                     pl.col(c).null_count().alias(f"nul:{c}"))]).row(0)
+        for i, c in enumerate(out):
+            mn, mx, nul = stats[3 * i: 3 * i + 3]
+            lo, hi = lo_hi[c]
+            if (nul and not nullable[c]) or (mn is not None and (mn < lo or mx > hi)):
+                raise Fallback(f"loads: column {c}")
+        filled = [pl.col(c).fill_null(fill[c]) for c in fill if df.get_column(c).null_count()]
+        if filled:
+            df = df.with_columns(filled)
+        for c, dest in out.items():
+            pos = at
+            for ch in df.get_column(c).get_chunks():
+                n = len(ch)
+                dest[pos:pos + n] = ch.to_numpy()
+                pos += n
+        at += k
+        del df
+    if at != rows:
+        raise Fallback("loads: row count")
+    return out.pop("ts"), out
 
 
 def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
@@ -200,10 +285,24 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
     wk_df, wk_info = read_table_file(dirpath, WORKERS)
     table = parse_workers_table(wk_df) if wk_df is not None else None
+    pf, grouped = _loads_file(load_part)
+
+    def requests_task():
+        # the loads' worker column too when the loads are read by row groups: the requests
+        # side finishes well before the loads' integer columns are in (issue 13)
+        return _requests_side(req_part), _load_workers(load_part) if grouped else None
+
     # requests | loads in two threads, the files' sha256 (provenance) in a third
-    ((R, req_df, rq, mt, cl), (L, load_df, ld)), infos = run_both(
-        lambda: run_both(lambda: _requests_side(req_part), lambda: _loads_side(load_part)),
+    ((req_out, worker), load_out), infos = run_both(
+        lambda: run_both(requests_task, lambda: _loads_side(load_part, pf, grouped)),
         lambda: [file_info(p.path) for p in (req_part, load_part)])
+    R, req_df, rq, mt, cl = req_out
+    if grouped:
+        rows, ts, cols = load_out
+        load_df = pl.DataFrame()        # nothing reads the frame after the checks; errors name the file
+        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols)
+    else:
+        L, load_df, ld = load_out
     files = {REQUESTS: infos[0], LOADS: infos[1]}
     if wk_df is not None:
         files[WORKERS] = wk_info

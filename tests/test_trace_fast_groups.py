@@ -1,0 +1,86 @@
+"""The fast path's loads of several row groups (``replay/trace/fast.py: _ints_by_group``),
+on real Parquet files: the path is taken, its arrays equal the full path's, and a bad value
+in a later row group gives the full path's one-line error (file, column, row)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from test_trace_fast import assert_same, frames, full_path, write
+
+import replay.trace.fast as fast
+from replay.trace import TraceError, load_trace
+from replay.trace.info import read_trace_info
+
+
+def _spy(monkeypatch) -> list:
+    calls: list = []
+    real = fast._ints_by_group
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(fast, "_ints_by_group", spy)
+    return calls
+
+
+def test_row_groups_read_one_by_one_equal_the_full_path(tmp_path, monkeypatch):
+    calls = _spy(monkeypatch)
+    req, loads = frames(21, n_load=3000)
+    d = write(tmp_path / "t", req, loads, row_group=700)
+    assert pq.ParquetFile(os.path.join(d, "loads.parquet")).metadata.num_row_groups == 5
+    got = fast.load_fast(d, model=None, info=read_trace_info(d))
+    assert got is not None and len(calls) == 1
+    assert_same(got, full_path(d))
+    assert all(a.flags.writeable for a in (got.load_running, got.load_ts, got.load_rank))
+
+
+def test_int32_and_narrow_columns(tmp_path, monkeypatch):
+    calls = _spy(monkeypatch)
+    req, loads = frames(22, n_load=2000)
+    loads = loads.with_columns(pl.col("num_running_reqs").cast(pl.Int16), pl.col("dp_rank").cast(pl.Int64),
+                               pl.col("router_inflight").cast(pl.Int32))
+    d = write(tmp_path / "t", req, loads, row_group=600)
+    got = load_trace(d)
+    assert len(calls) == 1
+    assert_same(got, full_path(d))
+    assert got.load_rank.dtype == np.int32 and got.load_running.dtype == np.int64
+
+
+@pytest.mark.parametrize("col,value", [("num_running_reqs", -1), ("num_tokens", None), ("ts", None),
+                                       ("dp_rank", 2**31), ("num_total_tokens", 2**53)])
+def test_bad_value_in_a_later_group_gives_the_full_paths_error(tmp_path, col, value):
+    req, loads = frames(23, n_load=2000)
+    dtype = loads.schema[col] if col != "dp_rank" else pl.Int64
+    loads = loads.with_columns(pl.when(pl.int_range(pl.len()) == 1777).then(pl.lit(value, dtype=dtype))
+                               .otherwise(pl.col(col).cast(dtype)).alias(col))
+    d = write(tmp_path / "t", req, loads, row_group=500)
+    with pytest.raises(TraceError) as full:
+        full_path(d)
+    with pytest.raises(TraceError) as got:
+        load_trace(d)
+    assert str(got.value) == str(full.value)
+    assert "row 1777" in str(got.value) and f"'{col}'" in str(got.value) and "\n" not in str(got.value)
+
+
+def test_bad_value_in_a_later_group_through_the_cli(tmp_path):
+    from click.testing import CliRunner
+
+    from replay.cli import main
+
+    req, loads = frames(24, n_load=2000)
+    loads = loads.with_columns(pl.when(pl.int_range(pl.len()) == 1500).then(-3)
+                               .otherwise(pl.col("num_waiting_reqs")).alias("num_waiting_reqs"))
+    d = write(tmp_path / "t", req, loads, row_group=400)
+    before = {f: os.path.getmtime(os.path.join(d, f)) for f in os.listdir(d)}
+    r = CliRunner().invoke(main, ["sweep", d, "--out", str(tmp_path / "run"), "--worker-queue-limit", "2"])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert lines == ["error: loads.parquet: column 'num_waiting_reqs' row 1500: must be >= 0, got -3"], r.output
+    assert "Traceback" not in r.output
+    assert {f: os.path.getmtime(os.path.join(d, f)) for f in os.listdir(d)} == before
