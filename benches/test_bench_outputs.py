@@ -13,8 +13,6 @@ import resource
 import shutil
 import time
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -114,82 +112,21 @@ def test_bench_decisions_writer_old_vs_new(writer_chunks, tmp_path):
 
 
 class ArrowLongWriter:
-    """The baseline: the ``long`` layout's writer before issue 13's second step, copied
-    (951522e's ``DecisionWriter``: one Arrow table a chunk, label codes as dictionary
-    columns, per-request columns expanded with ``np.repeat``, ``pq.ParquetWriter`` with
-    zstd, statistics on every column), with the waterfall's five columns that came
-    after it, so it writes the same table as today's writer."""
+    """The baseline: the ``long`` layout as written before issue 13's second step: the
+    Arrow table of each chunk as 951522e's ``DecisionWriter`` built it (label codes as
+    dictionary columns, per-request columns expanded with ``np.repeat``; kept as
+    ``DecisionWriter.long_table``, with the waterfall's five columns that came after it)
+    through ``pq.ParquetWriter`` with zstd and statistics on every column."""
 
     def __init__(self, path: str, trace, config_ids):
-        from replay import labels
+        from replay.results import DecisionWriter
 
-        self.path, self.trace = path, trace
-        self.config_ids = np.asarray(config_ids, dtype=np.int32)
-        self.tables = {name: pa.array(list(values), type=pa.string()) for name, values in (
-            ("worker", trace.workers), ("reason", labels.REASONS), ("policy_reason", labels.POLICY_REASONS),
-            ("decision", labels.DECISIONS), ("failure", labels.FAILURES),
-            ("pressure_source", labels.PRESSURE_SOURCES), ("lost_to", labels.LOSS_STEPS))}
+        self.path = path
+        self.tables = DecisionWriter(path, trace, config_ids)  # builds the Arrow table only; writes nothing
         self.writer: pq.ParquetWriter | None = None
 
-    @staticmethod
-    def _labels(table, codes):
-        codes = codes.astype(np.int32)
-        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0), table)
-
-    @staticmethod
-    def _nullable(values, dtype=np.int64):
-        return pa.array(values.astype(dtype), mask=values < 0)
-
     def write(self, chunk) -> None:
-        from replay.kernels import layout as kl
-
-        n = chunk.stop - chunk.start
-        n_cfg = len(self.config_ids)
-        o = chunk.out_i.reshape(kl.O_NCOLS, n * n_cfg)
-        rep = np.repeat(np.arange(n, dtype=np.int32), n_cfg)
-        ids = self.trace.request_id[chunk.start:chunk.stop]
-        if ids.dtype == object:
-            rid = pa.DictionaryArray.from_arrays(pa.array(rep), pa.array(ids.tolist(), pa.string()))
-        else:
-            rid = pa.array(np.asarray(ids, dtype=np.int64)[rep])
-        qb = np.maximum(self.trace.req_query_blocks[chunk.start:chunk.stop], 0).astype(np.int64)
-        ms = chunk.out_f[kl.F_SELECTED_QUEUE_MS].reshape(-1)
-        failed = o[kl.O_WORKER] < 0
-        t = self.tables
-
-        def i32(col):
-            return pa.array(o[col].astype(np.int32))
-
-        table = pa.table({
-            "request_id": rid,
-            "config_id": pa.array(np.tile(self.config_ids, n)),
-            "worker": self._labels(t["worker"], o[kl.O_WORKER]),
-            "reason": self._labels(t["reason"], o[kl.O_REASON]),
-            "policy_reason": self._labels(t["policy_reason"], o[kl.O_POLICY_REASON]),
-            "decision": self._labels(t["decision"], o[kl.O_DECISION]),
-            "failure": self._labels(t["failure"], o[kl.O_FAILURE]),
-            "query_blocks": pa.array(qb[rep]),
-            "matched_blocks": pa.array(o[kl.O_MATCHED_BLOCKS]),
-            "selected_blocks": pa.array(o[kl.O_SELECTED_BLOCKS]),
-            "uncached_tokens": self._nullable(o[kl.O_UNCACHED_TOKENS]),
-            "gate_rejected": i32(kl.O_GATE_REJECTED),
-            "admission_evaluated": i32(kl.O_ADMISSION_EVALUATED),
-            "admission_rejected": i32(kl.O_ADMISSION_REJECTED),
-            "best_rejected_blocks": pa.array(o[kl.O_BEST_REJECTED_BLOCKS]),
-            "fleet_all_queued": pa.array(o[kl.O_FLEET_ALL_QUEUED] == 1),
-            "fell_back": pa.array(o[kl.O_FELL_BACK] == 1),
-            "selected_waiting": self._nullable(o[kl.O_SELECTED_WAITING]),
-            "selected_waiting_uncached": self._nullable(o[kl.O_SELECTED_WAITING_UNCACHED]),
-            "selected_queue_ms": pa.array(ms, mask=np.isnan(ms)),
-            "pressure_source": self._labels(t["pressure_source"], o[kl.O_PRESSURE_SOURCE]),
-            "guard_compared": i32(kl.O_GUARD_COMPARED),
-            "guard_overrides": i32(kl.O_GUARD_OVERRIDES),
-            "blocks_lost": pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed),
-            "lost_to": self._labels(t["lost_to"], o[kl.O_LOST_TO]),
-            "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
-            "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
-            "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
-        })
+        table = self.tables.long_table(chunk)
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd", store_schema=False)
         self.writer.write_table(table)
