@@ -204,43 +204,40 @@ class DecisionWriter:
     def _nullable(values: np.ndarray, dtype=np.int64) -> pa.Array:
         return pa.array(values.astype(dtype), mask=values < 0)
 
+    def _label_tables(self) -> dict[str, pa.Array]:
+        """The label columns and the strings their codes index."""
+        return {"worker": self.workers, "reason": self.reasons, "policy_reason": self.policy,
+                "decision": self.decisions, "failure": self.failures, "pressure_source": self.sources,
+                "lost_to": self.loss_steps}
+
     def _fields(self, o: np.ndarray, ms: np.ndarray) -> dict[str, pa.Array]:
         """The per-decision columns (all but request_id, config_id and query_blocks) of
-        decisions ``o`` (int64[O_NCOLS, m]) with their ``selected_queue_ms`` ``ms``."""
+        decisions ``o`` (int64[O_NCOLS, m]) with their ``selected_queue_ms`` ``ms``, in the
+        long layout's column order, taken from the kernels' rows as the field tables above say."""
         failed = o[kl.O_WORKER] < 0
-
-        def i32(col):
-            return pa.array(o[col].astype(np.int32))
-
-        return {
-            "worker": self._labels(self.workers, o[kl.O_WORKER]),
-            "reason": self._labels(self.reasons, o[kl.O_REASON]),
-            "policy_reason": self._labels(self.policy, o[kl.O_POLICY_REASON]),
-            "decision": self._labels(self.decisions, o[kl.O_DECISION]),
-            "failure": self._labels(self.failures, o[kl.O_FAILURE]),
-            "matched_blocks": pa.array(o[kl.O_MATCHED_BLOCKS]),
-            "selected_blocks": pa.array(o[kl.O_SELECTED_BLOCKS]),
-            "uncached_tokens": self._nullable(o[kl.O_UNCACHED_TOKENS]),
-            "gate_rejected": i32(kl.O_GATE_REJECTED),
-            "admission_evaluated": i32(kl.O_ADMISSION_EVALUATED),
-            "admission_rejected": i32(kl.O_ADMISSION_REJECTED),
-            "best_rejected_blocks": pa.array(o[kl.O_BEST_REJECTED_BLOCKS]),
-            "fleet_all_queued": pa.array(o[kl.O_FLEET_ALL_QUEUED] == 1),
-            "fell_back": pa.array(o[kl.O_FELL_BACK] == 1),
-            "selected_waiting": self._nullable(o[kl.O_SELECTED_WAITING]),
-            "selected_waiting_uncached": self._nullable(o[kl.O_SELECTED_WAITING_UNCACHED]),
-            "selected_queue_ms": pa.array(ms, mask=np.isnan(ms)),
-            "pressure_source": self._labels(self.sources, o[kl.O_PRESSURE_SOURCE]),
-            "guard_compared": i32(kl.O_GUARD_COMPARED),
-            "guard_overrides": i32(kl.O_GUARD_OVERRIDES),
-            # the locality waterfall's drill-down: blocks a routed decision gave away, and where first
-            # (the choosing step's term is the rest: blocks_lost minus these three; fields.waterfall_terms)
-            "blocks_lost": pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed),
-            "lost_to": self._labels(self.loss_steps, o[kl.O_LOST_TO]),
-            "lost_candidates": pa.array(o[kl.O_LOST_CANDIDATES], mask=failed),
-            "lost_queue_gate": pa.array(o[kl.O_LOST_QUEUE_GATE], mask=failed),
-            "lost_capacity": pa.array(o[kl.O_LOST_CAPACITY], mask=failed),
-        }
+        labelled = self._label_tables()
+        out: dict[str, pa.Array] = {}
+        for name in store.LONG_COLUMNS:
+            if name in labelled:
+                out[name] = self._labels(labelled[name], o[_CODE_FIELDS[name]])
+            elif name in _CODE_FIELDS:
+                out[name] = self._nullable(o[_CODE_FIELDS[name]])
+            elif name in _PLAIN_FIELDS:
+                v = o[_PLAIN_FIELDS[name]]
+                out[name] = pa.array(v.astype(np.int32) if name in _INT32_FIELDS else v)
+            elif name in _LOST_FIELDS:
+                out[name] = pa.array(o[_LOST_FIELDS[name]], mask=failed)
+            elif name == "blocks_lost":
+                # the locality waterfall's drill-down: blocks a routed decision gave away, and where first
+                # (the choosing step's term is the rest: blocks_lost minus the lost_* terms; fields.waterfall_terms)
+                out[name] = pa.array(o[kl.O_MATCHED_BLOCKS] - o[kl.O_SELECTED_BLOCKS], mask=failed)
+            elif name == "fleet_all_queued":
+                out[name] = pa.array(o[kl.O_FLEET_ALL_QUEUED] == 1)
+            elif name == "fell_back":
+                out[name] = pa.array(o[kl.O_FELL_BACK] == 1)
+            elif name == "selected_queue_ms":
+                out[name] = pa.array(ms, mask=np.isnan(ms))
+        return out
 
     def write(self, chunk: Chunk, trace: Trace | None = None) -> None:
         """Append a chunk's rows; ``trace`` is the window the chunk belongs to
@@ -300,9 +297,7 @@ class DecisionWriter:
 
     def _long_columns(self, string_ids: bool) -> list[fp.Column]:
         """The long layout's columns (store.LONG_COLUMNS), their kinds and label tables."""
-        labelled = {"worker": self.workers, "reason": self.reasons, "policy_reason": self.policy,
-                    "decision": self.decisions, "failure": self.failures, "pressure_source": self.sources,
-                    "lost_to": self.loss_steps}
+        labelled = self._label_tables()
         kinds = {"request_id": "string" if string_ids else "int64", "config_id": "int32",
                  "selected_queue_ms": "float64", "fleet_all_queued": "bool", "fell_back": "bool",
                  **{c: "int32" for c in _INT32_FIELDS}}
