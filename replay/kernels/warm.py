@@ -20,10 +20,11 @@ counts a cache hit).  The split (measured per function with numba's
   ``_decide_request`` (``_jit.BEFORE_TYPING``) and then loads it.
 
 The helpers' argument types are built here (:func:`inner_signatures`) the
-way ``run_chunk_nb`` passes them; ``tests/test_compile_child.py`` holds them
-to what a sweep compiles.  If they drift (a kernel body passes other types),
-nothing breaks: the other process compiles a specialization nobody uses and
-this one compiles the right one itself.
+way ``run_chunk_nb`` passes them, its per-block scratch from
+``one_pass.SCRATCH_TYPES``; ``tests/test_compile_child.py`` holds them to what
+a sweep compiles.  If they drift (a kernel body passes other types), nothing
+breaks: the other process compiles a specialization nobody uses and this one
+compiles the right one itself (the first start is then one core's again).
 
 Only on a cold cache (the grid kernel's cache index missing or stale), never
 under ``NUMBA_DISABLE_JIT``, never when ``ROUTER_REPLAY_COMPILE_CHILD=0``.
