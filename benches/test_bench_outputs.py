@@ -90,18 +90,25 @@ def test_bench_decisions_writer(benchmark, writer_chunks, layout, tmp_path):
                                 rows_per_cpu_s=rows / min(cpu), bytes=path.stat().st_size)
 
 
+def alternate(tmp_path, names, rounds: int, write) -> tuple[dict, dict]:
+    """``write(path, name)`` (CPU s) for each name in turn, ``rounds`` times: the best CPU s
+    of each and the size of its file."""
+    best = {name: math.inf for name in names}
+    size = {}
+    for _ in range(rounds):
+        for name in names:
+            p = tmp_path / f"{name}.parquet"
+            best[name] = min(best[name], write(p, name))
+            size[name] = p.stat().st_size
+    return best, size
+
+
 def test_bench_decisions_writer_old_vs_new(writer_chunks, tmp_path):
     """Both layouts on the same chunks, alternated back to back (best of 3 CPU s each): the
     issue's floor is ``outcomes`` at least 3x faster than ``long`` (reported, not asserted)."""
     import _support as S
 
-    best = {layout: math.inf for layout in LAYOUTS}
-    size = {}
-    for _ in range(3):
-        for layout in LAYOUTS:
-            p = tmp_path / f"{layout}.parquet"
-            best[layout] = min(best[layout], write_cpu(p, writer_chunks, layout))
-            size[layout] = p.stat().st_size
+    best, size = alternate(tmp_path, LAYOUTS, 3, lambda p, layout: write_cpu(p, writer_chunks, layout))
     rows = WRITER_REQUESTS * len(writer_chunks[1])
     S.REPORT["decisions_writer"] = {
         **{f"{k}_cpu_s": round(v, 3) for k, v in best.items()},
@@ -156,13 +163,7 @@ def test_bench_long_writer_old_vs_new(writer_chunks, tmp_path):
     import _support as S
     import polars as pl
 
-    best = {"old": math.inf, "new": math.inf}
-    size = {}
-    for _ in range(5):
-        for which in best:
-            p = tmp_path / f"{which}.parquet"
-            best[which] = min(best[which], write_long_cpu(p, writer_chunks, which))
-            size[which] = p.stat().st_size
+    best, size = alternate(tmp_path, ("old", "new"), 5, lambda p, which: write_long_cpu(p, writer_chunks, which))
     rows = WRITER_REQUESTS * len(writer_chunks[1])
     assert pl.read_parquet(tmp_path / "new.parquet").equals(pl.read_parquet(tmp_path / "old.parquet"))
     S.REPORT["long_writer"] = {
