@@ -108,20 +108,25 @@ def test_fidelity_mooncake_head(tmp_path):
 # ---------------------------------------------------------------------------
 # (2) one worker, unbounded KV: the true hit rate is the log's prefix-cache hit rate
 
-def _unbounded(log: RequestLog) -> tuple[float, float]:
-    """Prefix-cache hit rate of an infinite cache, from the block ids alone (blocks, tokens)."""
+def _unbounded(log: RequestLog, *, full_pages_only: bool = True) -> tuple[float, float]:
+    """Prefix-cache hit rate of an infinite cache, from the block ids alone (blocks, tokens).
+
+    ``full_pages_only``: a request's partial last block is neither cached nor hit
+    (CAPTURE.md s.2: engines publish full pages only), as the simulator does; False
+    counts every block id, the trace's own statistic (traces/README.md)."""
     seen: set[int] = set()
     hit_b = tot_b = hit_t = 0
     for i in range(log.n_requests):
         h = log.hash_ids[log.hash_off[i]:log.hash_off[i + 1]].tolist()
         L = int(log.input_tokens[i])
+        cacheable = h[:L // log.block_size] if full_pages_only else h
         d = 0
-        while d < len(h) and h[d] in seen:
+        while d < len(cacheable) and cacheable[d] in seen:
             d += 1
         hit_b += d
         tot_b += len(h)
         hit_t += sum(min(log.block_size, max(L - j * log.block_size, 0)) for j in range(d))
-        seen.update(h)
+        seen.update(cacheable)
     return hit_b / tot_b, hit_t / int(log.input_tokens.sum())
 
 
@@ -141,11 +146,33 @@ def test_unbounded_single_worker_synthetic(small_log):
 @needs_mooncake
 def test_unbounded_single_worker_mooncake():
     log = read_mooncake(MOONCAKE)
+    assert _unbounded(log, full_pages_only=False)[0] == pytest.approx(0.366, abs=0.0005)  # traces/README.md
     blocks, tokens = _unbounded(log)
-    assert blocks == pytest.approx(0.366, abs=0.0005)  # traces/README.md: 36.6% of blocks
+    # repeated prompts hit their partial last blocks in the trace's own count, never in a cache
+    assert blocks < _unbounded(log, full_pages_only=False)[0]
     res = simulate(log, _one_unbounded_worker(), RouterConfig())
     assert res.summary["block_hit_rate"] == pytest.approx(blocks, abs=1e-12)
     assert res.summary["true_hit_rate"] == pytest.approx(tokens, abs=1e-12)
+
+
+def test_partial_last_block_is_never_cached():
+    """CAPTURE.md s.2: engines publish full pages only, so a request's trailing partial
+    block never matches.  Two requests with the same three blocks (the last one partial),
+    then two with the same three full blocks, each pair far apart on one worker: the
+    repeat is served its two full blocks in the first case, all three in the second, and
+    the router's matches (the written trace) say the same."""
+    B = 16
+    ts = np.array([0, 10, 20, 30], dtype=np.int64) * 1_000_000_000
+    inp = np.array([2 * B + 5, 2 * B + 5, 3 * B, 3 * B], dtype=np.int64)
+    ids = np.array([1, 2, 3, 1, 2, 3, 7, 8, 9, 7, 8, 9], dtype=np.int64)
+    log = RequestLog(ts, inp, np.ones(4, dtype=np.int64), np.arange(0, 13, 3, dtype=np.int64), ids,
+                     np.arange(4, dtype=np.int64), B, "test")
+    res = simulate(log, _one_unbounded_worker(), RouterConfig())
+    out = res.outcomes.sort("request_id")
+    assert out["cached_tokens"].to_list() == [0, 2 * B, 0, 3 * B]
+    matched = [sum(m["blocks"] for m in row) for row in res.requests.sort("request_id")["matches"].to_list()]
+    assert matched == [0, 2, 0, 3]
+    assert res.requests.sort("request_id")["query_blocks"].to_list() == [3, 3, 3, 3]
 
 
 # ---------------------------------------------------------------------------

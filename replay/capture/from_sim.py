@@ -19,10 +19,9 @@ lag, ``--router-inflight derived``) rebuilds the simulator's matches and
 in-flight counts exactly, so ``sweep`` under the simulated config agrees with
 every placement.
 
-REPLAY CHOICE: the simulator caches a request's partial last block (its real
-size) and the router's index matches it; a real engine with page size > 1
-publishes full pages only.  The capture publishes what the simulated cache
-holds, partial blocks included, so the round trip is exact.
+The capture publishes what the simulated cache holds: a request's full blocks
+only, as a real engine with page size > 1 does (CAPTURE.md s.2; the simulator
+never caches a partial last block), so the round trip is exact.
 """
 
 from __future__ import annotations

@@ -103,10 +103,11 @@ DUE_HEARTBEAT = 1
 ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
 ST_QNEXT = 1
 ST_REMAIN = 2
-ST_PRIVATE = 3        # tokens outside shared blocks (partial tail + output), reserved on admission
+ST_PRIVATE = 3        # tokens outside cacheable blocks (partial tail + output), reserved on admission
 ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
 ST_PF_LEFT = 5        # prompt tokens still to compute (chunked prefill)
-ST_NCOLS = 6
+ST_FULL = 6           # leading blocks the cache may hold: the full ones (CAPTURE.md s.2: full pages only)
+ST_NCOLS = 7
 
 # per-request outputs
 RQ_WORKER = 0
@@ -293,9 +294,10 @@ def _unlock(r, b, lock, rs, btok):
 @njit
 def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild, last_use,
                hk, hb, ev, lag, stats):
-    """Admit waiting request ``i`` on rank ``r`` if its KV fits (evicting LRU leaves)."""
+    """Admit waiting request ``i`` on rank ``r`` if its KV fits (evicting LRU leaves).
+    Only its full blocks are looked up and stored; a partial last block is private."""
     lo = h_off[i]
-    n = h_off[i + 1] - lo
+    n = st[i, ST_FULL]
     d = 0
     while d < n and present[r, h_ids[lo + d]] == 1:
         d += 1
@@ -372,7 +374,7 @@ def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
     k = 0
     while i >= 0 and k < n:
         lo = h_off[i]
-        m = h_off[i + 1] - lo
+        m = st[i, ST_FULL]
         d = 0
         c = 0
         while d < m and present[r, h_ids[lo + d]] == 1:
@@ -490,7 +492,7 @@ def _cut_decode(r, t, rs):
 def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
               rinf, stats):
     lo = h_off[i]
-    n = h_off[i + 1] - lo
+    n = st[i, ST_FULL]
     for j in range(n):
         b = h_ids[lo + j]
         _unlock(r, b, lock, rs, btok)
@@ -699,7 +701,7 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
 
 
 @njit
-def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
+def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
                 rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
                 lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
@@ -707,8 +709,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     """Run one closed-loop simulation.
 
     Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
-    ``btok`` tokens each, ``parent`` ids); ``req_private`` = tokens outside
-    shared blocks (partial tail beyond the hashed blocks + output tokens).
+    ``btok`` tokens each, ``parent`` ids); ``req_full`` = how many leading
+    blocks are full (only those are cached, published and matched; the router
+    still counts every block as queried); ``req_private`` = tokens outside
+    those blocks (a partial last block, input beyond the hashed blocks, output).
     Workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones; ranks
     of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``knobs`` is the
     ``kernels.layout.KnobArrays`` of one config (``replay.engine.encode_configs``).
@@ -761,6 +765,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, h_off, h_ids, btok, parent,
     rq[:, RQ_COMPLETIONS] = 0
     for i in range(N):
         st[i, ST_PRIVATE] = req_private[i]
+        st[i, ST_FULL] = req_full[i]
         st[i, ST_QNEXT] = -1
     run_ids = np.zeros((R, max_run), dtype=np.int64)
     present = np.zeros((R, B), dtype=np.int8)

@@ -171,13 +171,12 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
     publish_ns = int(publish_ms) * 1_000_000
     # publisher phases: seeded, fixed per rank
     phase = np.random.default_rng([int(seed), 0x5EED]).integers(0, max(publish_ns, 1), rank_off[-1])
+    # Only a request's full blocks are cached (CAPTURE.md s.2: with page size > 1 an engine
+    # publishes full pages only, so a trailing partial block never matches); its partial last
+    # block, any input beyond its hashed blocks and its output are private to it.
     sizes = np.diff(log.hash_off)
-    hashed = np.add.reduceat(log.block_tokens[log.hash_ids], log.hash_off[:-1]) if log.hash_ids.size else None
-    if hashed is None:
-        hashed = np.zeros(log.n_requests, dtype=np.int64)
-    else:
-        hashed = np.where(sizes > 0, hashed, 0)
-    private = np.maximum(log.input_tokens - hashed, 0) + log.output_tokens
+    full = np.minimum(sizes, log.input_tokens // log.block_size).astype(np.int64)
+    private = log.input_tokens - full * log.block_size + log.output_tokens
     need = log.input_tokens + log.output_tokens
     min_cap = int(cap[np.isin(rw, fleet_ids)].min())
     if need.size and int(need.max()) > min_cap:
@@ -202,6 +201,7 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 req_L=np.ascontiguousarray(log.input_tokens, dtype=np.int64),
                 req_out=np.ascontiguousarray(log.output_tokens, dtype=np.int64),
                 req_private=np.ascontiguousarray(private, dtype=np.int64),
+                req_full=np.ascontiguousarray(full, dtype=np.int64),
                 h_off=np.ascontiguousarray(log.hash_off, dtype=np.int64),
                 h_ids=np.ascontiguousarray(log.hash_ids, dtype=np.int64),
                 btok=np.ascontiguousarray(log.block_tokens, dtype=np.int64),
@@ -220,7 +220,7 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
     k = inputs
     if forced is None:
         forced = np.full(k["req_ts"].shape[0], -1, dtype=np.int64)
-    return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["h_off"],
+    return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["req_full"], k["h_off"],
                           k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
                           k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
                           k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
