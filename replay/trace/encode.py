@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
 
 from .base import (
     DEFAULT_MODEL,
@@ -69,12 +68,11 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return off
 
 
-def _list_values(s: pl.Series) -> pa.Array:
-    """The child values of a list series (entries of non-null lists, in row order)."""
-    arr = s.to_arrow()
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    return arr.flatten()
+def _list_values(s: pl.Series) -> pl.Series:
+    """The entries of a list series' non-null lists, in row order (``flatten`` of its Arrow
+    array).  Exploded by polars, not taken through Arrow: ``pl.Series`` of an Arrow array
+    imports ``pyarrow.compute``, 0.1 s of a cached start (issue 13)."""
+    return s.explode(empty_as_null=False, keep_nulls=False)
 
 
 # ---------------------------------------------------------------------------
@@ -146,7 +144,7 @@ def read_matches(R: Columns) -> MatchColumns:
         R.fail("matches", f"wrong type {m_s.dtype}, expected {MATCH_SHAPE}")
     lens = m_s.list.len().fill_null(0).cast(pl.Int64).to_numpy()
     off = _offsets(lens)
-    ent = pl.Series(_list_values(m_s))
+    ent = _list_values(m_s)
 
     def row_of(i: int) -> tuple[int, int]:
         row = int(np.searchsorted(off, i, side="right") - 1)
@@ -268,7 +266,7 @@ def read_closed_loop(R: Columns, input_tokens: np.ndarray) -> ClosedLoopColumns:
         known = h.is_not_null().to_numpy()
         lens = h.list.len().fill_null(0).cast(pl.Int64).to_numpy()
         off = _offsets(lens)
-        vals = pl.Series(_list_values(h))
+        vals = _list_values(h)
         if vals.null_count():
             i = int(vals.is_null().arg_max())
             row = int(np.searchsorted(off, i, side="right") - 1)

@@ -26,7 +26,6 @@ import os
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
@@ -87,6 +86,46 @@ def _leaf_path(pf: pq.ParquetFile, top: str, leaf: str) -> str:
     return found[0]
 
 
+def valid_rows(arr: pa.Array) -> np.ndarray:
+    """The rows of ``arr`` that are not null (its validity bitmap, offset applied), as bools."""
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(arr.buffers()[0], dtype=np.uint8), bitorder="little")
+    return bits[arr.offset:arr.offset + len(arr)].view(np.bool_)
+
+
+def list_entries(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """A list array's entry counts per row (int64, 0 for a null list) and its entries: those
+    of the non-null lists, in row order, as ``arr.flatten()`` gives them.  Taken from the
+    offsets and a slice of the values wherever no null list holds entries (issue 13:
+    ``flatten``'s first call imports ``pyarrow.compute``)."""
+    bounds = arr.offsets.to_numpy()
+    lens = np.diff(bounds).astype(np.int64)
+    if arr.null_count:
+        lens[~valid_rows(arr)] = 0
+    first, last = int(bounds[0]), int(bounds[-1])
+    if int(lens.sum()) != last - first:          # a null list over entries: flatten skips them
+        return lens, arr.flatten()
+    return lens, arr.values.slice(first, last - first)
+
+
+def _read_columns(part: Part, columns: list[str], dictionary: list[str]) -> pa.Table:
+    """``columns`` of one file through pyarrow, ``dictionary`` (names or leaf paths) as
+    dictionary arrays, one chunk per row group.  Not ``pq.read_table``: it goes through
+    ``pyarrow.dataset``, whose first use in a process imports it and ``pyarrow.compute``
+    (issue 13: 0.1-0.3 s of a fresh sweep's load), and cuts a row group into chunks that
+    ``matches`` then had to be copied out of.  (``ParquetFile.read``, and batches that
+    span row groups, refuse a nested dictionary column of several row groups.)"""
+    pf = pq.ParquetFile(part.path, read_dictionary=dictionary)
+    meta = pf.metadata
+    batches = [b for g in range(meta.num_row_groups)     # one batch (and dictionary) per row group
+               for b in pf.iter_batches(batch_size=max(1, meta.row_group(g).num_rows), row_groups=[g],
+                                        columns=columns)]
+    if not batches:
+        raise Fallback(f"{part.name}: no rows")
+    return pa.Table.from_batches(batches)
+
+
 def coded(col: pa.ChunkedArray) -> Coded:
     """A dictionary-encoded string column (chunks may have their own
     dictionaries) as codes into one list of distinct names."""
@@ -101,14 +140,15 @@ def coded(col: pa.ChunkedArray) -> Coded:
             remap[i] = -1 if v is None else pos.setdefault(v, len(pos))
         remap[len(values)] = -1                       # a null row
         idx = ch.indices
-        if idx.null_count:
-            idx = pc.fill_null(idx.cast(pa.int64()), len(values))
-        parts.append((remap, idx.to_numpy()))
-    codes = pool_empty(sum(len(i) for _r, i in parts), np.int32)
+        rows: np.ndarray = idx.to_numpy() if not idx.null_count else np.where(   # null -> the last slot
+            valid_rows(idx), np.frombuffer(idx.buffers()[1], dtype=idx.type.to_pandas_dtype())[
+                idx.offset:idx.offset + len(idx)], len(values))
+        parts.append((remap, rows))
+    codes = pool_empty(sum(len(r) for _m, r in parts), np.int32)
     at = 0
-    for remap, i in parts:
-        np.take(remap, i, out=codes[at:at + len(i)])
-        at += len(i)
+    for remap, r in parts:
+        np.take(remap, r, out=codes[at:at + len(r)])
+        at += len(r)
     return Coded(codes, list(pos))
 
 
@@ -121,24 +161,30 @@ def _read_polars(part: Part, columns: list[str], rows: int) -> pl.DataFrame:
 
 def _matches(arr: pa.ChunkedArray) -> MatchColumns:
     """``matches`` (list<struct{worker: dictionary<string>, blocks: int64}>) as
-    CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does."""
-    lst = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    if not _is_list(lst.type):
-        raise Fallback("matches: not a list")
-    lens = pc.fill_null(pc.list_value_length(lst), 0).to_numpy().astype(np.int64)
+    CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does;
+    chunk by chunk (one per row group), not copied into one first."""
+    lens_parts, workers, blocks_parts = [], [], []
+    for lst in arr.chunks:
+        if not _is_list(lst.type):
+            raise Fallback("matches: not a list")
+        lens, ent = list_entries(lst)
+        if ent.null_count or len(ent) != int(lens.sum()):
+            raise Fallback("matches: a null entry")
+        fields = dict(zip([f.name for f in ent.type], ent.flatten(), strict=True))
+        worker, blocks = fields["worker"], fields["blocks"]
+        if worker.null_count or blocks.null_count or blocks.type != pa.int64():
+            raise Fallback("matches: a null field")
+        lens_parts.append(lens)
+        workers.append(worker)
+        blocks_parts.append(blocks.to_numpy())
+    lens = lens_parts[0] if len(lens_parts) == 1 else np.concatenate(lens_parts)
+    b = blocks_parts[0] if len(blocks_parts) == 1 else np.concatenate(blocks_parts)
+    b.flags.writeable = False                 # as the full path's (a view of Arrow memory there)
     off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
     np.cumsum(lens, out=off[1:])
-    ent = lst.flatten()                       # the entries of non-null lists, in row order
-    if ent.null_count or len(ent) != int(off[-1]):
-        raise Fallback("matches: a null entry")
-    fields = dict(zip([f.name for f in ent.type], ent.flatten(), strict=True))
-    worker, blocks = fields["worker"], fields["blocks"]
-    if worker.null_count or blocks.null_count or blocks.type != pa.int64():
-        raise Fallback("matches: a null field")
-    b = blocks.to_numpy()
     if b.size and (int(b.min()) < 0 or int(b.max()) > MAX_VALUE):
         raise Fallback("matches: blocks out of range")
-    return MatchColumns(lens, off, coded(pa.chunked_array([worker])), b)
+    return MatchColumns(lens, off, coded(pa.chunked_array(workers, workers[0].type)), b)
 
 
 def _requests_side(part: Part):
@@ -156,8 +202,7 @@ def _requests_side(part: Part):
     dict_cols = [c for c in ("model", "selected_worker") if c in names]
     if not all(_is_str(sch.field(c).type) for c in dict_cols):
         raise Fallback("requests: name column types")
-    tab = pq.read_table(part.path, columns=["matches", *dict_cols],
-                        read_dictionary=[_leaf_path(pf, "matches", "worker"), *dict_cols])
+    tab = _read_columns(part, ["matches", *dict_cols], [_leaf_path(pf, "matches", "worker"), *dict_cols])
     df = _read_polars(part, [c for c in names if c not in ("matches", *dict_cols)], rows)
     R = Columns(REQUESTS, df)
 
@@ -200,7 +245,7 @@ def _loads_file(part: Part) -> tuple[pq.ParquetFile, bool]:
 
 
 def _load_workers(part: Part) -> Coded:
-    worker = coded(pq.read_table(part.path, columns=["worker"], read_dictionary=["worker"]).column("worker"))
+    worker = coded(_read_columns(part, ["worker"], ["worker"]).column("worker"))
     if worker.null_count():
         raise Fallback("loads: null worker")
     return worker
