@@ -324,7 +324,7 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
 
 
 def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
-    from .load import finish_trace  # load imports this module
+    from .load import finish_trace, observed_ranks  # load imports this module
 
     require_dir(dirpath)
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
@@ -333,37 +333,55 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
     pf, grouped = _loads_file(load_part)
 
     def requests_task():
-        # the loads' worker column too when the loads are read by row groups: the requests
-        # side finishes well before the loads' integer columns are in (issue 13)
-        return _requests_side(req_part), _load_workers(load_part) if grouped else None
+        # when the loads are read by row groups, the requests side finishes well before the
+        # loads' integer columns are in (issue 13): it reads the loads' worker column too and
+        # maps every name to its id, so that only the loads' own steps are left after both
+        req_out = _requests_side(req_part)
+        if not grouped:
+            return req_out, None, None
+        worker = _load_workers(load_part)
+        return req_out, worker, _names(table, info, req_out[2], req_out[3], worker)
 
     # requests | loads in two threads, the files' sha256 (provenance) in a third
-    ((req_out, worker), load_out), infos = run_both(
+    ((req_out, worker, named), load_out), infos = run_both(
         lambda: run_both(requests_task, lambda: _loads_side(load_part, pf, grouped)),
         lambda: [file_info(p.path) for p in (req_part, load_part)])
     R, req_df, rq, mt, cl = req_out
+    ranks = None
     if grouped:
         rows, ts, cols = load_out
         load_df = pl.DataFrame()        # nothing reads the frame after the checks; errors name the file
-        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols)
+        universe, (req_model, load_worker, match_worker), sel = named
+        rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(rows, dtype=np.int32)
+        # the loads' remaining steps, two at once: tails and flags | ranks per worker (facts)
+        L = Columns(LOADS, load_df)
+        ld, ranks = run_both(lambda: loads_from_columns(rows, ts, worker, cols),
+                             lambda: observed_ranks(universe.workers, load_worker, rank))
     else:
         L, load_df, ld = load_out
+        assert isinstance(ld.worker, Coded)
+        universe, (req_model, load_worker, match_worker), sel = _names(table, info, rq, mt, ld.worker)
     files = {REQUESTS: infos[0], LOADS: infos[1]}
     if wk_df is not None:
         files[WORKERS] = wk_info
-    assert isinstance(rq.model, Coded) and isinstance(mt.worker, Coded) and isinstance(ld.worker, Coded)
-    universe = make_universe(table, ld.worker.used(), mt.worker.used(), rq.model.used(), info.page_size)
-    req_model, load_worker, match_worker = _ids(universe, rq.model, ld.worker, mt.worker)
+    fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
+    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker, sel,
+                        model=model, strict_model=True, index_offset=0, facts=True, info=info, ranks=ranks)
+
+
+def _names(table, info: TraceInfo, rq: RequestColumns, mt: MatchColumns, load_worker: Coded):
+    """The universe from the coded names, every name column as ids, and the selected
+    workers' ids with their null and unknown counts (as :func:`~replay.trace.load.build_trace`)."""
+    assert isinstance(rq.model, Coded) and isinstance(mt.worker, Coded)
+    universe = make_universe(table, load_worker.used(), mt.worker.used(), rq.model.used(), info.page_size)
+    ids = _ids(universe, rq.model, load_worker, mt.worker)
     selected = sel_null = sel_unknown = None
     if isinstance(rq.selected, Coded):
         selected = rq.selected.ids({w: i for i, w in enumerate(universe.workers)})
         sel_null = rq.selected.null_count()
         sel_unknown = int(((selected < 0) & (rq.selected.codes >= 0)).sum())
         selected.flags.writeable = False          # as the full path's
-    fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
-    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker,
-                        (selected, sel_null, sel_unknown), model=model, strict_model=True, index_offset=0,
-                        facts=True, info=info)
+    return universe, ids, (selected, sel_null, sel_unknown)
 
 
 def _ids(universe: Universe, model: Coded, load_worker: Coded,
