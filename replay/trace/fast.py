@@ -22,6 +22,7 @@ trace the full way, which names the file, column and row exactly as before.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import polars as pl
@@ -36,10 +37,12 @@ from .encode import (
     MatchColumns,
     RequestColumns,
     load_specs,
+    load_tails,
     loads_from_columns,
     read_closed_loop,
     read_loads,
     request_id_column,
+    tail_flags,
 )
 from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
 from .info import TraceInfo
@@ -251,13 +254,16 @@ def _load_workers(part: Part) -> Coded:
     return worker
 
 
-def _loads_side(part: Part, pf: pq.ParquetFile, grouped: bool):
+def _loads_side(part: Part, pf: pq.ParquetFile, grouped: _Groups | None):
     """The loads without their worker column when ``grouped`` (``(rows, ts, columns)``),
     else the whole loads side (``(Columns, frame, LoadColumns)``)."""
     others = [c for c in pf.schema_arrow.names if c != "worker"]
     rows = pf.metadata.num_rows
-    if grouped:
-        ts, cols = _ints_by_group(part, others, pf.metadata)
+    if grouped is not None:
+        try:
+            ts, cols = _ints_by_group(part, others, pf.metadata, grouped)
+        finally:
+            grouped.end()
         return rows, ts, cols
     worker = _load_workers(part)
     df = _read_polars(part, others, rows)
@@ -272,7 +278,44 @@ def _plain_ints(sch: pa.Schema) -> bool:
     return all(pa.types.is_signed_integer(sch.field(c).type) for c in sch.names if c in want)
 
 
-def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+class _Groups:
+    """How far :func:`_ints_by_group` is: the rows copied so far (whole row groups, in file
+    order) and the arrays they are copied into, for a thread that works on the rows already
+    in while the next groups are read (:meth:`follow`)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.rows = 0
+        self.over = False
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def publish(self, rows: int) -> None:
+        with self._cond:
+            self.rows = rows
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """No more rows will come (the reading finished, or failed)."""
+        with self._cond:
+            self.over = True
+            self._cond.notify_all()
+
+    def follow(self):
+        """``(start, stop)`` of each new run of copied rows, as they come, until :meth:`end`."""
+        done = 0
+        while True:
+            with self._cond:
+                while self.rows == done and not self.over:
+                    self._cond.wait()
+                rows = self.rows
+            if rows == done:
+                return
+            yield done, rows
+            done = rows
+
+
+def _ints_by_group(part: Part, columns: list[str], meta,
+                   groups: _Groups | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``ts`` and the integer load columns of a file of several row groups, each read
     straight into one contiguous array, as :meth:`~replay.trace.columns.Columns.int_columns`
     returns them (nulls filled, writeable, as the full path's copies of chunked columns).
@@ -282,7 +325,8 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
     columns are in memory at a time, where reading the whole file and then copying every
     column out of its chunks touched twice the memory (issue 13: fresh pages cost more
     than the decoding on this machine).  The checks are the full path's, made on the
-    groups' statistics (min, max, nulls): any failure is a :class:`Fallback`."""
+    groups' statistics (min, max, nulls): any failure is a :class:`Fallback`.  ``groups``
+    hears of the arrays and of each group copied."""
     specs = [sp for sp in load_specs() if sp.col in columns]
     if "ts" not in columns or any(not sp.nullable for sp in load_specs() if sp.col not in columns):
         raise Fallback("loads: a required column is missing")
@@ -292,6 +336,8 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
     fill = {sp.col: sp.fill for sp in specs}
     out = {"ts": pool_empty(rows, np.int64),
            **{sp.col: pool_empty(rows, np.int32 if sp.dtype == pl.Int32 else np.int64) for sp in specs}}
+    if groups is not None:
+        groups.arrays = out
     scan = pl.scan_parquet(part.path, hive_partitioning=False).select(columns)
     at = 0
     for g in range(meta.num_row_groups):
@@ -318,45 +364,46 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
                 pos += n
         at += k
         del df
+        if groups is not None:
+            groups.publish(at)
     if at != rows:
         raise Fallback("loads: row count")
     return out.pop("ts"), out
 
 
 def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
-    from .load import finish_trace, observed_ranks  # load imports this module
+    from .load import finish_trace  # load imports this module
 
     require_dir(dirpath)
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
     wk_df, wk_info = read_table_file(dirpath, WORKERS)
     table = parse_workers_table(wk_df) if wk_df is not None else None
-    pf, grouped = _loads_file(load_part)
+    pf, by_groups = _loads_file(load_part)
+    grouped = _Groups() if by_groups else None
 
     def requests_task():
         # when the loads are read by row groups, the requests side finishes well before the
-        # loads' integer columns are in (issue 13): it reads the loads' worker column too and
-        # maps every name to its id, so that only the loads' own steps are left after both
+        # loads' integer columns are in (issue 13): it reads the loads' worker column too,
+        # maps every name to its id, and gathers the ranks per worker (facts) of each row
+        # group as it comes in, so that only the loads' tails and flags are left after both
         req_out = _requests_side(req_part)
-        if not grouped:
-            return req_out, None, None
+        if grouped is None:
+            return req_out, None, None, (None, None)
         worker = _load_workers(load_part)
-        return req_out, worker, _names(table, info, req_out[2], req_out[3], worker)
+        named = _names(table, info, req_out[2], req_out[3], worker)
+        return req_out, worker, named, _follow_loads(grouped, named[1][1], len(named[0].workers))
 
     # requests | loads in two threads, the files' sha256 (provenance) in a third
-    ((req_out, worker, named), load_out), infos = run_both(
+    ((req_out, worker, named, (ranks, tails_done)), load_out), infos = run_both(
         lambda: run_both(requests_task, lambda: _loads_side(load_part, pf, grouped)),
         lambda: [file_info(p.path) for p in (req_part, load_part)])
     R, req_df, rq, mt, cl = req_out
-    ranks = None
-    if grouped:
+    if grouped is not None:
         rows, ts, cols = load_out
         load_df = pl.DataFrame()        # nothing reads the frame after the checks; errors name the file
         universe, (req_model, load_worker, match_worker), sel = named
-        rank = cols["dp_rank"] if "dp_rank" in cols else np.zeros(rows, dtype=np.int32)
-        # the loads' remaining steps, two at once: tails and flags | ranks per worker (facts)
-        L = Columns(LOADS, load_df)
-        ld, ranks = run_both(lambda: loads_from_columns(rows, ts, worker, cols),
-                             lambda: observed_ranks(universe.workers, load_worker, rank))
+        ranks = ranks.result(universe.workers)
+        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols, tails_done)
     else:
         L, load_df, ld = load_out
         assert isinstance(ld.worker, Coded)
@@ -367,6 +414,26 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
     fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
     return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker, sel,
                         model=model, strict_model=True, index_offset=0, facts=True, info=info, ranks=ranks)
+
+
+def _follow_loads(groups: _Groups, load_worker: np.ndarray, n_workers: int):
+    """The loads' steps that need no other row group, each group's as it comes in (in the
+    requests' thread, while the loads' thread reads the next): the ranks per worker (facts)
+    and the tails and their flags (:func:`~replay.trace.encode.tail_flags`)."""
+    from .load import RankTable  # load imports this module
+
+    ranks = RankTable(n_workers)
+    rows = load_worker.shape[0]
+    tails: list[np.ndarray] = []
+    tail_valid, tail_any = pool_empty(rows, np.bool_), pool_empty(rows, np.bool_)
+    for start, stop in groups.follow():
+        if not tails:
+            tails = load_tails(rows, groups.arrays)
+        rank = groups.arrays.get("dp_rank")
+        ranks.add(load_worker[start:stop],
+                  rank[start:stop] if rank is not None else np.zeros(stop - start, dtype=np.int32))
+        tail_flags(tails, tail_valid, tail_any, start, stop)
+    return ranks, (tails, tail_valid, tail_any)
 
 
 def _names(table, info: TraceInfo, rq: RequestColumns, mt: MatchColumns, load_worker: Coded):

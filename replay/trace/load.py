@@ -220,17 +220,35 @@ def names_at(names: pl.Series | Coded, mask: np.ndarray) -> list[str]:
 
 def observed_ranks(workers: list[str], load_worker: np.ndarray, rank: np.ndarray) -> dict[str, list[int]]:
     """``{worker: sorted distinct ranks}`` of the workers with samples, in worker id order."""
-    small = rank < MAX_DP_SIZE
-    key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
-    np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
-    key += rank
-    seen = np.bincount(key[small] if not small.all() else key,
-                       minlength=len(workers) * MAX_DP_SIZE).reshape(len(workers), MAX_DP_SIZE) > 0
-    out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
-    if not small.all():     # stray ranks beyond any dp_size (ignored by the replay, listed here)
-        for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
-            out.setdefault(int(w), set()).add(int(r))
-    return {workers[w]: sorted(out[w]) for w in sorted(out)}
+    return RankTable(len(workers)).add(load_worker, rank).result(workers)
+
+
+class RankTable:
+    """The (worker id, rank) pairs of the loads, gathered slice by slice (a slice's rows in
+    any order): :meth:`result` is :func:`observed_ranks` of all the slices' rows."""
+
+    def __init__(self, n_workers: int):
+        self.seen = np.zeros((n_workers, MAX_DP_SIZE), dtype=bool)
+        self.stray: dict[int, set[int]] = {}      # ranks beyond any dp_size (ignored by the replay, listed)
+
+    def add(self, load_worker: np.ndarray, rank: np.ndarray) -> RankTable:
+        small = rank < MAX_DP_SIZE
+        key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
+        np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
+        key += rank
+        self.seen |= np.bincount(key[small] if not small.all() else key,
+                                 minlength=self.seen.size).reshape(self.seen.shape) > 0
+        if not small.all():
+            for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
+                self.stray.setdefault(int(w), set()).add(int(r))
+        return self
+
+    def result(self, workers: list[str]) -> dict[str, list[int]]:
+        seen = self.seen
+        out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
+        for w, ranks in self.stray.items():
+            out.setdefault(w, set()).update(ranks)
+        return {workers[w]: sorted(out[w]) for w in sorted(out)}
 
 
 def make_trace(fr: Frames, universe: Universe, req: Requests, loads: Loads, req_index, tf: TraceFacts,
