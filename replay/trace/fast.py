@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import polars as pl
@@ -339,20 +340,8 @@ def _ints_by_group(part: Part, columns: list[str], meta,
     if groups is not None:
         groups.arrays = out
     scan = pl.scan_parquet(part.path, hive_partitioning=False).select(columns)
-    at = 0
-    for g in range(meta.num_row_groups):
-        k = meta.row_group(g).num_rows
-        df = scan.slice(at, k).collect()
-        if df.height != k:
-            raise Fallback("loads: row group size")
-        stats = df.select([e for c in out for e in (pl.col(c).min().cast(pl.Int128).alias(f"lo:{c}"),
-                                                     pl.col(c).max().cast(pl.Int128).alias(f"hi:{c}"),
-                                                     pl.col(c).null_count().alias(f"nul:{c}"))]).row(0)
-        for i, c in enumerate(out):
-            mn, mx, nul = stats[3 * i: 3 * i + 3]
-            lo, hi = lo_hi[c]
-            if (nul and not nullable[c]) or (mn is not None and (mn < lo or mx > hi)):
-                raise Fallback(f"loads: column {c}")
+
+    def copy(df: pl.DataFrame, at: int) -> None:
         filled = [pl.col(c).fill_null(fill[c]) for c in fill if df.get_column(c).null_count()]
         if filled:
             df = df.with_columns(filled)
@@ -362,10 +351,33 @@ def _ints_by_group(part: Part, columns: list[str], meta,
                 n = len(ch)
                 dest[pos:pos + n] = ch.to_numpy()
                 pos += n
-        at += k
-        del df
         if groups is not None:
-            groups.publish(at)
+            groups.publish(at + df.height)
+
+    # a group is copied (one thread, mostly page faults) while the next is read (polars' own
+    # threads): at most two groups' frames in memory at a time
+    at, copying = 0, None
+    with ThreadPoolExecutor(1, thread_name_prefix="trace-copy") as copier:
+        for g in range(meta.num_row_groups):
+            k = meta.row_group(g).num_rows
+            df = scan.slice(at, k).collect()
+            if df.height != k:
+                raise Fallback("loads: row group size")
+            stats = df.select([e for c in out for e in (pl.col(c).min().cast(pl.Int128).alias(f"lo:{c}"),
+                                                         pl.col(c).max().cast(pl.Int128).alias(f"hi:{c}"),
+                                                         pl.col(c).null_count().alias(f"nul:{c}"))]).row(0)
+            for i, c in enumerate(out):
+                mn, mx, nul = stats[3 * i: 3 * i + 3]
+                lo, hi = lo_hi[c]
+                if (nul and not nullable[c]) or (mn is not None and (mn < lo or mx > hi)):
+                    raise Fallback(f"loads: column {c}")
+            if copying is not None:
+                copying.result()
+            copying = copier.submit(copy, df, at)
+            at += k
+            del df
+        if copying is not None:
+            copying.result()
     if at != rows:
         raise Fallback("loads: row count")
     return out.pop("ts"), out
