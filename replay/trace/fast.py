@@ -22,11 +22,12 @@ trace the full way, which names the file, column and row exactly as before.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
@@ -37,10 +38,12 @@ from .encode import (
     MatchColumns,
     RequestColumns,
     load_specs,
+    load_tails,
     loads_from_columns,
     read_closed_loop,
     read_loads,
     request_id_column,
+    tail_flags,
 )
 from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
 from .info import TraceInfo
@@ -87,6 +90,46 @@ def _leaf_path(pf: pq.ParquetFile, top: str, leaf: str) -> str:
     return found[0]
 
 
+def valid_rows(arr: pa.Array) -> np.ndarray:
+    """The rows of ``arr`` that are not null (its validity bitmap, offset applied), as bools."""
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(arr.buffers()[0], dtype=np.uint8), bitorder="little")
+    return bits[arr.offset:arr.offset + len(arr)].view(np.bool_)
+
+
+def list_entries(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """A list array's entry counts per row (int64, 0 for a null list) and its entries: those
+    of the non-null lists, in row order, as ``arr.flatten()`` gives them.  Taken from the
+    offsets and a slice of the values wherever no null list holds entries (issue 13:
+    ``flatten``'s first call imports ``pyarrow.compute``)."""
+    bounds = arr.offsets.to_numpy()
+    lens = np.diff(bounds).astype(np.int64)
+    if arr.null_count:
+        lens[~valid_rows(arr)] = 0
+    first, last = int(bounds[0]), int(bounds[-1])
+    if int(lens.sum()) != last - first:          # a null list over entries: flatten skips them
+        return lens, arr.flatten()
+    return lens, arr.values.slice(first, last - first)
+
+
+def _read_columns(part: Part, columns: list[str], dictionary: list[str]) -> pa.Table:
+    """``columns`` of one file through pyarrow, ``dictionary`` (names or leaf paths) as
+    dictionary arrays, one chunk per row group.  Not ``pq.read_table``: it goes through
+    ``pyarrow.dataset``, whose first use in a process imports it and ``pyarrow.compute``
+    (issue 13: 0.1-0.3 s of a fresh sweep's load), and cuts a row group into chunks that
+    ``matches`` then had to be copied out of.  (``ParquetFile.read``, and batches that
+    span row groups, refuse a nested dictionary column of several row groups.)"""
+    pf = pq.ParquetFile(part.path, read_dictionary=dictionary)
+    meta = pf.metadata
+    batches = [b for g in range(meta.num_row_groups)     # one batch (and dictionary) per row group
+               for b in pf.iter_batches(batch_size=max(1, meta.row_group(g).num_rows), row_groups=[g],
+                                        columns=columns)]
+    if not batches:
+        raise Fallback(f"{part.name}: no rows")
+    return pa.Table.from_batches(batches)
+
+
 def coded(col: pa.ChunkedArray) -> Coded:
     """A dictionary-encoded string column (chunks may have their own
     dictionaries) as codes into one list of distinct names."""
@@ -101,14 +144,15 @@ def coded(col: pa.ChunkedArray) -> Coded:
             remap[i] = -1 if v is None else pos.setdefault(v, len(pos))
         remap[len(values)] = -1                       # a null row
         idx = ch.indices
-        if idx.null_count:
-            idx = pc.fill_null(idx.cast(pa.int64()), len(values))
-        parts.append((remap, idx.to_numpy()))
-    codes = pool_empty(sum(len(i) for _r, i in parts), np.int32)
+        rows: np.ndarray = idx.to_numpy() if not idx.null_count else np.where(   # null -> the last slot
+            valid_rows(idx), np.frombuffer(idx.buffers()[1], dtype=idx.type.to_pandas_dtype())[
+                idx.offset:idx.offset + len(idx)], len(values))
+        parts.append((remap, rows))
+    codes = pool_empty(sum(len(r) for _m, r in parts), np.int32)
     at = 0
-    for remap, i in parts:
-        np.take(remap, i, out=codes[at:at + len(i)])
-        at += len(i)
+    for remap, r in parts:
+        np.take(remap, r, out=codes[at:at + len(r)])
+        at += len(r)
     return Coded(codes, list(pos))
 
 
@@ -121,24 +165,30 @@ def _read_polars(part: Part, columns: list[str], rows: int) -> pl.DataFrame:
 
 def _matches(arr: pa.ChunkedArray) -> MatchColumns:
     """``matches`` (list<struct{worker: dictionary<string>, blocks: int64}>) as
-    CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does."""
-    lst = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    if not _is_list(lst.type):
-        raise Fallback("matches: not a list")
-    lens = pc.fill_null(pc.list_value_length(lst), 0).to_numpy().astype(np.int64)
+    CSR, every entry checked as :func:`~replay.trace.encode.read_matches` does;
+    chunk by chunk (one per row group), not copied into one first."""
+    lens_parts, workers, blocks_parts = [], [], []
+    for lst in arr.chunks:
+        if not _is_list(lst.type):
+            raise Fallback("matches: not a list")
+        lens, ent = list_entries(lst)
+        if ent.null_count or len(ent) != int(lens.sum()):
+            raise Fallback("matches: a null entry")
+        fields = dict(zip([f.name for f in ent.type], ent.flatten(), strict=True))
+        worker, blocks = fields["worker"], fields["blocks"]
+        if worker.null_count or blocks.null_count or blocks.type != pa.int64():
+            raise Fallback("matches: a null field")
+        lens_parts.append(lens)
+        workers.append(worker)
+        blocks_parts.append(blocks.to_numpy())
+    lens = lens_parts[0] if len(lens_parts) == 1 else np.concatenate(lens_parts)
+    b = blocks_parts[0] if len(blocks_parts) == 1 else np.concatenate(blocks_parts)
+    b.flags.writeable = False                 # as the full path's (a view of Arrow memory there)
     off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
     np.cumsum(lens, out=off[1:])
-    ent = lst.flatten()                       # the entries of non-null lists, in row order
-    if ent.null_count or len(ent) != int(off[-1]):
-        raise Fallback("matches: a null entry")
-    fields = dict(zip([f.name for f in ent.type], ent.flatten(), strict=True))
-    worker, blocks = fields["worker"], fields["blocks"]
-    if worker.null_count or blocks.null_count or blocks.type != pa.int64():
-        raise Fallback("matches: a null field")
-    b = blocks.to_numpy()
     if b.size and (int(b.min()) < 0 or int(b.max()) > MAX_VALUE):
         raise Fallback("matches: blocks out of range")
-    return MatchColumns(lens, off, coded(pa.chunked_array([worker])), b)
+    return MatchColumns(lens, off, coded(pa.chunked_array(workers, workers[0].type)), b)
 
 
 def _requests_side(part: Part):
@@ -156,8 +206,7 @@ def _requests_side(part: Part):
     dict_cols = [c for c in ("model", "selected_worker") if c in names]
     if not all(_is_str(sch.field(c).type) for c in dict_cols):
         raise Fallback("requests: name column types")
-    tab = pq.read_table(part.path, columns=["matches", *dict_cols],
-                        read_dictionary=[_leaf_path(pf, "matches", "worker"), *dict_cols])
+    tab = _read_columns(part, ["matches", *dict_cols], [_leaf_path(pf, "matches", "worker"), *dict_cols])
     df = _read_polars(part, [c for c in names if c not in ("matches", *dict_cols)], rows)
     R = Columns(REQUESTS, df)
 
@@ -200,19 +249,22 @@ def _loads_file(part: Part) -> tuple[pq.ParquetFile, bool]:
 
 
 def _load_workers(part: Part) -> Coded:
-    worker = coded(pq.read_table(part.path, columns=["worker"], read_dictionary=["worker"]).column("worker"))
+    worker = coded(_read_columns(part, ["worker"], ["worker"]).column("worker"))
     if worker.null_count():
         raise Fallback("loads: null worker")
     return worker
 
 
-def _loads_side(part: Part, pf: pq.ParquetFile, grouped: bool):
+def _loads_side(part: Part, pf: pq.ParquetFile, grouped: _Groups | None):
     """The loads without their worker column when ``grouped`` (``(rows, ts, columns)``),
     else the whole loads side (``(Columns, frame, LoadColumns)``)."""
     others = [c for c in pf.schema_arrow.names if c != "worker"]
     rows = pf.metadata.num_rows
-    if grouped:
-        ts, cols = _ints_by_group(part, others, pf.metadata)
+    if grouped is not None:
+        try:
+            ts, cols = _ints_by_group(part, others, pf.metadata, grouped)
+        finally:
+            grouped.end()
         return rows, ts, cols
     worker = _load_workers(part)
     df = _read_polars(part, others, rows)
@@ -227,7 +279,44 @@ def _plain_ints(sch: pa.Schema) -> bool:
     return all(pa.types.is_signed_integer(sch.field(c).type) for c in sch.names if c in want)
 
 
-def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+class _Groups:
+    """How far :func:`_ints_by_group` is: the rows copied so far (whole row groups, in file
+    order) and the arrays they are copied into, for a thread that works on the rows already
+    in while the next groups are read (:meth:`follow`)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.rows = 0
+        self.over = False
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def publish(self, rows: int) -> None:
+        with self._cond:
+            self.rows = rows
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """No more rows will come (the reading finished, or failed)."""
+        with self._cond:
+            self.over = True
+            self._cond.notify_all()
+
+    def follow(self):
+        """``(start, stop)`` of each new run of copied rows, as they come, until :meth:`end`."""
+        done = 0
+        while True:
+            with self._cond:
+                while self.rows == done and not self.over:
+                    self._cond.wait()
+                rows = self.rows
+            if rows == done:
+                return
+            yield done, rows
+            done = rows
+
+
+def _ints_by_group(part: Part, columns: list[str], meta,
+                   groups: _Groups | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``ts`` and the integer load columns of a file of several row groups, each read
     straight into one contiguous array, as :meth:`~replay.trace.columns.Columns.int_columns`
     returns them (nulls filled, writeable, as the full path's copies of chunked columns).
@@ -237,7 +326,8 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
     columns are in memory at a time, where reading the whole file and then copying every
     column out of its chunks touched twice the memory (issue 13: fresh pages cost more
     than the decoding on this machine).  The checks are the full path's, made on the
-    groups' statistics (min, max, nulls): any failure is a :class:`Fallback`."""
+    groups' statistics (min, max, nulls): any failure is a :class:`Fallback`.  ``groups``
+    hears of the arrays and of each group copied."""
     specs = [sp for sp in load_specs() if sp.col in columns]
     if "ts" not in columns or any(not sp.nullable for sp in load_specs() if sp.col not in columns):
         raise Fallback("loads: a required column is missing")
@@ -247,21 +337,11 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
     fill = {sp.col: sp.fill for sp in specs}
     out = {"ts": pool_empty(rows, np.int64),
            **{sp.col: pool_empty(rows, np.int32 if sp.dtype == pl.Int32 else np.int64) for sp in specs}}
+    if groups is not None:
+        groups.arrays = out
     scan = pl.scan_parquet(part.path, hive_partitioning=False).select(columns)
-    at = 0
-    for g in range(meta.num_row_groups):
-        k = meta.row_group(g).num_rows
-        df = scan.slice(at, k).collect()
-        if df.height != k:
-            raise Fallback("loads: row group size")
-        stats = df.select([e for c in out for e in (pl.col(c).min().cast(pl.Int128).alias(f"lo:{c}"),
-                                                     pl.col(c).max().cast(pl.Int128).alias(f"hi:{c}"),
-                                                     pl.col(c).null_count().alias(f"nul:{c}"))]).row(0)
-        for i, c in enumerate(out):
-            mn, mx, nul = stats[3 * i: 3 * i + 3]
-            lo, hi = lo_hi[c]
-            if (nul and not nullable[c]) or (mn is not None and (mn < lo or mx > hi)):
-                raise Fallback(f"loads: column {c}")
+
+    def copy(df: pl.DataFrame, at: int) -> None:
         filled = [pl.col(c).fill_null(fill[c]) for c in fill if df.get_column(c).null_count()]
         if filled:
             df = df.with_columns(filled)
@@ -271,8 +351,33 @@ def _ints_by_group(part: Part, columns: list[str], meta) -> tuple[np.ndarray, di
                 n = len(ch)
                 dest[pos:pos + n] = ch.to_numpy()
                 pos += n
-        at += k
-        del df
+        if groups is not None:
+            groups.publish(at + df.height)
+
+    # a group is copied (one thread, mostly page faults) while the next is read (polars' own
+    # threads): at most two groups' frames in memory at a time
+    at, copying = 0, None
+    with ThreadPoolExecutor(1, thread_name_prefix="trace-copy") as copier:
+        for g in range(meta.num_row_groups):
+            k = meta.row_group(g).num_rows
+            df = scan.slice(at, k).collect()
+            if df.height != k:
+                raise Fallback("loads: row group size")
+            stats = df.select([e for c in out for e in (pl.col(c).min().cast(pl.Int128).alias(f"lo:{c}"),
+                                                         pl.col(c).max().cast(pl.Int128).alias(f"hi:{c}"),
+                                                         pl.col(c).null_count().alias(f"nul:{c}"))]).row(0)
+            for i, c in enumerate(out):
+                mn, mx, nul = stats[3 * i: 3 * i + 3]
+                lo, hi = lo_hi[c]
+                if (nul and not nullable[c]) or (mn is not None and (mn < lo or mx > hi)):
+                    raise Fallback(f"loads: column {c}")
+            if copying is not None:
+                copying.result()
+            copying = copier.submit(copy, df, at)
+            at += k
+            del df
+        if copying is not None:
+            copying.result()
     if at != rows:
         raise Fallback("loads: row count")
     return out.pop("ts"), out
@@ -285,40 +390,77 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
     wk_df, wk_info = read_table_file(dirpath, WORKERS)
     table = parse_workers_table(wk_df) if wk_df is not None else None
-    pf, grouped = _loads_file(load_part)
+    pf, by_groups = _loads_file(load_part)
+    grouped = _Groups() if by_groups else None
 
     def requests_task():
-        # the loads' worker column too when the loads are read by row groups: the requests
-        # side finishes well before the loads' integer columns are in (issue 13)
-        return _requests_side(req_part), _load_workers(load_part) if grouped else None
+        # when the loads are read by row groups, the requests side finishes well before the
+        # loads' integer columns are in (issue 13): it reads the loads' worker column too,
+        # maps every name to its id, and gathers the ranks per worker (facts) of each row
+        # group as it comes in, so that only the loads' tails and flags are left after both
+        req_out = _requests_side(req_part)
+        if grouped is None:
+            return req_out, None, None, (None, None)
+        worker = _load_workers(load_part)
+        named = _names(table, info, req_out[2], req_out[3], worker)
+        return req_out, worker, named, _follow_loads(grouped, named[1][1], len(named[0].workers))
 
     # requests | loads in two threads, the files' sha256 (provenance) in a third
-    ((req_out, worker), load_out), infos = run_both(
+    ((req_out, worker, named, (ranks, tails_done)), load_out), infos = run_both(
         lambda: run_both(requests_task, lambda: _loads_side(load_part, pf, grouped)),
         lambda: [file_info(p.path) for p in (req_part, load_part)])
     R, req_df, rq, mt, cl = req_out
-    if grouped:
+    if grouped is not None:
         rows, ts, cols = load_out
         load_df = pl.DataFrame()        # nothing reads the frame after the checks; errors name the file
-        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols)
+        universe, (req_model, load_worker, match_worker), sel = named
+        ranks = ranks.result(universe.workers)
+        L, ld = Columns(LOADS, load_df), loads_from_columns(rows, ts, worker, cols, tails_done)
     else:
         L, load_df, ld = load_out
+        assert isinstance(ld.worker, Coded)
+        universe, (req_model, load_worker, match_worker), sel = _names(table, info, rq, mt, ld.worker)
     files = {REQUESTS: infos[0], LOADS: infos[1]}
     if wk_df is not None:
         files[WORKERS] = wk_info
-    assert isinstance(rq.model, Coded) and isinstance(mt.worker, Coded) and isinstance(ld.worker, Coded)
-    universe = make_universe(table, ld.worker.used(), mt.worker.used(), rq.model.used(), info.page_size)
-    req_model, load_worker, match_worker = _ids(universe, rq.model, ld.worker, mt.worker)
+    fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
+    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker, sel,
+                        model=model, strict_model=True, index_offset=0, facts=True, info=info, ranks=ranks)
+
+
+def _follow_loads(groups: _Groups, load_worker: np.ndarray, n_workers: int):
+    """The loads' steps that need no other row group, each group's as it comes in (in the
+    requests' thread, while the loads' thread reads the next): the ranks per worker (facts)
+    and the tails and their flags (:func:`~replay.trace.encode.tail_flags`)."""
+    from .load import RankTable  # load imports this module
+
+    ranks = RankTable(n_workers)
+    rows = load_worker.shape[0]
+    tails: list[np.ndarray] = []
+    tail_valid, tail_any = pool_empty(rows, np.bool_), pool_empty(rows, np.bool_)
+    for start, stop in groups.follow():
+        if not tails:
+            tails = load_tails(rows, groups.arrays)
+        rank = groups.arrays.get("dp_rank")
+        ranks.add(load_worker[start:stop],
+                  rank[start:stop] if rank is not None else np.zeros(stop - start, dtype=np.int32))
+        tail_flags(tails, tail_valid, tail_any, start, stop)
+    return ranks, (tails, tail_valid, tail_any)
+
+
+def _names(table, info: TraceInfo, rq: RequestColumns, mt: MatchColumns, load_worker: Coded):
+    """The universe from the coded names, every name column as ids, and the selected
+    workers' ids with their null and unknown counts (as :func:`~replay.trace.load.build_trace`)."""
+    assert isinstance(rq.model, Coded) and isinstance(mt.worker, Coded)
+    universe = make_universe(table, load_worker.used(), mt.worker.used(), rq.model.used(), info.page_size)
+    ids = _ids(universe, rq.model, load_worker, mt.worker)
     selected = sel_null = sel_unknown = None
     if isinstance(rq.selected, Coded):
         selected = rq.selected.ids({w: i for i, w in enumerate(universe.workers)})
         sel_null = rq.selected.null_count()
         sel_unknown = int(((selected < 0) & (rq.selected.codes >= 0)).sum())
         selected.flags.writeable = False          # as the full path's
-    fr = Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files)
-    return finish_trace(fr, universe, R, L, rq, mt, cl, ld, req_model, load_worker, match_worker,
-                        (selected, sel_null, sel_unknown), model=model, strict_model=True, index_offset=0,
-                        facts=True, info=info)
+    return universe, ids, (selected, sel_null, sel_unknown)
 
 
 def _ids(universe: Universe, model: Coded, load_worker: Coded,

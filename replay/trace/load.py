@@ -110,10 +110,11 @@ def finish_trace(fr: Frames, universe: Universe, R: Columns, L: Columns, rq: Req
                  cl: ClosedLoopColumns, ld: LoadColumns, req_model: np.ndarray, load_worker: np.ndarray,
                  match_worker: np.ndarray, sel: tuple[np.ndarray | None, int | None, int | None], *,
                  model: str | None, strict_model: bool, index_offset: int, facts: bool,
-                 info: TraceInfo) -> Trace:
+                 info: TraceInfo, ranks: dict[str, list[int]] | None = None) -> Trace:
     """The steps after names are ids (both load paths): the checks that need
     the universe, the default best prefix, the stable sort, the facts, the
-    model filter."""
+    model filter.  ``ranks``: :func:`observed_ranks` of these loads, when the
+    caller has it already."""
     check_rank_bound(L, load_worker, ld.rank, universe.worker_dp)
     check_hash_lengths(R, cl, rq.input_tokens, universe.model_page[req_model] if req_model.size
                        else np.zeros(0, dtype=np.int64))
@@ -130,7 +131,7 @@ def finish_trace(fr: Frames, universe: Universe, R: Columns, L: Columns, rq: Req
     req_perm = stable_order(req.ts)
     load_perm = stable_order(loads.load_ts)
     tf = trace_facts(universe, rq, mt, cl, ld, req_model, load_worker, match_worker, sel_null, sel_unknown,
-                     req_perm is None, load_perm is None, want=facts, info=info)
+                     req_perm is None, load_perm is None, want=facts, info=info, ranks=ranks)
 
     if req_perm is not None:
         req = req.take(req_perm)
@@ -160,10 +161,10 @@ def keep_model(req: Requests, universe: Universe, model: str, tf: TraceFacts, st
 def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: ClosedLoopColumns,
                 ld: LoadColumns, req_model: np.ndarray, load_worker: np.ndarray, match_worker: np.ndarray,
                 sel_null: int | None, sel_unknown: int | None, req_sorted: bool, loads_sorted: bool, *,
-                want: bool, info: TraceInfo) -> TraceFacts:
+                want: bool, info: TraceInfo, ranks: dict[str, list[int]] | None = None) -> TraceFacts:
     """The data facts of the whole frames (before any model filter).  Without
     ``want``, the facts that cost memory (per-worker ranks, unknown address
-    names) are left empty."""
+    names) are left empty; ``ranks`` is :func:`observed_ranks` when already known."""
     workers, models = universe.workers, universe.models
     n = int(rq.ts.shape[0])
     unknown = match_worker < 0
@@ -205,7 +206,7 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
     dp_of_row = universe.worker_dp[load_worker] if load_worker.size else np.zeros(0, dtype=np.int32)
     tf.ignored_rank_rows = int(((dp_of_row > 0) & (ld.rank >= dp_of_row)).sum())
     if load_worker.size and want:
-        tf.ranks_per_worker = observed_ranks(workers, load_worker, ld.rank)
+        tf.ranks_per_worker = observed_ranks(workers, load_worker, ld.rank) if ranks is None else ranks
     tf.workers_without_samples = sorted(set(workers) - set(tf.ranks_per_worker))
     return tf
 
@@ -219,17 +220,35 @@ def names_at(names: pl.Series | Coded, mask: np.ndarray) -> list[str]:
 
 def observed_ranks(workers: list[str], load_worker: np.ndarray, rank: np.ndarray) -> dict[str, list[int]]:
     """``{worker: sorted distinct ranks}`` of the workers with samples, in worker id order."""
-    small = rank < MAX_DP_SIZE
-    key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
-    np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
-    key += rank
-    seen = np.bincount(key[small] if not small.all() else key,
-                       minlength=len(workers) * MAX_DP_SIZE).reshape(len(workers), MAX_DP_SIZE) > 0
-    out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
-    if not small.all():     # stray ranks beyond any dp_size (ignored by the replay, listed here)
-        for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
-            out.setdefault(int(w), set()).add(int(r))
-    return {workers[w]: sorted(out[w]) for w in sorted(out)}
+    return RankTable(len(workers)).add(load_worker, rank).result(workers)
+
+
+class RankTable:
+    """The (worker id, rank) pairs of the loads, gathered slice by slice (a slice's rows in
+    any order): :meth:`result` is :func:`observed_ranks` of all the slices' rows."""
+
+    def __init__(self, n_workers: int):
+        self.seen = np.zeros((n_workers, MAX_DP_SIZE), dtype=bool)
+        self.stray: dict[int, set[int]] = {}      # ranks beyond any dp_size (ignored by the replay, listed)
+
+    def add(self, load_worker: np.ndarray, rank: np.ndarray) -> RankTable:
+        small = rank < MAX_DP_SIZE
+        key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
+        np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
+        key += rank
+        self.seen |= np.bincount(key[small] if not small.all() else key,
+                                 minlength=self.seen.size).reshape(self.seen.shape) > 0
+        if not small.all():
+            for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
+                self.stray.setdefault(int(w), set()).add(int(r))
+        return self
+
+    def result(self, workers: list[str]) -> dict[str, list[int]]:
+        seen = self.seen
+        out: dict[int, set[int]] = {int(w): set(np.nonzero(seen[w])[0].tolist()) for w in np.nonzero(seen.any(1))[0]}
+        for w, ranks in self.stray.items():
+            out.setdefault(w, set()).update(ranks)
+        return {workers[w]: sorted(out[w]) for w in sorted(out)}
 
 
 def make_trace(fr: Frames, universe: Universe, req: Requests, loads: Loads, req_index, tf: TraceFacts,
