@@ -18,7 +18,6 @@ until something needs them.
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
 # the one place the version is written (pyproject.toml reads it)
@@ -49,29 +48,6 @@ __all__ = [
     "decide_all", "generate_trace", "iter_chunks", "load_trace", "read_decisions", "run_sweep",
     "validate_trace",
 ]
-
-
-class _NumbaWithoutCoverage:
-    """An import hook that answers numba's ``import coverage`` with "not installed".
-
-    numba's ``numba.misc.coverage_support`` imports ``coverage`` when it is installed (it is,
-    wherever the project's lint extras are) only to report the lines of jitted code to a
-    coverage run that is already going: about 0.1 CPU s of every start that imports numba
-    (issue 13: a cached sample sweep is about 2 s).  A coverage run imports ``coverage``
-    before our code, and then Python finds it in ``sys.modules`` without asking this hook;
-    a later ``import coverage`` (anyone else's) is not refused."""
-
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name == "coverage":
-            numba_side = sys.modules.get("numba.misc.coverage_support")
-            if numba_side is not None and not hasattr(numba_side, "coverage_available"):
-                raise ModuleNotFoundError("not imported for numba (replay/__init__.py)", name=name)
-        return None
-
-
-if not any(isinstance(f, _NumbaWithoutCoverage) for f in sys.meta_path):
-    sys.meta_path.insert(0, _NumbaWithoutCoverage())
 
 
 def __getattr__(name: str) -> Any:
