@@ -185,7 +185,9 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     Each distinct outcome is computed once, into the next row ``sc.res_i[u]`` /
     ``sc.res_f[u]``; an outcome equal in every field to an earlier row is kept
     only once, so the rows are the request's distinct decisions and
-    ``sc.src_of[c]`` names the row holding config ``c``'s decision.
+    ``sc.src_of[c]`` names the row holding config ``c``'s decision; after the
+    ``n_cfg`` rows, ``sc.src_of`` lists the configs ``accumulate_request_nb``
+    books (their count, then the configs).
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
     Returns (cache-rung evaluations, domain-rung evaluations) and the
