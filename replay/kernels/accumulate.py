@@ -190,21 +190,23 @@ def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks,
     its decision; a child books nothing when its decision is its parent's (the
     usual case: a floor only matters when the limit gates a candidate) and
     otherwise the difference.  ``fold_parents`` adds each parent's totals to its
-    children once, at the end, so every total is exact.
+    children once, at the end, so every total is exact.  The configs that book
+    (their own parent, or deciding otherwise than it) are listed after the
+    ``n_cfg`` rows of ``src_of``: ``src_of[n_cfg]`` of them in
+    ``src_of[n_cfg + 1:]`` (the grid pass lists them as it decides).
     """
-    n_cfg = src_of.shape[0]
+    n_cfg = parent.shape[0]
     q = query_blocks if query_blocks > 0 else 0
     a = totals.acc[b]
     hw = totals.hist_wait[b]
     hd = totals.hist_div[b]
-    for c in range(n_cfg):
+    for t in range(src_of[n_cfg]):
+        c = src_of[n_cfg + 1 + t]
         p = parent[c]
         k = src_of[c]
-        if p == c:
-            _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
-        elif k != src_of[p]:
+        _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
+        if p != c:
             kp = src_of[p]
-            _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
             _book_nb(a, hw, hd, c, res_i[kp], res_f[kp, F_SELECTED_QUEUE_MS], q, selected_worker, -1)
 
 

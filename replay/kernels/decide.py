@@ -19,7 +19,7 @@ import numpy as np
 from .. import labels
 from ..config import KNOBS
 from ._jit import njit, njit_inner
-from .rng import draw_nb
+from .rng import draw_at_nb, draw_key_nb
 from .snapshot import (
     S_BASIC,
     S_INFLIGHT,
@@ -528,12 +528,13 @@ def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, po
         for w in workers:
             pool[m] = w
             m += 1
-    return sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    return sample_from_pool_nb(snap, est, pool, m, k, draw_key_nb(seed, req_index), draw, idx)
 
 
 @njit
-def sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx):
-    """best_two_of_sample over the tier ``pool[:m]`` already chosen (``sample_pair_nb``).
+def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
+    """best_two_of_sample over the tier ``pool[:m]`` already chosen (``sample_pair_nb``);
+    ``key`` is the request's ``rng.draw_key_nb``.
 
     Returns (best, runner_up, next_draw_index); best = -1 for an empty pool.
     """
@@ -545,14 +546,14 @@ def sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx):
             idx[i] = i
         n_s = m
     elif kk == 1:
-        idx[0] = np.int64(draw_nb(seed, req_index, draw) % np.uint64(m))
+        idx[0] = np.int64(draw_at_nb(key, draw) % np.uint64(m))
         draw += 1
         n_s = 1
     elif 3 * kk > idx.shape[0]:
         for i in range(m):
             idx[i] = i
         for i in range(kk):
-            j = i + np.int64(draw_nb(seed, req_index, draw) % np.uint64(m - i))
+            j = i + np.int64(draw_at_nb(key, draw) % np.uint64(m - i))
             draw += 1
             t = idx[i]
             idx[i] = idx[j]
@@ -564,7 +565,7 @@ def sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx):
         # swapped-away positions and idx[2kk:3kk] their values
         n_sw = 0
         for i in range(kk):
-            j = i + np.int64(draw_nb(seed, req_index, draw) % np.uint64(m - i))
+            j = i + np.int64(draw_at_nb(key, draw) % np.uint64(m - i))
             draw += 1
             vi = i
             vj = j
@@ -814,26 +815,27 @@ def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratc
 
 
 @njit
-def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, seed, req_index, work, idx):
+def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, key, work, idx):
     """``domain_rungs_nb`` given the sampler's tier ``pool[:m]`` (the queue-gate
     tier of ``fleet`` under ``limit``, or the whole fleet when that is empty or
     there is no limit), which depends on the snapshot and the limit class only:
     the grid pass builds it once per request and class.  The three draws all
     sample that same tier; ``work`` is scratch for the range fallback
-    (length >= fleet size), ``idx`` the sampler's index scratch.
+    (length >= fleet size), ``idx`` the sampler's index scratch; ``key`` is the
+    request's ``rng.draw_key_nb`` (the grid pass makes it once per request).
     """
     if fleet.shape[0] == 0:
         return -1, -1
     draw = 0
-    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
     if w >= 0:
         return w, reason
-    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
     if w >= 0:
         return w, reason
-    w, _r, draw = sample_from_pool_nb(snap, est, pool, m, k, seed, req_index, draw, idx)
+    w, _r, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
     return w, CAPACITY_FALLBACK
 
 

@@ -78,6 +78,7 @@ from .layout import (
     O_WORKER,
 )
 from .layout import Accumulators as layout_acc
+from .rng import draw_key_nb
 from .snapshot import (
     S_BASIC,
     S_NATIVE,
@@ -110,11 +111,12 @@ Scratch = namedtuple("Scratch", (
     "seen",        # bool[n_workers]: prepare_candidates_nb's scratch
     "res_i",       # int64[n_cfg, O_NCOLS]: the distinct decisions, one row each (layout.O_*)
     "res_f",       # float64[n_cfg, F_NCOLS]
-    "src_of",      # int64[n_cfg]: row of res_i holding config c's decision
+    "src_of",      # int64[2 * n_cfg + 1]: row of res_i holding config c's decision (c < n_cfg),
+                   # then the booking list: its length, and the configs accumulate.py books
     "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
     "rung",        # int64[n_groups * (max_matches + 1) * 6, _R_NCOLS]: cache-rung results by rung key
     "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
-    "gl_new",      # bool[n_cfg]: position t of gl_cfg starts a run
+    "gl_end",      # int64[n_cfg]: where the run starting at position t of gl_cfg ends; 0 inside a run
     "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
 
@@ -126,7 +128,7 @@ _i, _f, _b = np.int64, np.float64, np.bool_
 SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fclass": (_i, 2), "fleet_wait": (_i, 2), "audit": (_i, 1),
                  "ints": (_i, 2), "cands": (_i, 3), "group_n": (_i, 1), "group_rep": (_i, 1), "gated_n": (_i, 2),
                  "ladder_w": (_i, 1), "ladder_r": (_i, 1), "seen": (_b, 1), "res_i": (_i, 2), "res_f": (_f, 2),
-                 "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_new": (_b, 1),
+                 "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_end": (_i, 1),
                  "fc_slot": (_i, 1)}
 
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
@@ -183,7 +185,9 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     Each distinct outcome is computed once, into the next row ``sc.res_i[u]`` /
     ``sc.res_f[u]``; an outcome equal in every field to an earlier row is kept
     only once, so the rows are the request's distinct decisions and
-    ``sc.src_of[c]`` names the row holding config ``c``'s decision.
+    ``sc.src_of[c]`` names the row holding config ``c``'s decision; after the
+    ``n_cfg`` rows, ``sc.src_of`` lists the configs ``accumulate_request_nb``
+    books (their count, then the configs).
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
     Returns (cache-rung evaluations, domain-rung evaluations) and the
@@ -191,7 +195,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     waiting count, -1 when none; fresh fleet workers).
     """
     n_fleet = fleet.shape[0]
-    n_cfg = sc.src_of.shape[0]
+    n_cfg = plan.group.shape[0]
     lim_vals = plan.lim_vals
     fl_vals = plan.fl_vals
     fleet_wait = sc.fleet_wait
@@ -326,163 +330,180 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     n_dist = 0
     n_rungs = 0
     gl_cfg = sc.gl_cfg
-    gl_new = sc.gl_new
+    gl_end = sc.gl_end
     fc_slot = sc.fc_slot
-    g = 0
-    li = 0
-    r = 0
-    lcl = 0
-    n_gated = 0
+    parent = plan.parent
     # configs in runs of one (group, limit): inside a run only the floor class
-    # can change the decision, so each run computes (or looks up) at most three
-    for t in range(n_cfg):
+    # can change the decision, so each run computes (or looks up) at most three.
+    # Each config whose decision differs from its parent's (and every config
+    # that is its own parent) goes on the booking list for accumulate.py.  Inside
+    # a run each config hangs off the one before (run_chunk_nb checks), so a
+    # config books exactly when its floor class's row differs from the previous
+    # config's, and a run whose limit gates no candidate decides alike
+    # throughout: only its first config can book.
+    n_book = 0
+    key = 0
+    rkey = draw_key_nb(seed, req_index)
+    t = 0
+    while t < n_cfg:
         c = gl_cfg[t]
-        if gl_new[t]:
-            g = group[c]
-            li = cfg_li[c]
-            wcol = gate_column_nb(k_scaling[c])
-            r = 1 if wcol == S_WAITING_PER_RANK else 0
-            lcl = lclass[r, li]
-            n_gated = gated_n[g, li]
-            fc_slot[0] = -1
-            fc_slot[1] = -1
-            fc_slot[2] = -1
-        fcl = fclass[r, cfg_fi[c]]
-        fc = fcl if n_gated > 0 else 0
-        src = fc_slot[fc]
-        if src >= 0:
-            src_of[c] = src
-            continue
-        key = (g * width + lcl) * 3 + fc
-        src = memo[key]
-        if src >= 0:
-            src_of[c] = src
-            fc_slot[fc] = src
-            continue
-        scratch_i[6, used] = key
-        used += 1
-        lim = k_limit[c]
-        all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
-        # the cache rung sees the limit only through the set of gated candidates
-        # (the gate is monotone in the limit, so their count names the set) and
-        # whether the fleet is all queued; the floor through its class: one
-        # evaluation per rung key, and a rung that chose decides the whole row
-        rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
-        rrow = rung[rk]
-        if rrow[_R_SET] == 1:
-            if rrow[_R_W] >= 0:
-                slot = rrow[_R_SLOT]
+        end = gl_end[t]
+        g = group[c]
+        li = cfg_li[c]
+        wcol = gate_column_nb(k_scaling[c])
+        r = 1 if wcol == S_WAITING_PER_RANK else 0
+        lcl = lclass[r, li]
+        n_gated = gated_n[g, li]
+        fc_slot[0] = -1
+        fc_slot[1] = -1
+        fc_slot[2] = -1
+        prev = -1
+        for tt in range(t, end):
+            c = gl_cfg[tt]
+            fcl = fclass[r, cfg_fi[c]]
+            fc = fcl if n_gated > 0 else 0
+            slot = fc_slot[fc]
+            if slot < 0:
+                key = (g * width + lcl) * 3 + fc
+                slot = memo[key]
+            if slot < 0:
+                scratch_i[6, used] = key
+                used += 1
+                lim = k_limit[c]
+                all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
+                # the cache rung sees the limit only through the set of gated candidates
+                # (the gate is monotone in the limit, so their count names the set) and
+                # whether the fleet is all queued; the floor through its class: one
+                # evaluation per rung key, and a rung that chose decides the whole row
+                rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
+                rrow = rung[rk]
+                if rrow[_R_SET] == 1 and rrow[_R_W] >= 0:
+                    slot = rrow[_R_SLOT]
+                else:
+                    slot = n_dist
+                    if rrow[_R_SET] == 1:
+                        for j in range(A_NCOLS):
+                            audit[j] = rrow[j]
+                        w = np.int64(-1)
+                        reason = rrow[_R_REASON]
+                        decision = rrow[_R_LABEL]
+                    else:
+                        w, reason, decision = cache_rung_with_nb(
+                            group_n[g], cands[g], L, snap, est, lim, k_floor[c],
+                            k_margin[c], k_guard[c] == 1,
+                            k_abs_tokens[c], k_abs_ms[c],
+                            k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
+                            k_pin_order[c] == PIN_LOCALITY)
+                        for j in range(A_NCOLS):
+                            rrow[j] = audit[j]
+                        rrow[_R_SET] = 1
+                        rrow[_R_W] = w
+                        rrow[_R_REASON] = reason
+                        rrow[_R_LABEL] = decision
+                        scratch_i[8, n_rungs] = rk
+                        n_rungs += 1
+                    failure = -1
+                    if w < 0:
+                        # the domain rungs depend on (group, limit class) only: computed once
+                        lk = g * width + lcl
+                        if ladder_w[lk] == -2:
+                            # the sampler's tier: the queue-gate tier (absent readings pass the
+                            # gate), or the whole fleet without a limit or when it is empty
+                            pool = scratch_i[0]
+                            m = 0
+                            if lim >= 0:
+                                fw = fleet_wait[r]
+                                for j in range(n_fleet):
+                                    x = fw[j]
+                                    pool[m] = fleet[j]
+                                    m += (x < lim) | (x == big)
+                            if m == 0:
+                                for j in range(n_fleet):
+                                    pool[j] = fleet[j]
+                                m = n_fleet
+                            lw, lr = domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, lim, wcol,
+                                                            k_choices[c], rkey, scratch_i[1], scratch_i[5])
+                            ladder_w[lk] = lw
+                            ladder_r[lk] = lr
+                            scratch_i[7, n_ladder] = lk
+                            n_ladder += 1
+                        w = ladder_w[lk]
+                        reason = ladder_r[lk]
+                        if w < 0:
+                            decision = -1
+                            failure = failure_of_nb(group_n[g] > 0, n_fleet)
+                    row = res_i[n_dist]
+                    row[O_WORKER] = w
+                    row[O_REASON] = reason
+                    row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
+                    row[O_DECISION] = decision
+                    row[O_FAILURE] = failure
+                    row[O_MATCHED_BLOCKS] = matched
+                    resolved = audit[A_REASON] != -2
+                    row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
+                    row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
+                    row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
+                    row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
+                    row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
+                    row[O_FELL_BACK] = audit[A_FELL_BACK]
+                    row[O_GUARD_COMPARED] = audit[A_COMPARED]
+                    row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
+                    row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
+                    if w >= 0:
+                        _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+                        row[O_SELECTED_BLOCKS] = sel_blocks
+                        row[O_UNCACHED_TOKENS] = uncached
+                        (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
+                         row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
+                        row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
+                        row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
+                        res_f[n_dist, F_SELECTED_QUEUE_MS] = est[w]
+                    else:
+                        row[O_SELECTED_BLOCKS] = 0
+                        row[O_UNCACHED_TOKENS] = -1
+                        row[O_LOST_CANDIDATES] = 0
+                        row[O_LOST_QUEUE_GATE] = 0
+                        row[O_LOST_CAPACITY] = 0
+                        row[O_LOST_TO] = -1
+                        row[O_SELECTED_WAITING] = -1
+                        row[O_SELECTED_WAITING_UNCACHED] = -1
+                        res_f[n_dist, F_SELECTED_QUEUE_MS] = np.nan
+                    # an outcome equal in every field to one computed before (another key can
+                    # decide alike) refers to that one, so it books as shared
+                    # (the float field is est[w] or NaN: equal whenever the worker is)
+                    for d in range(n_dist):
+                        rd = res_i[d]
+                        same = True
+                        for col in range(O_NCOLS):
+                            if rd[col] != row[col]:
+                                same = False
+                                break
+                        if same:
+                            slot = d
+                            break
+                    if slot == n_dist:
+                        n_dist += 1
+                    if rrow[_R_W] >= 0:
+                        rrow[_R_SLOT] = slot
                 memo[key] = slot
-                src_of[c] = slot
-                fc_slot[fc] = slot
-                continue
-            for j in range(A_NCOLS):
-                audit[j] = rrow[j]
-            w = np.int64(-1)
-            reason = rrow[_R_REASON]
-            decision = rrow[_R_LABEL]
-        else:
-            w, reason, decision = cache_rung_with_nb(
-                group_n[g], cands[g], L, snap, est, lim, k_floor[c],
-                k_margin[c], k_guard[c] == 1,
-                k_abs_tokens[c], k_abs_ms[c],
-                k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
-                k_pin_order[c] == PIN_LOCALITY)
-            for j in range(A_NCOLS):
-                rrow[j] = audit[j]
-            rrow[_R_SET] = 1
-            rrow[_R_W] = w
-            rrow[_R_REASON] = reason
-            rrow[_R_LABEL] = decision
-            scratch_i[8, n_rungs] = rk
-            n_rungs += 1
-        failure = -1
-        if w < 0:
-            # the domain rungs depend on (group, limit class) only: computed once
-            lk = g * width + lcl
-            if ladder_w[lk] == -2:
-                # the sampler's tier: the queue-gate tier (absent readings pass the
-                # gate), or the whole fleet without a limit or when it is empty
-                pool = scratch_i[0]
-                m = 0
-                if lim >= 0:
-                    fw = fleet_wait[r]
-                    for j in range(n_fleet):
-                        x = fw[j]
-                        pool[m] = fleet[j]
-                        m += (x < lim) | (x == big)
-                if m == 0:
-                    for j in range(n_fleet):
-                        pool[j] = fleet[j]
-                    m = n_fleet
-                lw, lr = domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, lim, wcol, k_choices[c],
-                                                seed, req_index, scratch_i[1], scratch_i[5])
-                ladder_w[lk] = lw
-                ladder_r[lk] = lr
-                scratch_i[7, n_ladder] = lk
-                n_ladder += 1
-            w = ladder_w[lk]
-            reason = ladder_r[lk]
-            if w < 0:
-                decision = -1
-                failure = failure_of_nb(group_n[g] > 0, n_fleet)
-        row = res_i[n_dist]
-        row[O_WORKER] = w
-        row[O_REASON] = reason
-        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
-        row[O_DECISION] = decision
-        row[O_FAILURE] = failure
-        row[O_MATCHED_BLOCKS] = matched
-        resolved = audit[A_REASON] != -2
-        row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
-        row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
-        row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
-        row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
-        row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
-        row[O_FELL_BACK] = audit[A_FELL_BACK]
-        row[O_GUARD_COMPARED] = audit[A_COMPARED]
-        row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
-        row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
-        if w >= 0:
-            _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
-            row[O_SELECTED_BLOCKS] = sel_blocks
-            row[O_UNCACHED_TOKENS] = uncached
-            (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
-             row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
-            row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
-            row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
-            res_f[n_dist, F_SELECTED_QUEUE_MS] = est[w]
-        else:
-            row[O_SELECTED_BLOCKS] = 0
-            row[O_UNCACHED_TOKENS] = -1
-            row[O_LOST_CANDIDATES] = 0
-            row[O_LOST_QUEUE_GATE] = 0
-            row[O_LOST_CAPACITY] = 0
-            row[O_LOST_TO] = -1
-            row[O_SELECTED_WAITING] = -1
-            row[O_SELECTED_WAITING_UNCACHED] = -1
-            res_f[n_dist, F_SELECTED_QUEUE_MS] = np.nan
-        # an outcome equal in every field to one computed before (another key can
-        # decide alike) refers to that one, so accumulate.py books it as shared
-        # (the float field is est[w] or NaN: equal whenever the worker is)
-        slot = n_dist
-        for d in range(n_dist):
-            rd = res_i[d]
-            same = True
-            for col in range(O_NCOLS):
-                if rd[col] != row[col]:
-                    same = False
-                    break
-            if same:
-                slot = d
+            fc_slot[fc] = slot
+            src_of[c] = slot
+            if tt > t:
+                if slot != prev:
+                    src_of[n_cfg + 1 + n_book] = c
+                    n_book += 1
+            else:
+                p = parent[c]
+                if p == c or src_of[p] != slot:
+                    src_of[n_cfg + 1 + n_book] = c
+                    n_book += 1
+            prev = slot
+            if n_gated == 0:
+                for t2 in range(tt + 1, end):
+                    src_of[gl_cfg[t2]] = slot
                 break
-        if slot == n_dist:
-            n_dist += 1
-        memo[key] = slot
-        src_of[c] = slot
-        fc_slot[fc] = slot
-        if rrow[_R_W] >= 0:
-            rrow[_R_SLOT] = slot
+        t = end
+    src_of[n_cfg] = n_book
     for u in range(used):
         memo[scratch_i[6, u]] = -1
     for u in range(n_ladder):
@@ -548,20 +569,28 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     m_off = matches.offsets
     fleet_w = fleets.workers
     parent = plan.parent
-    # the configs in runs of one (group, limit) (_decide_request's loop)
+    # the configs in runs of one (group, limit) (_decide_request's loop) and each
+    # run's end; _decide_request relies on the parents engine.encode_configs
+    # gives: inside a run each config hangs off the one before, and a run's
+    # first config off itself or a config of an earlier run
     gl_cfg = np.empty(n_cfg, dtype=np.int64)
-    gl_new = np.zeros(n_cfg, dtype=np.bool_)
-    placed = np.zeros(n_cfg, dtype=np.bool_)
+    gl_end = np.zeros(n_cfg, dtype=np.int64)
+    pos = np.full(n_cfg, -1, dtype=np.int64)
     t = 0
     for c in range(n_cfg):
-        if placed[c]:
+        if pos[c] >= 0:
             continue
-        gl_new[t] = True
+        t0 = t
         for c2 in range(c, n_cfg):
-            if not placed[c2] and plan.group[c2] == plan.group[c] and plan.li[c2] == plan.li[c]:
-                placed[c2] = True
+            if pos[c2] < 0 and plan.group[c2] == plan.group[c] and plan.li[c2] == plan.li[c]:
+                pos[c2] = t
                 gl_cfg[t] = c2
+                if t > t0 and parent[c2] != gl_cfg[t - 1]:
+                    raise ValueError("a config's parent is not the one before it in its (group, limit) run")
                 t += 1
+        gl_end[t0] = t
+        if parent[c] != c and not 0 <= pos[parent[c]] < t0:
+            raise ValueError("a run's first config hangs off a config of a later run")
     for b in numba.prange(n_blocks):
         table = tables[b]
         inflight = inflights[b]
@@ -590,11 +619,11 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             np.zeros(n_workers, dtype=np.bool_),
             np.zeros((n_cfg, O_NCOLS), dtype=np.int64),
             np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
-            np.zeros(n_cfg, dtype=np.int64),
+            np.zeros(2 * n_cfg + 1, dtype=np.int64),
             np.zeros(_HIST_MAX + 2, dtype=np.int64),
             np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
             gl_cfg,
-            gl_new,
+            gl_end,
             np.full(3, -1, dtype=np.int64),
         )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)

@@ -24,8 +24,19 @@ def mix64_nb(z):
 
 
 @njit
+def draw_key_nb(seed, req_index):
+    """The part of ``draw`` that depends on (seed, request) only: a request's
+    draws are ``draw_at_nb(key, 0)``, ``draw_at_nb(key, 1)``, ..."""
+    return mix64_nb(mix64_nb(np.uint64(seed)) ^ np.uint64(req_index))
+
+
+@njit
+def draw_at_nb(key, draw_index):
+    """draw(seed, request_index, draw_index) as a uint64, given ``draw_key_nb(seed, request_index)``."""
+    return mix64_nb(key ^ np.uint64(draw_index))
+
+
+@njit
 def draw_nb(seed, req_index, draw_index):
     """draw(seed, request_index, draw_index) as a uint64."""
-    a = mix64_nb(np.uint64(seed))
-    b = mix64_nb(a ^ np.uint64(req_index))
-    return mix64_nb(b ^ np.uint64(draw_index))
+    return draw_at_nb(draw_key_nb(seed, req_index), draw_index)
