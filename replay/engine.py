@@ -358,10 +358,16 @@ def decide_link() -> np.ndarray:
     """The grid kernel's ``link`` argument (``kernels/warm.py``: ``_decide_request``
     compiled or loaded, its address and signature), after the background
     compile if one is running (it links it, with the compile child's help)."""
+    global _RUN_SIG
     thread = _BACKGROUND
     if thread is not None and thread is not threading.current_thread():
         thread.join()
-    return warm.link(kernel_signatures()[one_pass.run_chunk_nb])
+    if _RUN_SIG is None:
+        _RUN_SIG = kernel_signatures()[one_pass.run_chunk_nb]
+    return warm.link(_RUN_SIG)
+
+
+_RUN_SIG: tuple | None = None
 
 
 def compile_in_background() -> threading.Thread:

@@ -284,6 +284,19 @@ def call_at(name: str, callee, restype):
     return _intrinsic(typer)
 
 
+def link_to(dispatcher, args: tuple):
+    """A :func:`call_at` link (int64 ``[address, fingerprint]``) to ``dispatcher``
+    compiled (or loaded from the cache) for the argument types ``args``."""
+    import numpy as np
+
+    dispatcher.compile(args)
+    cres = dispatcher.overloads[tuple(args)]
+    addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    if not addr:
+        raise RuntimeError(f"{dispatcher.py_func.__name__}: no native entry point after its compile")
+    return np.array([addr, fingerprint(cres.signature)], dtype=np.int64)
+
+
 def njit(fn):
     """``numba.njit`` with the options above and :class:`_Dispatcher`."""
     dispatcher = numba.njit(**JIT)(fn)

@@ -118,7 +118,7 @@ Scratch = namedtuple("Scratch", (
     "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
 
-# Each Scratch field's (dtype, ndim), as run_chunk_nb allocates it. Keep the two
+# Each Scratch field's (dtype, ndim), as new_scratch makes it. Keep the two
 # in step: a cold first start types the compile child's _decide_request from this
 # table (warm.inner_signatures), and tests/test_compile_child.py fails when the
 # parent then finds no cached _decide_request of the type it calls.

@@ -295,19 +295,13 @@ def link(run_sig: tuple) -> np.ndarray:
     if numba.config.DISABLE_JIT:
         return np.zeros(2, dtype=np.int64)
     with _LINK_LOCK:
+        if run_sig in _LINKS:
+            return _LINKS[run_sig]
         one_pass.run_chunk_nb.compile(run_sig)
         args = _decide_signature(run_sig)
-        if args in _LINKS:
-            return _LINKS[args]
         wait_for(dispatcher)
-        dispatcher.compile(args)
-        cres = dispatcher.overloads[args]
-        addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
-        if not addr:
-            raise RuntimeError("_decide_request: no native entry point after its compile")
-        out = np.array([addr, _jit.fingerprint(cres.signature)], dtype=np.int64)
-        _LINKS[args] = out
-        return out
+        _LINKS[run_sig] = _jit.link_to(dispatcher, args)
+        return _LINKS[run_sig]
 
 
 def child_main() -> None:
