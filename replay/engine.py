@@ -260,7 +260,8 @@ def close_block_pool() -> None:
 
 def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
                fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
-               keep: bool, out: layout.Outputs, totals: layout.Accumulators) -> None:
+               keep: bool, out: layout.Outputs, totals: layout.Accumulators, link: np.ndarray,
+               scratch: Callable[[], tuple]) -> None:
     """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s threads.
 
     The kernel is plain ``njit`` with ``nogil`` (not numba's ``parallel=True``,
@@ -268,15 +269,17 @@ def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockSta
     block's one-row slices of the block states and accumulators, so block
     ``k`` reads and writes exactly what it did as iteration ``k`` of a
     parallel loop, and the threads run the calls at once.  Every call has the
-    same argument types, so there is one specialization.
+    same argument types, so there is one specialization.  ``scratch()`` makes
+    a block's fresh working memory (``one_pass.new_scratch``).
     """
     def one(k: int) -> None:
+        sc, snapshot = scratch()
         one_pass.run_chunk_nb(
             layout.BlockStates(blocks.lo[k:k + 2], blocks.ptrs[k:k + 1], blocks.tables[k:k + 1],
                                blocks.inflights[k:k + 1]),
             req, matches, fleets, loads, dp, freshness_ns, knobs, plan, seed, max_matches, keep, out,
             layout.Accumulators(totals.acc[k:k + 1], totals.hist_wait[k:k + 1], totals.hist_div[k:k + 1],
-                                totals.stats[k:k + 1]))
+                                totals.stats[k:k + 1]), link, sc, snapshot)
 
     if pool is None or nb == 1:
         for k in range(nb):
@@ -312,7 +315,9 @@ def kernel_signatures() -> dict:
         layout.Outputs(np.zeros((layout.O_NCOLS, 1, 1), dtype=np.int64),
                        np.zeros((layout.F_NCOLS, 1, 1), dtype=np.float64),
                        np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)),
-        layout.Accumulators(totals._acc, totals.hist_wait, totals.hist_div, totals.stats))
+        layout.Accumulators(totals._acc, totals.hist_wait, totals.hist_div, totals.stats),
+        readonly(np.zeros(2, dtype=np.int64)),
+        *one_pass.new_scratch(enc.plan, 1, 1, 1, one_pass.config_runs(enc.plan)))
     return {one_pass.split_states_nb: tuple(numba.typeof(a) for a in split_args),
             one_pass.run_chunk_nb: tuple(numba.typeof(a) for a in run_args)}
 
@@ -327,9 +332,11 @@ def compile_kernels() -> None:
     signatures of :func:`kernel_signatures`.
 
     On a cold cache the compile uses both cores (``kernels/warm.py``): another
-    process compiles part of the kernel tree into the cache while this one
-    compiles its own part first, then the kernels, which load the other
-    process's part from the cache.
+    process compiles ``_decide_request``'s tree into the cache while this one
+    compiles its own part first, then the kernels (the grid kernel calls
+    ``_decide_request`` through its address, so neither waits for the other),
+    and last loads the other process's part from the cache and links it
+    (:func:`decide_link`).
     """
     sigs = kernel_signatures()
     with warm.both_cores(sigs) as first:
@@ -340,8 +347,27 @@ def compile_kernels() -> None:
                 pass
             finally:
                 done(dispatcher)
-        for dispatcher, sig in sigs.items():
-            dispatcher.compile(sig)
+        # the grid kernel first: the other process compiles split_states_nb
+        for dispatcher in sorted(sigs, key=lambda d: d is not one_pass.run_chunk_nb):
+            warm.wait_for(dispatcher)
+            dispatcher.compile(sigs[dispatcher])
+        warm.link(sigs[one_pass.run_chunk_nb])
+
+
+def decide_link() -> np.ndarray:
+    """The grid kernel's ``link`` argument (``kernels/warm.py``: ``_decide_request``
+    compiled or loaded, its address and signature), after the background
+    compile if one is running (it links it, with the compile child's help)."""
+    global _RUN_SIG
+    thread = _BACKGROUND
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+    if _RUN_SIG is None:
+        _RUN_SIG = kernel_signatures()[one_pass.run_chunk_nb]
+    return warm.link(_RUN_SIG)
+
+
+_RUN_SIG: tuple | None = None
 
 
 def compile_in_background() -> threading.Thread:
@@ -358,9 +384,14 @@ def compile_in_background() -> threading.Thread:
         except Exception:  # noqa: BLE001 - the replay's own call compiles again and raises
             pass
 
+    global _BACKGROUND
     thread = threading.Thread(target=run, name="compile-kernels", daemon=True)
+    _BACKGROUND = thread
     thread.start()
     return thread
+
+
+_BACKGROUND: threading.Thread | None = None
 
 
 def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
@@ -416,6 +447,13 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     dummy_f = np.zeros((layout.F_NCOLS, 1, n_cfg), dtype=np.float64)
     ptr = 0
     pool = _block_pool(numba.get_num_threads())
+    link = readonly(decide_link())
+    runs = one_pass.config_runs(enc.plan)
+    max_fleet = int(np.diff(fleets.offsets).max()) if fleets.offsets.shape[0] > 1 else 0
+
+    def scratch() -> tuple:
+        return one_pass.new_scratch(enc.plan, n_w, max_fleet, max_matches, runs)
+
     for start in range(0, n_req, chunk):
         stop = min(n_req, start + chunk)
         n = stop - start
@@ -442,7 +480,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                    fleets, loads, dp, int(freshness_ns), knobs, plan, int(seed), max_matches, keep,
                    layout.Outputs(out_i, out_f, fl_min, fl_fresh),
                    layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
-                                       totals.stats[:nb]))
+                                       totals.stats[:nb]), link, scratch)
         # the next chunk starts where the last block ended
         table[...] = tables[nb - 1]
         inflight[...] = inflights[nb - 1]

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import numba
+from llvmlite import ir as _ir
+from numba.core import cgutils as _cgutils
 from numba.core import types as _types
 from numba.core.registry import CPUDispatcher as _CPUDispatcher
+from numba.extending import intrinsic as _intrinsic
 
 _HERE = Path(__file__).resolve().parent
 
@@ -89,7 +93,108 @@ def _arraymath_without_scipy() -> None:
 
 _arraymath_without_scipy()
 
-JIT = dict(cache=True, nogil=True, boundscheck=False)
+
+def _plain_error_markup() -> None:
+    """Format numba's typing errors without colorama's stream wrapping.
+
+    Typing a kernel tries many overload templates and builds an error message
+    for each one that does not match (about 37,000 on a first start); each
+    message's markup wraps and unwraps ``sys.stdout``/``sys.stderr`` with
+    colorama (``errors.ColorShell``), about 0.45 CPU s of a first start's
+    compile.  The markup is built in a byte buffer and never written to those
+    streams, so a no-op shell gives the same messages.
+    """
+    from numba.core import errors
+
+    if getattr(errors, "ColorShell", None) is None:   # another numba, or no colorama: nothing to skip
+        return
+
+    class _NoShell:
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return None
+
+    errors.ColorShell = _NoShell
+
+
+_plain_error_markup()
+
+
+def _quiet_llvm_lock() -> None:
+    """Drop numba's ``numba:llvm_lock`` event callbacks.
+
+    numba broadcasts an event each time it takes llvmlite's lock (every LLVM
+    call: about 38,000 on a first start) so that each compile can time its
+    LLVM share for ``metadata["timers"]``, which nothing here reads; the
+    broadcasts cost about 0.6 CPU s of a first start's compile.
+    """
+    import llvmlite.binding.ffi as ffi
+
+    lock = getattr(getattr(ffi, "lib", None), "_lock", None)
+    callbacks = getattr(lock, "_cblist", None)
+    if not isinstance(callbacks, list):     # another llvmlite: leave it alone
+        return
+    callbacks[:] = [(acq, rel) for acq, rel in callbacks
+                    if getattr(acq, "__qualname__", "") != "_initialize_llvm_lock_event.<locals>.enter_fn"]
+
+
+def _fast_target_config_compare() -> None:
+    """Make numba's ``TargetConfig`` hashing and comparison cheap, with the same results.
+
+    Typing looks up every overload template's cache by the current compile
+    flags (about 30,000 lookups on a first start), and each ``__hash__`` and
+    ``__eq__`` built a dict of all 40-odd options through their properties:
+    about 1 CPU s.  The hash numba computes is that of the sorted option
+    *names* (``sorted`` of the values dict sorts its keys), the same for
+    every instance of a class, so it is kept per class; two configs of one
+    class are compared option by option as their properties read them (the
+    set value, else the option's default), without the properties and dicts.
+    """
+    from numba.core import targetconfig
+
+    cls = getattr(targetconfig, "TargetConfig", None)
+    if cls is None or "__hash__" not in cls.__dict__ or not hasattr(cls, "values"):
+        return
+    probe = cls()
+    if not isinstance(getattr(probe, "_values", None), dict):   # another numba: leave it alone
+        return
+    full_eq = cls.__eq__
+    hashes: dict = {}
+
+    def __hash__(self):
+        kind = type(self)
+        h = hashes.get(kind)
+        if h is None:
+            h = hashes[kind] = hash(tuple(sorted(self.values())))
+        return h
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return full_eq(self, other)
+        mine, theirs = self._values, other._values
+        if mine == theirs:
+            return True
+        for name, option in type(self).options.items():
+            a = mine.get(name, option.default)
+            b = theirs.get(name, option.default)
+            if a is not b and a != b:
+                return False
+        return True
+
+    cls.__hash__ = __hash__
+    cls.__eq__ = __eq__
+
+
+if not numba.config.DISABLE_JIT:
+    _quiet_llvm_lock()
+    _fast_target_config_compare()
+
+# ``no_cfunc_wrapper``: numba otherwise compiles a C-callable wrapper of every
+# kernel (for first-class function use, which no kernel makes: ``call_at``
+# calls the native entry point), about 0.8 CPU s of a first start plus its LLVM
+JIT = dict(cache=True, nogil=True, boundscheck=False, no_cfunc_wrapper=True)
 
 # ``{id(dispatcher): wait}``: called once, before a kernel's call to that
 # dispatcher is typed (``warm.py``: the first start's other process compiles it
@@ -116,6 +221,80 @@ class _Dispatcher(_CPUDispatcher):
                 wait()
         return super().get_call_template(tuple(_types.unliteral(a) for a in args),
                                          {k: _types.unliteral(v) for k, v in kws.items()})
+
+
+# ``{name: numba Signature}``: what each :func:`call_at` call site was typed
+# with in this process (``warm.py`` compiles the callee for it)
+CALL_AT_TYPED: dict = {}
+
+
+def fingerprint(sig) -> int:
+    """A number naming a kernel signature (its argument and return types)."""
+    return zlib.crc32(str(sig).encode())
+
+
+def call_at(name: str, callee, restype):
+    """``f(link, args)``: call the compiled kernel ``callee`` through the
+    address ``link[0]`` instead of linking it into the calling kernel.
+
+    numba links every kernel a kernel calls into the caller's LLVM module and
+    optimises and compiles that module as a whole, so the grid kernel's own
+    compile re-did its whole call tree (about 5 CPU s on a first start, after
+    every helper was ready).  Called through an address, the caller's module
+    holds only its own code: the caller and ``callee`` compile independently,
+    and at the same time in two processes (``warm.py``).  ``args`` is a tuple
+    of ``callee``'s arguments; ``link`` an int64 array: the address of
+    ``callee``'s native entry point compiled for exactly those argument types
+    and ``restype`` (``warm.link``), then :func:`fingerprint` of that
+    signature, which the call checks (a mismatch raises instead of calling
+    with the wrong layout).  Without the jit it is a plain call.
+    """
+    if numba.config.DISABLE_JIT:
+        def plain(link, args):
+            return callee(*args)
+        return plain
+
+    def typer(typingctx, link, args):
+        argtys = tuple(_types.unliteral(a) for a in args.types)
+        target = restype(*argtys)
+        CALL_AT_TYPED[name] = target
+        expect = fingerprint(target)
+
+        def codegen(context, builder, sig, llargs):
+            ary = context.make_array(sig.args[0])(context, builder, llargs[0])
+            addr = builder.load(ary.data)
+            got = builder.load(builder.gep(ary.data, [_ir.Constant(_ir.IntType(64), 1)]))
+            with builder.if_then(builder.icmp_unsigned("!=", got, _ir.Constant(got.type, expect)),
+                                 likely=False):
+                context.call_conv.return_user_exc(
+                    builder, RuntimeError, (f"{name}: the linked kernel was compiled for another signature",))
+            packed = sig.args[1]
+            values = [context.cast(builder, builder.extract_value(llargs[1], i), packed.types[i], argtys[i])
+                      for i in range(len(argtys))]
+            fnty = context.call_conv.get_function_type(restype, argtys)
+            fn = builder.inttoptr(addr, fnty.as_pointer())
+            status, res = context.call_conv.call_function(builder, fn, restype, argtys, values)
+            with _cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return res
+
+        return restype(link, args), codegen
+
+    typer.__name__ = f"call_{name}"
+    return _intrinsic(typer)
+
+
+def link_to(dispatcher, args: tuple):
+    """A :func:`call_at` link (int64 ``[address, fingerprint]``) to ``dispatcher``
+    compiled (or loaded from the cache) for the argument types ``args``."""
+    import numpy as np
+
+    dispatcher.compile(args)
+    cres = dispatcher.overloads[tuple(args)]
+    addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    if not addr:
+        raise RuntimeError(f"{dispatcher.py_func.__name__}: no native entry point after its compile")
+    return np.array([addr, fingerprint(cres.signature)], dtype=np.int64)
 
 
 def njit(fn):
@@ -145,7 +324,7 @@ def njit_inner(fn):
     Python or C-callable wrapper for it (the largest helpers take named tuples
     of a dozen arrays, whose unboxing code was compiled and optimised for
     nothing)."""
-    dispatcher = numba.njit(no_cpython_wrapper=True, no_cfunc_wrapper=True, **JIT)(fn)
+    dispatcher = numba.njit(no_cpython_wrapper=True, **JIT)(fn)
     if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1
         dispatcher.__class__ = _InnerDispatcher
     return dispatcher

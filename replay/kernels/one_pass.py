@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-import numba
 import numpy as np
+from numba.core import types
 
-from ._jit import njit, njit_inner
+from ._jit import call_at, njit, njit_inner
 from .accumulate import accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
@@ -120,7 +120,7 @@ Scratch = namedtuple("Scratch", (
     "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
 ), module=__name__)
 
-# Each Scratch field's (dtype, ndim), as run_chunk_nb allocates it. Keep the two
+# Each Scratch field's (dtype, ndim), as new_scratch makes it. Keep the two
 # in step: a cold first start types the compile child's _decide_request from this
 # table (warm.inner_signatures), and tests/test_compile_child.py fails when the
 # parent then finds no cached _decide_request of the type it calls.
@@ -145,6 +145,79 @@ _R_NCOLS = A_NCOLS + 5
 # floor; when every such value is at most this, one counting pass over the fleet
 # serves them all (else each value scans the fleet).
 _HIST_MAX = 1024
+
+
+def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(gl_cfg, gl_end, group_rep)`` of a grid plan (``layout.GridPlan``): the
+    configs in runs of one (group, limit), config order inside a run (runs in
+    the order of their first config); at the position where a run starts, the
+    position where it ends (0 inside a run); the first config of each group.
+
+    ``_decide_request`` relies on the parents ``engine.encode_configs`` gives:
+    inside a run each config hangs off the one before, and a run's first config
+    off itself or a config of an earlier run; a plan that breaks that is refused
+    (ValueError) rather than replayed wrong."""
+    group, li, parent = np.asarray(plan.group), np.asarray(plan.li), np.asarray(plan.parent)
+    n_cfg = group.shape[0]
+    gl_cfg = np.empty(n_cfg, dtype=np.int64)
+    gl_end = np.zeros(n_cfg, dtype=np.int64)
+    pos = np.full(n_cfg, -1, dtype=np.int64)
+    t = 0
+    for key in dict.fromkeys(zip(group.tolist(), li.tolist(), strict=True)):
+        members = np.flatnonzero((group == key[0]) & (li == key[1]))
+        first = int(members[0])
+        if parent[first] != first and not 0 <= pos[parent[first]] < t:
+            raise ValueError("a run's first config hangs off a config of a later run")
+        if np.any(parent[members[1:]] != members[:-1]):
+            raise ValueError("a config's parent is not the one before it in its (group, limit) run")
+        pos[members] = np.arange(t, t + members.shape[0])
+        gl_cfg[t:t + members.shape[0]] = members
+        gl_end[t] = t + members.shape[0]
+        t += members.shape[0]
+    group_rep = np.full(plan.n_groups, -1, dtype=np.int64)
+    for c in range(n_cfg - 1, -1, -1):
+        group_rep[group[c]] = c
+    return gl_cfg, gl_end, group_rep
+
+
+def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
+                runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Scratch, tuple]:
+    """One block's working memory for ``run_chunk_nb``: its ``Scratch`` and its
+    running snapshot ``(snap, est, oldest, dirty)`` (``snapshot.refresh_nb``),
+    all fresh; ``runs`` is :func:`config_runs` of the plan (read only, so
+    shared by every block).  Sizes: ``n_workers`` of the rank tables, the
+    largest fleet, the most matches of a request."""
+    n_groups = plan.n_groups
+    n_cfg = plan.group.shape[0]
+    n_lim = plan.lim_vals.shape[0]
+    width = max(n_workers, max_matches, n_cfg, 1) + 1
+    gl_cfg, gl_end, group_rep = runs
+    sc = Scratch(
+        np.full(n_groups * (max_fleet + 2) * 3, -1, dtype=np.int64),
+        np.zeros((2, n_lim), dtype=np.int64),
+        np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
+        np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
+        np.zeros(A_NCOLS, dtype=np.int64),
+        np.zeros((9, width), dtype=np.int64),
+        np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
+        np.zeros(n_groups, dtype=np.int64),
+        group_rep,
+        np.zeros((n_groups, n_lim), dtype=np.int64),
+        np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
+        np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
+        np.zeros(n_workers, dtype=np.bool_),
+        np.zeros((n_cfg, O_NCOLS), dtype=np.int64),
+        np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
+        np.zeros(2 * n_cfg + 1, dtype=np.int64),
+        np.zeros(_HIST_MAX + 2, dtype=np.int64),
+        np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
+        gl_cfg,
+        gl_end,
+        np.full(3, -1, dtype=np.int64),
+    )
+    snapshot = (np.zeros((n_workers, S_NCOLS), dtype=np.int64), np.full(n_workers, np.nan),
+                np.zeros(n_workers, dtype=np.int64), np.ones(n_workers, dtype=np.bool_))
+    return sc, snapshot
 
 
 @njit
@@ -513,16 +586,25 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     return n_rungs, n_ladder, fleet_min, n_fleet - n_absent
 
 
+# the grid kernel calls _decide_request through its address (``link``), not linked
+# into its own module (_jit.call_at; warm.link makes the link)
+_decide_request_at = call_at("_decide_request", _decide_request, types.UniTuple(types.int64, 4))
+
+
 @njit
 def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs, plan, seed,
-                 max_matches, keep, out, totals):
+                 max_matches, keep, out, totals, link, sc, snapshot):
     """Replay a chunk of requests under every config, one block of requests per thread.
 
     Arguments are the named tuples of ``kernels/layout.py``: ``blocks``
     (BlockStates), ``req`` (Requests), ``matches`` (Matches, offsets from the
     chunk's first request), ``fleets`` (Fleets), ``loads`` (LoadColumns),
     ``knobs`` (KnobArrays), ``plan`` (GridPlan), ``out`` (Outputs) and
-    ``totals`` (Accumulators).
+    ``totals`` (Accumulators); ``link`` is ``_decide_request``'s link
+    (``warm.link``: the address it is called through); ``sc`` and
+    ``snapshot`` the block's working memory as :func:`new_scratch` makes it
+    (made in Python: the allocations compiled numba's ``np.zeros``/``np.full``
+    overloads, about 20 of them, on a first start).
 
     Block ``b`` covers requests ``blocks.lo[b]..blocks.lo[b+1]`` and starts
     from its own copy of the load state (``split_states_nb``); it sweeps its
@@ -552,15 +634,8 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     hist_div = totals.hist_div
     stats = totals.stats
     n_blocks = block_lo.shape[0] - 1
-    n_workers = tables.shape[1]
     fleet_off = fleets.offsets
-    max_fleet = 0
-    for m in range(fleet_off.shape[0] - 1):
-        max_fleet = max(max_fleet, fleet_off[m + 1] - fleet_off[m])
-    n_groups = plan.n_groups
-    memo_size = n_groups * (max_fleet + 2) * 3
     n_cfg = plan.group.shape[0]
-    width = max(n_workers, max_matches, n_cfg, 1) + 1
     has_selected = req.selected_worker.shape[0] > 0
     req_ts = req.ts
     req_model = req.model
@@ -569,63 +644,13 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     m_off = matches.offsets
     fleet_w = fleets.workers
     parent = plan.parent
-    # the configs in runs of one (group, limit) (_decide_request's loop) and each
-    # run's end; _decide_request relies on the parents engine.encode_configs
-    # gives: inside a run each config hangs off the one before, and a run's
-    # first config off itself or a config of an earlier run
-    gl_cfg = np.empty(n_cfg, dtype=np.int64)
-    gl_end = np.zeros(n_cfg, dtype=np.int64)
-    pos = np.full(n_cfg, -1, dtype=np.int64)
-    t = 0
-    for c in range(n_cfg):
-        if pos[c] >= 0:
-            continue
-        t0 = t
-        for c2 in range(c, n_cfg):
-            if pos[c2] < 0 and plan.group[c2] == plan.group[c] and plan.li[c2] == plan.li[c]:
-                pos[c2] = t
-                gl_cfg[t] = c2
-                if t > t0 and parent[c2] != gl_cfg[t - 1]:
-                    raise ValueError("a config's parent is not the one before it in its (group, limit) run")
-                t += 1
-        gl_end[t0] = t
-        if parent[c] != c and not 0 <= pos[parent[c]] < t0:
-            raise ValueError("a run's first config hangs off a config of a later run")
-    for b in numba.prange(n_blocks):
+    if n_blocks != 1:
+        raise ValueError("run_chunk_nb replays one block per call (sc and snapshot are that block's)")
+    snap, est, oldest, dirty = snapshot
+    for b in range(n_blocks):
         table = tables[b]
         inflight = inflights[b]
         ptr = ptrs[b]
-        snap = np.zeros((n_workers, S_NCOLS), dtype=np.int64)
-        est = np.full(n_workers, np.nan)
-        oldest = np.zeros(n_workers, dtype=np.int64)
-        dirty = np.ones(n_workers, dtype=np.bool_)
-        group_rep = np.full(n_groups, -1, dtype=np.int64)
-        for c in range(n_cfg):
-            if group_rep[plan.group[c]] < 0:
-                group_rep[plan.group[c]] = c
-        sc = Scratch(
-            np.full(memo_size, -1, dtype=np.int64),
-            np.zeros((2, plan.lim_vals.shape[0]), dtype=np.int64),
-            np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
-            np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
-            np.zeros(A_NCOLS, dtype=np.int64),
-            np.zeros((9, width), dtype=np.int64),
-            np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
-            np.zeros(n_groups, dtype=np.int64),
-            group_rep,
-            np.zeros((n_groups, plan.lim_vals.shape[0]), dtype=np.int64),
-            np.full(n_groups * (max_fleet + 2), -2, dtype=np.int64),
-            np.zeros(n_groups * (max_fleet + 2), dtype=np.int64),
-            np.zeros(n_workers, dtype=np.bool_),
-            np.zeros((n_cfg, O_NCOLS), dtype=np.int64),
-            np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
-            np.zeros(2 * n_cfg + 1, dtype=np.int64),
-            np.zeros(_HIST_MAX + 2, dtype=np.int64),
-            np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
-            gl_cfg,
-            gl_end,
-            np.full(3, -1, dtype=np.int64),
-        )
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
         s_ladder = 0
@@ -637,10 +662,10 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
             lo = m_off[i]
             hi = m_off[i + 1]
-            n_rung, n_ladder, fleet_min[i], fleet_fresh[i] = _decide_request(
+            n_rung, n_ladder, fleet_min[i], fleet_fresh[i] = _decide_request_at(link, (
                 req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
                 matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
-                knobs, plan, seed, sc)
+                knobs, plan, seed, sc))
             s_rung += n_rung
             s_ladder += n_ladder
             sel = req_selected[i] if has_selected else -1

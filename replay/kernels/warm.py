@@ -7,24 +7,33 @@ kernel tree into the same on-disk cache (``cache=True``, the folder
 ``_jit.cache_dir()`` names) while this process compiles the rest; when this
 process's kernel then calls a function the other one compiled, numba finds it
 in the cache and loads it instead of compiling it again (``dispatcher.stats``
-counts a cache hit).  The split (measured per function with numba's
+counts a cache hit).  The grid kernel ``run_chunk_nb`` calls
+``_decide_request`` through its address (``_jit.call_at``, the ``link``
+argument :func:`link` makes), not linked into its own module, so the two
+compile independently: neither process waits for the other's kernel while
+it compiles its own.  The split (measured per function with numba's
 ``numba:compile`` events, nested compiles subtracted, on the sample sweep):
 
-* the other process: ``one_pass._decide_request`` and its helpers (about 11 of
-  the 28 CPU s), except ``cache_rung_with_nb``;
+* the other process: ``one_pass.split_states_nb`` (with
+  ``snapshot.advance_dirty_nb``, which the grid kernel loads from the cache),
+  then ``one_pass._decide_request`` and its helpers, except
+  ``cache_rung_with_nb``;
 * this process, first: ``decide.cache_rung_with_nb`` (about 4 s; the other
-  process waits for it when its ``_decide_request`` reaches the call), and
-  ``accumulate_request_nb`` (typed after ``_decide_request`` in the grid
-  kernel, so compiled beforehand); then ``split_states_nb`` and the grid
-  kernel itself, whose typing waits for the other process's
-  ``_decide_request`` (``_jit.BEFORE_TYPING``) and then loads it.
+  process waits for it when its ``_decide_request`` reaches the call) and
+  ``accumulate_request_nb``; then the grid kernel, then ``split_states_nb``
+  and ``_decide_request`` from the cache (:func:`wait_for` waits for the other
+  process's part first), whose address :func:`link` hands the grid kernel.
 
 The helpers' argument types are built here (:func:`inner_signatures`) the
 way ``run_chunk_nb`` passes them, its per-block scratch from
 ``one_pass.SCRATCH_TYPES``; ``tests/test_compile_child.py`` holds them to what
 a sweep compiles.  If they drift (a kernel body passes other types), nothing
 breaks: the other process compiles a specialization nobody uses and this one
-compiles the right one itself (the first start is then one core's again).
+compiles the right one itself (the first start is then one core's again):
+:func:`link` takes ``_decide_request``'s argument types from the grid kernel's
+own typing (or, on a warm start, from the file the compiling process wrote
+beside the cache), and the grid kernel checks the signature's fingerprint at
+each call.
 
 Only on a cold cache (the grid kernel's cache index missing or stale), never
 under ``NUMBA_DISABLE_JIT``, never when ``ROUTER_REPLAY_COMPILE_CHILD=0``.
@@ -60,6 +69,11 @@ ENV_SWITCH = "ROUTER_REPLAY_COMPILE_CHILD"
 LAST: dict = {}
 _ONCE = threading.Lock()
 _STARTED = False
+# ``{id(dispatcher): wait}``: called once before this process compiles or loads
+# that kernel itself (:func:`wait_for`; the other process compiles it into the cache)
+_WAITS: dict = {}
+_LINKS: dict = {}
+_LINK_LOCK = threading.Lock()
 
 
 def _arr(dtype, ndim: int, readonly: bool = False):
@@ -90,7 +104,7 @@ def inner_signatures(run_sig: tuple) -> dict:
 
 
 # the split: the child compiles these, in this order ...
-CHILD = ("_decide_request",)
+CHILD = ("split_states_nb", "_decide_request")
 # ... this process compiles these first (the child waits for the ones it calls)
 PARENT_FIRST = ("cache_rung_with_nb", "accumulate_request_nb")
 
@@ -199,7 +213,10 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
         LAST.update(mode="in-process")
         yield []
         return
-    jobs = [(n, _name(inner[n][0]), inner[n][1]) for n in CHILD]
+    from . import snapshot
+
+    table = {**inner, "split_states_nb": (one_pass.split_states_nb, kernel_sigs.get(one_pass.split_states_nb))}
+    jobs = [(n, _name(table[n][0]), table[n][1]) for n in CHILD if table[n][1] is not None]
     try:
         child = _Child(jobs, [_name(inner[n][0]) for n in PARENT_FIRST])
     except OSError:
@@ -207,8 +224,13 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
         yield []
         return
     LAST.update(mode="child", child_pid=child.proc.pid)
-    for n in CHILD:
-        _jit.BEFORE_TYPING[id(inner[n][0])] = lambda n=n: child.wait(n)
+    # this process waits for the child's part before it compiles (or types a call
+    # to) any of it: the grid kernel's advance_dirty_nb comes with split_states_nb
+    waits = {id(table[n][0]): n for n, _, _ in jobs}
+    if "split_states_nb" in child.done:
+        waits[id(snapshot.advance_dirty_nb)] = "split_states_nb"
+    for key, n in waits.items():
+        _jit.BEFORE_TYPING[key] = _WAITS[key] = (lambda n=n: child.wait(n))
 
     def parent_done(dispatcher) -> None:
         child.send(("done", _name(dispatcher)))
@@ -216,11 +238,70 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
     try:
         yield [(inner[n][0], inner[n][1], parent_done) for n in PARENT_FIRST]
     finally:
-        for n in CHILD:
-            _jit.BEFORE_TYPING.pop(id(inner[n][0]), None)
+        for key in waits:
+            _jit.BEFORE_TYPING.pop(key, None)
+            _WAITS.pop(key, None)
         child.close()
         if child.failed or child.proc.returncode not in (0, None):
             LAST.update(mode="child-failed")
+
+
+def wait_for(dispatcher) -> None:
+    """On a first start with the other process: wait until it has compiled
+    ``dispatcher`` into the cache, if that is its part (else return at once)."""
+    wait = _WAITS.pop(id(dispatcher), None)
+    if wait is not None:
+        wait()
+
+
+def _signature_file(run_sig: tuple) -> Path:
+    """Where the process that typed the grid kernel for ``run_sig`` keeps the
+    argument types it calls ``_decide_request`` with: beside the cache, whose
+    folder is named after the kernels' sources."""
+    key = _jit.fingerprint(tuple(run_sig))
+    return Path(numba.config.CACHE_DIR) / f"call_at-_decide_request-{key:08x}.pkl"
+
+
+def _decide_signature(run_sig: tuple) -> tuple:
+    """``_decide_request``'s argument types as the grid kernel calls it: as its
+    call was typed in this process (the grid kernel compiled here), else as
+    the process that compiled it wrote them beside the cache, else built
+    (:func:`inner_signatures`)."""
+    typed = _jit.CALL_AT_TYPED.get("_decide_request")
+    path = _signature_file(run_sig)
+    if typed is not None:
+        args = tuple(typed.args)
+        with contextlib.suppress(OSError):
+            tmp = path.with_name(f"{path.name}.{os.getpid()}")
+            tmp.write_bytes(pickle.dumps(args))
+            os.replace(tmp, path)
+        return args
+    with contextlib.suppress(Exception):  # missing, or unreadable: build them
+        args = pickle.loads(path.read_bytes())
+        if isinstance(args, tuple) and all(isinstance(a, types.Type) for a in args):
+            return args
+    return tuple(inner_signatures(run_sig)["_decide_request"][1])
+
+
+def link(run_sig: tuple) -> np.ndarray:
+    """The grid kernel's ``link`` argument (``_jit.call_at``): the address of
+    ``_decide_request`` compiled (or loaded from the cache) for the argument
+    types the grid kernel ``run_chunk_nb`` (signature ``run_sig``) passes,
+    and the fingerprint of that signature.  On a first start with the other
+    process, waits for it to have compiled ``_decide_request`` into the cache."""
+    from . import one_pass
+
+    dispatcher = one_pass._decide_request
+    if numba.config.DISABLE_JIT:
+        return np.zeros(2, dtype=np.int64)
+    with _LINK_LOCK:
+        if run_sig in _LINKS:
+            return _LINKS[run_sig]
+        one_pass.run_chunk_nb.compile(run_sig)
+        args = _decide_signature(run_sig)
+        wait_for(dispatcher)
+        _LINKS[run_sig] = _jit.link_to(dispatcher, args)
+        return _LINKS[run_sig]
 
 
 def child_main() -> None:
