@@ -347,7 +347,7 @@ def compile_kernels() -> None:
                 pass
             finally:
                 done(dispatcher)
-        # the grid kernel first: the other process compiles split_states_nb
+        # the grid kernel first (the other process meanwhile compiles _decide_request's tree)
         for dispatcher in sorted(sigs, key=lambda d: d is not one_pass.run_chunk_nb):
             warm.wait_for(dispatcher)
             dispatcher.compile(sigs[dispatcher])
