@@ -101,7 +101,7 @@ Scratch = namedtuple("Scratch", (
     "fclass",      # int64[2, fl_vals]: floor class of each distinct floor
     "fleet_wait",  # int64[2, max_fleet]: gate reading per fleet worker (huge when absent)
     "audit",       # int64[A_NCOLS]: the last cache resolution's audit
-    "ints",        # int64[8, width]: scratch rows of decide.py, rows 6/7 the keys to reset
+    "ints",        # int64[9, width]: scratch rows of decide.py, rows 6/7/8 the keys to reset (memo, ladder, rung)
     "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
     "group_n",     # int64[n_groups]: candidates kept per group
     "group_rep",   # int64[n_groups]: a config of each group
