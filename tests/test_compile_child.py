@@ -88,6 +88,46 @@ def test_warm_start_starts_no_child(cold, tmp_path):
     assert _decisions(tmp_path / "run").equals(_decisions(first_run))
 
 
+# a warm start of the sample sweep, then a kernel compiled in the same process
+_WARM_THEN_COMPILE = r"""
+import json, sys
+import numba
+from replay.sweep import run_sweep
+run_sweep(sys.argv[1], json.loads(sys.argv[3]), out=sys.argv[2])
+loaded = sorted(m for m in ("numba.cpython.listobj", "numba.cpython.setobj", "numba.core.typing.cffi_utils",
+                            "numba.np.random.generator_methods") if m in sys.modules)
+
+@numba.njit
+def distinct_sorted(xs):
+    seen = set()
+    out = []
+    for x in xs:
+        if x not in seen:
+            seen.add(x)
+            out.append(x)
+    out.sort()
+    return out
+
+print(json.dumps({"loaded": loaded, "compiled": distinct_sorted([3, 1, 3, 2, 1])}))
+"""
+
+
+def test_warm_start_loads_kernels_without_numbas_registries(cold, tmp_path):
+    """Loading the kernels from the cache skips numba's registry refresh
+    (``_jit._CacheLoadsOnly``): none of its list, set, cffi or random
+    implementations is imported by a warm sweep, whose decisions are the cold
+    run's; a kernel compiled afterwards in the same process still finds them."""
+    cache, first_run, _ = cold
+    p = subprocess.run([sys.executable, "-c", _WARM_THEN_COMPILE, str(SAMPLE), str(tmp_path / "run"), GRID],
+                       env={**os.environ, "PYTHONPATH": str(REPO), "NUMBA_CACHE_DIR": str(cache)},
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["loaded"] == []
+    assert rep["compiled"] == [1, 2, 3]
+    assert _decisions(tmp_path / "run").equals(_decisions(first_run))
+
+
 def test_a_killed_child_leaves_the_sweep_to_compile_everything(cold, tmp_path):
     """The child is SIGKILLed as soon as it starts: the sweep compiles every
     kernel in-process (its helpers with exactly the signatures warm.py builds)

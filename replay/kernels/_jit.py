@@ -31,7 +31,9 @@ import numba
 from llvmlite import ir as _ir
 from numba.core import cgutils as _cgutils
 from numba.core import types as _types
+from numba.core.caching import FunctionCache as _FunctionCache
 from numba.core.registry import CPUDispatcher as _CPUDispatcher
+from numba.core.runtime.nrt import rtsys as _rtsys
 from numba.extending import intrinsic as _intrinsic
 
 _HERE = Path(__file__).resolve().parent
@@ -91,7 +93,26 @@ def _arraymath_without_scipy() -> None:
     arraymath.ensure_blas = real
 
 
-_arraymath_without_scipy()
+def _registries_when_compiling() -> None:
+    """Import ``numba.np.arraymath`` (:func:`_arraymath_without_scipy`) when numba
+    first loads its registries, not when this module is imported: a cached
+    start of our kernels loads none (:class:`_CacheLoadsOnly`), so it need not
+    import that module at all."""
+    from numba.core import cpu
+
+    real = cpu.CPUContext.__dict__.get("load_additional_registries")
+    if real is None:        # another numba: import it now, as before
+        _arraymath_without_scipy()
+        return
+
+    def load_additional_registries(self):
+        _arraymath_without_scipy()
+        return real(self)
+
+    cpu.CPUContext.load_additional_registries = load_additional_registries
+
+
+_registries_when_compiling()
 
 
 def _plain_error_markup() -> None:
@@ -223,6 +244,36 @@ class _Dispatcher(_CPUDispatcher):
                                          {k: _types.unliteral(v) for k, v in kws.items()})
 
 
+class _CacheLoadsOnly(_FunctionCache):
+    """numba's on-disk cache of one kernel, except that loading a kernel from it
+    does not first fill numba's typing and lowering registries.
+
+    numba refreshes its whole compile context before every cache load, and the
+    first refresh imports and registers every built-in implementation (lists,
+    sets, ``np.random``, cffi, ...): about 0.2 s of the sample sweep's 1.9 s
+    cached start, though loading compiled code needs none of them.  It needs
+    numba's runtime (the allocator's symbols, which the cached code calls), so
+    that is initialised here; a kernel that does compile still gets the
+    refresh, from numba's compiler, before it is typed.
+    """
+
+    def load_overload(self, sig, target_context):
+        # a cached kernel that used one of numba's numpy implementations imports
+        # the module holding it as it loads: ``numba.np.arraymath``, whose import
+        # is made without the BLAS probe
+        _arraymath_without_scipy()
+        _rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+
+def _loads_only(dispatcher) -> None:
+    cache = getattr(dispatcher, "_cache", None)
+    if type(cache) is _FunctionCache and hasattr(cache, "_load_overload") \
+            and hasattr(cache, "_guard_against_spurious_io_errors"):   # else another numba: keep its cache
+        cache.__class__ = _CacheLoadsOnly
+
+
 # ``{name: numba Signature}``: what each :func:`call_at` call site was typed
 # with in this process (``warm.py`` compiles the callee for it)
 CALL_AT_TYPED: dict = {}
@@ -302,6 +353,7 @@ def njit(fn):
     dispatcher = numba.njit(**JIT)(fn)
     if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1 (the plain-Python runs)
         dispatcher.__class__ = _Dispatcher
+        _loads_only(dispatcher)
     return dispatcher
 
 
@@ -327,4 +379,5 @@ def njit_inner(fn):
     dispatcher = numba.njit(no_cpython_wrapper=True, **JIT)(fn)
     if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1
         dispatcher.__class__ = _InnerDispatcher
+        _loads_only(dispatcher)
     return dispatcher
