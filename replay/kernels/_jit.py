@@ -348,9 +348,32 @@ def link_to(dispatcher, args: tuple):
     return np.array([addr, fingerprint(cres.signature)], dtype=np.int64)
 
 
-def njit(fn):
-    """``numba.njit`` with the options above and :class:`_Dispatcher`."""
-    dispatcher = numba.njit(**JIT)(fn)
+def _options(allocates: bool) -> dict:
+    """numba's options for a kernel; ``allocates=False`` compiles it without
+    numba's reference counting (NRT).
+
+    With NRT, a kernel counts a reference (an atomic add, then an atomic
+    subtract) for every array it takes, every array inside a named-tuple
+    argument and every view it makes, on every call.  The grid pass's hot
+    kernels take named tuples of 10 to 21 arrays and make views per request,
+    and LLVM removes few of those pairs across a call: the counting was about
+    45% of the 152-config grid's time (issue 13, benches/README.md).  A kernel
+    that allocates no array and returns none needs no counting: every array it
+    sees belongs to its caller, which outlives the call.  Such a kernel is
+    marked ``allocates=False``; one that does allocate (``np.zeros`` ...) then
+    fails to compile instead of running wrong.  Mark a kernel only when
+    neither it nor anything it calls allocates or returns an array: a kernel
+    it calls that is typed while it compiles inherits the setting.
+    """
+    return JIT if allocates else {**JIT, "_nrt": False}
+
+
+def njit(fn=None, *, allocates: bool = True):
+    """``numba.njit`` with the options above and :class:`_Dispatcher`
+    (``@njit`` or ``@njit(allocates=False)``, see :func:`_options`)."""
+    if fn is None:
+        return lambda f: njit(f, allocates=allocates)
+    dispatcher = numba.njit(**_options(allocates))(fn)
     if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1 (the plain-Python runs)
         dispatcher.__class__ = _Dispatcher
         _loads_only(dispatcher)
@@ -371,12 +394,14 @@ class _InnerDispatcher(_Dispatcher):
                         "(replay/kernels/_jit.py: njit_inner)")
 
 
-def njit_inner(fn):
+def njit_inner(fn=None, *, allocates: bool = True):
     """``njit`` for a kernel that only other kernels call: numba generates no
     Python or C-callable wrapper for it (the largest helpers take named tuples
     of a dozen arrays, whose unboxing code was compiled and optimised for
-    nothing)."""
-    dispatcher = numba.njit(no_cpython_wrapper=True, **JIT)(fn)
+    nothing).  ``allocates`` as for :func:`njit`."""
+    if fn is None:
+        return lambda f: njit_inner(f, allocates=allocates)
+    dispatcher = numba.njit(no_cpython_wrapper=True, **_options(allocates))(fn)
     if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1
         dispatcher.__class__ = _InnerDispatcher
         _loads_only(dispatcher)

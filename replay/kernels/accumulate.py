@@ -86,7 +86,7 @@ _WORKER_QUEUED = labels.CACHE_WORKER_QUEUED
 _N_BOUNDS = len(labels.DIVERTED_BUCKETS)
 
 
-@njit
+@njit(allocates=False)
 def diverted_bucket_nb(v):
     """Index of the first bound 1, 2, 4, ..., 8192 with ``v <= bound``; the last index is +Inf."""
     b = 0
@@ -97,7 +97,7 @@ def diverted_bucket_nb(v):
     return b
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def _book_nb(a, hw, hd, c, row, ms, q, selected_worker, sign):
     """Add ``sign`` times decision ``row`` (``O_*`` fields; ``ms`` its selected
     queue estimate) to config ``c``'s accumulators."""
@@ -173,7 +173,7 @@ def _book_nb(a, hw, hd, c, row, ms, q, selected_worker, sign):
         hd[diverted_bucket_nb(row[O_BEST_REJECTED_BLOCKS]), c] += sign
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 
@@ -222,7 +222,7 @@ def fold_parents(acc, hist_wait, hist_div, parent):
             hist_div[:, c] += hist_div[:, p]
 
 
-@njit
+@njit(allocates=False)
 def book_block_constants_nb(acc, b, parent, n_requests, n_with_selected):
     """Book the per-request constants of a block: every config saw every request
     (parents only: children inherit them through ``fold_parents``)."""

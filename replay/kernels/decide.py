@@ -93,7 +93,7 @@ PIN_LOCALITY = KNOBS["variant_pin_order"].choices.index("locality")
 SCALING_PER_WORKER = KNOBS["variant_floor_scaling"].choices.index("per-worker")
 
 
-@njit
+@njit(allocates=False)
 def gate_column_nb(floor_scaling):
     """The snapshot column the queue gate and the floor read under a floor-scaling code."""
     return S_WAITING_PER_RANK if floor_scaling == SCALING_PER_WORKER else S_WAITING
@@ -101,7 +101,7 @@ def gate_column_nb(floor_scaling):
 
 # ---------------------------------------------------------------------------
 # Section 3.1 / 3.2 / 3.6: queue readings
-@njit
+@njit(allocates=False)
 def gate_admits_nb(snap, w, limit, wcol):
     """queue_gate_admits: no limit or no fresh basic sample admits; else waiting < limit.
 
@@ -116,7 +116,7 @@ def gate_admits_nb(snap, w, limit, wcol):
     return snap[w, wcol] < limit
 
 
-@njit
+@njit(allocates=False)
 def fleet_all_queued_nb(snap, fleet, limit, wcol):
     """fleet_is_all_queued (3.2): a limit, a non-empty fleet, every worker gated out."""
     if limit < 0 or fleet.shape[0] == 0:
@@ -127,7 +127,7 @@ def fleet_all_queued_nb(snap, fleet, limit, wcol):
     return True
 
 
-@njit
+@njit(allocates=False)
 def any_fresh_queue_below_nb(snap, fleet, floor, wcol):
     """any_fresh_queue_below (3.6): some fleet worker with a fresh basic sample reads waiting < floor."""
     for w in fleet:
@@ -138,14 +138,14 @@ def any_fresh_queue_below_nb(snap, fleet, floor, wcol):
 
 # ---------------------------------------------------------------------------
 # Section 3.5 / 4.1: capacity
-@njit
+@njit(allocates=False)
 def has_kv_capacity_nb(snap, w, tokens):
     if snap[w, S_NATIVE] == 0:
         return True
     return snap[w, S_RUNNING] + 1 <= snap[w, S_MAXRUN] and snap[w, S_TOTAL] + tokens <= snap[w, S_MAXTOT]
 
 
-@njit
+@njit(allocates=False)
 def cache_candidate_admitted_nb(snap, w, L, uncached, budget):
     """is_cache_candidate_admitted: KV check on the full input, pending budget on uncached work."""
     if snap[w, S_NATIVE] == 0:
@@ -155,7 +155,7 @@ def cache_candidate_admitted_nb(snap, w, L, uncached, budget):
     return budget < 0 or snap[w, S_WU] + uncached <= budget
 
 
-@njit
+@njit(allocates=False)
 def prefill_admitted_nb(snap, w, L):
     """is_prefill_admitted with no range pending budget (no bucket config, section 0 item 8)."""
     return has_kv_capacity_nb(snap, w, L)
@@ -163,7 +163,7 @@ def prefill_admitted_nb(snap, w, L):
 
 # ---------------------------------------------------------------------------
 # Section 3.7: pressure comparisons (-1 less, 0 equal, 1 greater)
-@njit
+@njit(allocates=False)
 def _cmp_int(a, b):
     if a < b:
         return -1
@@ -172,7 +172,7 @@ def _cmp_int(a, b):
     return 0
 
 
-@njit
+@njit(allocates=False)
 def cmp_tuple_nb(snap, a, b):
     """(waiting_uncached, waiting_reqs, running_reqs) lexicographically."""
     c = _cmp_int(snap[a, S_WU], snap[b, S_WU])
@@ -184,7 +184,7 @@ def cmp_tuple_nb(snap, a, b):
     return _cmp_int(snap[a, S_RUNNING], snap[b, S_RUNNING])
 
 
-@njit
+@njit(allocates=False)
 def cmp_load_nb(snap, est, a, b):
     """compare_prefill_load: both estimates -> ms, then the tuple; else the tuple."""
     ea = est[a]
@@ -197,7 +197,7 @@ def cmp_load_nb(snap, est, a, b):
     return cmp_tuple_nb(snap, a, b)
 
 
-@njit
+@njit(allocates=False)
 def cmp_set_nb(snap, est, a, b, engine):
     """CandidateLoads.compare_prefill_pressure for a set whose coverage flag is ``engine``."""
     if engine:
@@ -207,13 +207,13 @@ def cmp_set_nb(snap, est, a, b, engine):
     return _cmp_int(snap[a, S_INFLIGHT], snap[b, S_INFLIGHT])
 
 
-@njit
+@njit(allocates=False)
 def cmp_pair_nb(snap, est, a, b):
     """The free pairwise compare_prefill_pressure(a, b, snapshot) used by the sampler."""
     return cmp_set_nb(snap, est, a, b, snap[a, S_NATIVE] == 1 and snap[b, S_NATIVE] == 1)
 
 
-@njit
+@njit(allocates=False)
 def set_coverage_nb(snap, est, workers, n):
     """(compare_engine, every native entry has an estimate) of CandidateLoads over workers[:n]."""
     if n == 0:
@@ -228,7 +228,7 @@ def set_coverage_nb(snap, est, workers, n):
     return True, all_est
 
 
-@njit
+@njit(allocates=False)
 def pressure_source_nb(engine, all_est):
     if engine and all_est:
         return SRC_MS
@@ -239,7 +239,7 @@ def pressure_source_nb(engine, all_est):
 
 # ---------------------------------------------------------------------------
 # Section 2: cache candidate preparation
-@njit
+@njit(allocates=False)
 def candidate_limit_nb(n_fleet, cmin, cratio, cmax):
     """K = min(n_fleet, max_workers, max(min_workers, ceil(clamp(ratio, 0, 1) * n_fleet)))."""
     r = cratio
@@ -251,13 +251,13 @@ def candidate_limit_nb(n_fleet, cmin, cratio, cmax):
     return min(n_fleet, cmax, k)
 
 
-@njit
+@njit(allocates=False)
 def estimate_matched_tokens_nb(L, blocks, query_blocks):
     """H = floor(L * blocks / max(query_blocks, 1)) with blocks already capped."""
     return (L * blocks) // max(query_blocks, 1)
 
 
-@njit
+@njit(allocates=False)
 def _seed_before(snap, est, cand, i, j, engine, all_est):
     """Seed order (2, step 8; section 0 item 7): H desc, pressure asc over the set, id asc."""
     hi = cand[i, C_H]
@@ -279,7 +279,7 @@ def _seed_before(snap, est, cand, i, j, engine, all_est):
     return a < b
 
 
-@njit
+@njit(allocates=False)
 def prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
                           min_tokens, min_ratio, cmin, cratio, cmax, seen, cand, tmp_workers):
     """cache_candidate_proposal: fill ``cand`` rows in seed order; return the kept count.
@@ -337,7 +337,7 @@ def prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet
 
 # ---------------------------------------------------------------------------
 # Section 3.8: the tournament's pairwise compare
-@njit
+@njit(allocates=False)
 def _materially_more(snap, est, x, y, engine, abs_tokens, abs_ms, rel):
     if not engine:
         return False
@@ -349,7 +349,7 @@ def _materially_more(snap, est, x, y, engine, abs_tokens, abs_ms, rel):
     return diff > abs_tokens and wx > wy * rel
 
 
-@njit
+@njit(allocates=False)
 def _tournament_cmp(snap, est, lw, le, rw, re, engine, margin, guard, abs_tokens, abs_ms, rel):
     d = le - re if le > re else re - le
     if d <= margin and guard:
@@ -368,7 +368,7 @@ def _tournament_cmp(snap, est, lw, le, rw, re, engine, margin, guard, abs_tokens
 
 # ---------------------------------------------------------------------------
 # Section 3: resolve_cache_candidates
-@njit
+@njit(allocates=False)
 def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
                      abs_tokens, abs_ms, rel, audit, ev, rj, adm, tmp, wcol, pin_locality):
     """Resolve prepared candidates ``cand[:n]``; write the audit; return the selected worker or -1.
@@ -383,7 +383,7 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
                                  wcol, pin_locality)
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
                           rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality):
     """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
@@ -512,7 +512,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
 
 # ---------------------------------------------------------------------------
 # Section 4.2: the min-load sampler
-@njit
+@njit(allocates=False)
 def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, pool, idx):
     """best_two_of_sample over the queue-gate tier of ``workers``.
 
@@ -531,7 +531,7 @@ def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, po
     return sample_from_pool_nb(snap, est, pool, m, k, draw_key_nb(seed, req_index), draw, idx)
 
 
-@njit
+@njit(allocates=False)
 def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
     """best_two_of_sample over the tier ``pool[:m]`` already chosen (``sample_pair_nb``);
     ``key`` is the request's ``rng.draw_key_nb``.
@@ -600,7 +600,7 @@ def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
 
 # ---------------------------------------------------------------------------
 # Section 4.1: resolve_prefill_admitted (strict, with the two-tier range fallback)
-@njit
+@njit(allocates=False)
 def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, wcol, pool):
     """Returns (worker, reason) or (-1, -1)."""
     p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit, wcol)
@@ -632,7 +632,7 @@ def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, wcol, pool)
 
 # ---------------------------------------------------------------------------
 # Section 5.4 and section 0 items 10, 13, 16
-@njit
+@njit(allocates=False)
 def locality_nb(L, query_blocks, best_prefix, m_worker, m_blocks, w):
     """(query, matched, selected, uncached_tokens) of a decision that chose worker ``w``.
 
@@ -654,7 +654,7 @@ def locality_nb(L, query_blocks, best_prefix, m_worker, m_blocks, w):
 
 # ---------------------------------------------------------------------------
 # The locality waterfall (docs/replay-model.md "Where locality goes")
-@njit
+@njit(allocates=False)
 def waterfall_nb(matched, selected, reason, audit):
     """(lost_candidates, lost_queue_gate, lost_capacity, lost_to) of a routed decision.
 
@@ -708,7 +708,7 @@ def waterfall_nb(matched, selected, reason, audit):
 
 # ---------------------------------------------------------------------------
 # Section 5.3
-@njit
+@njit(allocates=False)
 def fallback_decision_nb(rejected, evaluated, all_queued):
     """cache_aware_fallback_decision(rejected, evaluated, fleet_all_queued)."""
     if rejected == 0:
@@ -722,7 +722,7 @@ def fallback_decision_nb(rejected, evaluated, all_queued):
 
 # ---------------------------------------------------------------------------
 # Section 8: the whole selection of one request under one config
-@njit
+@njit(allocates=False)
 def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap, est, knobs, c,
                       seed, req_index, audit, scratch_i, cand, seen):
     """Run the ladder for config ``c`` of ``knobs`` (``layout.KnobArrays``);
@@ -749,7 +749,7 @@ def select_prefill_nb(L, query_blocks, m_worker, m_blocks, in_fleet, fleet, snap
                               knobs.variant_pin_order[c] == PIN_LOCALITY)
 
 
-@njit
+@njit(allocates=False)
 def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
                   rel, audit, scratch_i, wcol, pin_locality):
     """Section 8's cache rung (see ``cache_rung_with_nb``)."""
@@ -760,7 +760,7 @@ def cache_rung_nb(n, cand, L, fleet, snap, est, limit, floor, margin, guard, abs
                               wcol, pin_locality)
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
                        rel, audit, scratch_i, all_queued, any_below, wcol, pin_locality):
     """Section 8's cache rung: returns (worker, reason, label).
@@ -788,7 +788,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
                                         audit[A_ALL_QUEUED] == 1)
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratch_i):
     """Section 4's domain rungs over the one global domain: (worker, reason).
 
@@ -814,7 +814,7 @@ def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratc
     return w, CAPACITY_FALLBACK
 
 
-@njit
+@njit(allocates=False)
 def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, key, work, idx):
     """``domain_rungs_nb`` given the sampler's tier ``pool[:m]`` (the queue-gate
     tier of ``fleet`` under ``limit``, or the whole fleet when that is empty or
@@ -839,7 +839,7 @@ def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, key, wo
     return w, CAPACITY_FALLBACK
 
 
-@njit
+@njit(allocates=False)
 def failure_of_nb(resolved, n_fleet):
     """The failure reason of a selection that found no worker (section 4, step 3)."""
     if n_fleet > 0:
@@ -847,7 +847,7 @@ def failure_of_nb(resolved, n_fleet):
     return FAIL_CACHE if resolved else FAIL_EMPTY
 
 
-@njit
+@njit(allocates=False)
 def select_prepared_nb(n, cand, L, fleet, snap, est, limit, floor, k, margin, guard, abs_tokens,
                        abs_ms, rel, seed, req_index, audit, scratch_i, wcol, pin_locality):
     """The ladder of ``select_prefill_nb`` after candidate preparation.

@@ -241,7 +241,7 @@ def split_states_nb(ptr, block_ts, loads, dp_size, table, inflight, tables, infl
     return ptr
 
 
-@njit
+@njit(allocates=False)
 def _count_below(values, n, bound):
     """How many of ``values[:n]`` are below ``bound`` (absent readings are stored huge)."""
     cnt = 0
@@ -250,7 +250,7 @@ def _count_below(values, n, bound):
     return cnt
 
 
-@njit_inner
+@njit_inner(allocates=False)
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
                     est, knobs, plan, seed, sc):
     """Decide one request under every config.
@@ -591,7 +591,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
 _decide_request_at = call_at("_decide_request", _decide_request, types.UniTuple(types.int64, 4))
 
 
-@njit
+@njit(allocates=False)
 def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs, plan, seed,
                  max_matches, keep, out, totals, link, sc, snapshot):
     """Replay a chunk of requests under every config, one block of requests per thread.

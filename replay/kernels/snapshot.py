@@ -62,7 +62,7 @@ def advance_nb(ptr, upto_ts, loads, dp_size, table, inflight):
                             np.zeros(inflight.shape[0], dtype=np.bool_))
 
 
-@njit
+@njit(allocates=False)
 def advance_dirty_nb(ptr, upto_ts, loads, dp_size, table, inflight, dirty):
     """``advance_nb`` that also marks every worker a sample touched in ``dirty``.
 
@@ -108,7 +108,7 @@ def advance_dirty_nb(ptr, upto_ts, loads, dp_size, table, inflight, dirty):
     return ptr
 
 
-@njit
+@njit(allocates=False)
 def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est):
     """Fill snapshot row ``out`` (and ``out_est[0]``) for worker ``w`` at time ``now``.
 
@@ -191,7 +191,7 @@ def capture_all_nb(table, inflight, dp_size, now, freshness, snap, est):
         est[w] = tmp[0]
 
 
-@njit
+@njit(allocates=False)
 def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty):
     """Bring a running snapshot to time ``now``: recapture the workers a sample
     touched since the last call, and drop the ones whose oldest rank has aged
@@ -199,12 +199,10 @@ def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirt
     only through a new sample, which marks it dirty).  Equal to
     ``capture_all_nb(now)`` whenever every worker was dirty or captured before.
     """
-    tmp = np.empty(1, dtype=np.float64)
     for w in range(snap.shape[0]):
         if dirty[w]:
             dirty[w] = False
-            oldest[w] = capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], tmp)
-            est[w] = tmp[0]
+            oldest[w] = capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], est[w:w + 1])
         elif snap[w, S_BASIC] == 1 and now - oldest[w] > freshness:
             for j in range(S_NCOLS):
                 snap[w, j] = 0
@@ -236,7 +234,7 @@ def carry_mask_nb(load_worker, load_rank, load_inflight, n_ranks, keep):
             keep[i] = True
 
 
-@njit
+@njit(allocates=False)
 def fleet_reading_nb(snap, fleet):
     """``(smallest fresh basic waiting count, fresh workers)`` over the worker ids
     ``fleet`` of a captured snapshot; -1 as the count when none is fresh."""
