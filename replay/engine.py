@@ -211,8 +211,12 @@ CHUNK_REQUESTS = 1 << 17
 
 
 def _blocks_per_chunk(threads: int | None) -> int:
+    # four blocks per thread: a chunk ends when its slowest block does, and a
+    # block's cost follows the fleet's load (up to 2x between parts of the bench
+    # trace); with two per thread, 152 configs on 2 threads ran 48-53 M
+    # decisions/s, with four 56-57 (issue 13)
     n = threads if threads is not None else numba.get_num_threads()
-    return max(1, 2 * int(n))
+    return max(1, 4 * int(n))
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -261,7 +265,7 @@ def close_block_pool() -> None:
 def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
                fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
                keep: bool, out: layout.Outputs, totals: layout.Accumulators, link: np.ndarray,
-               scratch: Callable[[], tuple]) -> None:
+               scratch: Callable[[], tuple], beside: Callable[[], None] | None = None) -> None:
     """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s threads.
 
     The kernel is plain ``njit`` with ``nogil`` (not numba's ``parallel=True``,
@@ -270,7 +274,9 @@ def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockSta
     ``k`` reads and writes exactly what it did as iteration ``k`` of a
     parallel loop, and the threads run the calls at once.  Every call has the
     same argument types, so there is one specialization.  ``scratch()`` makes
-    a block's fresh working memory (``one_pass.new_scratch``).
+    a block's fresh working memory (``one_pass.new_scratch``).  ``beside()``,
+    when given, runs on the pool before the blocks and is waited for with
+    them (:func:`iter_chunks` splits the next chunk's load state there).
     """
     def one(k: int) -> None:
         sc, snapshot = scratch()
@@ -282,10 +288,13 @@ def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockSta
                                 totals.stats[k:k + 1]), link, sc, snapshot)
 
     if pool is None or nb == 1:
+        if beside is not None:
+            beside()
         for k in range(nb):
             one(k)
     else:
-        for f in [pool.submit(one, k) for k in range(nb)]:
+        side = [pool.submit(beside)] if beside is not None else []
+        for f in side + [pool.submit(one, k) for k in range(nb)]:
             f.result()
 
 
@@ -405,7 +414,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     With ``keep`` each chunk carries every decision (``out_i``/``out_f``);
     without it the chunks are bookkeeping only.  With ``totals`` (made by
     :func:`new_totals`), the per-config accumulators are filled as well.
-    Each chunk is split into ``blocks`` slices (default: two per thread), each
+    Each chunk is split into ``blocks`` slices (default: four per thread), each
     replayed by one thread from its own exact copy of the load state, so no
     result depends on threads, chunk or block sizes.
     ``progress(n)`` is called with the number of requests finished after each chunk.
@@ -440,9 +449,12 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     totals.parent = enc.plan.parent
     if totals.acc.shape[0] < blocks_per_chunk:
         raise ValueError("totals has fewer block slots than a chunk has blocks")
-    tables = np.zeros((blocks_per_chunk,) + table.shape, dtype=np.int64)
-    inflights = np.zeros((blocks_per_chunk, n_w), dtype=np.int64)
-    ptrs = np.zeros(blocks_per_chunk, dtype=np.int64)
+    # the blocks' starting states, two sets: while a chunk's blocks replay from
+    # one, the next chunk's are split into the other (the load sweep does not
+    # depend on any decision)
+    tables = np.zeros((2, blocks_per_chunk) + table.shape, dtype=np.int64)
+    inflights = np.zeros((2, blocks_per_chunk, n_w), dtype=np.int64)
+    ptrs = np.zeros((2, blocks_per_chunk), dtype=np.int64)
     dummy_i = np.zeros((layout.O_NCOLS, 1, n_cfg), dtype=np.int64)
     dummy_f = np.zeros((layout.F_NCOLS, 1, n_cfg), dtype=np.float64)
     ptr = 0
@@ -454,15 +466,30 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     def scratch() -> tuple:
         return one_pass.new_scratch(enc.plan, n_w, max_fleet, max_matches, runs)
 
-    for start in range(0, n_req, chunk):
-        stop = min(n_req, start + chunk)
+    starts = list(range(0, n_req, chunk))
+    block_los: list[np.ndarray] = []
+
+    def split(k: int) -> None:
+        # chunk k's block starts and their load states (into state set k % 2),
+        # sweeping the loads on from where chunk k-1's last block started
+        nonlocal ptr
+        start, stop = starts[k], min(n_req, starts[k] + chunk)
         n = stop - start
         block = -(-n // blocks_per_chunk)
         lo = np.arange(0, n, block, dtype=np.int64)
         nb = lo.shape[0]
-        block_lo = np.append(lo, n).astype(np.int64)
+        block_los.append(np.append(lo, n).astype(np.int64))
         ptr = one_pass.split_states_nb(ptr, readonly(req.ts[start:stop][lo]), loads, dp, table, inflight,
-                                       tables[:nb], inflights[:nb], ptrs[:nb])
+                                       tables[k % 2, :nb], inflights[k % 2, :nb], ptrs[k % 2, :nb])
+
+    if starts:
+        split(0)
+    for k, start in enumerate(starts):
+        stop = min(n_req, start + chunk)
+        n = stop - start
+        block_lo = block_los[k]
+        nb = block_lo.shape[0] - 1
+        tb, inf, pt = tables[k % 2, :nb], inflights[k % 2, :nb], ptrs[k % 2, :nb]
         if keep:
             out_i = np.empty((layout.O_NCOLS, n, n_cfg), dtype=np.int64)
             out_f = np.empty((layout.F_NCOLS, n, n_cfg), dtype=np.float64)
@@ -474,17 +501,14 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         chunk_req = layout.Requests(*(
             col[start:stop] if (name != "selected_worker" or has_selected) else col
             for name, col in zip(layout.Requests._fields, req, strict=True)))
-        run_blocks(pool, nb, layout.BlockStates(block_lo, ptrs[:nb], tables[:nb], inflights[:nb]),
+        run_blocks(pool, nb, layout.BlockStates(block_lo, pt, tb, inf),
                    chunk_req,
                    layout.Matches(readonly(m_off[start:stop + 1] - a), m_worker[a:b], m_blocks[a:b]),
                    fleets, loads, dp, int(freshness_ns), knobs, plan, int(seed), max_matches, keep,
                    layout.Outputs(out_i, out_f, fl_min, fl_fresh),
                    layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
-                                       totals.stats[:nb]), link, scratch)
-        # the next chunk starts where the last block ended
-        table[...] = tables[nb - 1]
-        inflight[...] = inflights[nb - 1]
-        ptr = int(ptrs[nb - 1])
+                                       totals.stats[:nb]), link, scratch,
+                   (lambda k=k: split(k + 1)) if k + 1 < len(starts) else None)
         if progress is not None:
             progress(n)
         yield Chunk(start, stop, out_i if keep else None, out_f if keep else None, fl_min, fl_fresh)

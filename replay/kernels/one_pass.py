@@ -388,13 +388,17 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                                       seen, cands[g], scratch_i[0])
         group_n[g] = n
         wcol = gate_column_nb(k_scaling[c0])
+        # the candidates' gate readings once (-1: no fresh sample, never gated)
+        reading = scratch_i[1]
+        for t in range(n):
+            w = cands[g, t, C_WORKER]
+            reading[t] = snap[w, wcol] if snap[w, S_BASIC] == 1 else -1
         for j in range(lim_vals.shape[0]):
             lim = lim_vals[j]
             n_gated = 0
             if lim >= 0:
                 for t in range(n):
-                    w = cands[g, t, C_WORKER]
-                    n_gated += snap[w, S_BASIC] == 1 and snap[w, wcol] >= lim
+                    n_gated += reading[t] >= lim
             gated_n[g, j] = n_gated
     width = n_fleet + 2
     rwidth = cands.shape[1] + 1
