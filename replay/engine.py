@@ -8,6 +8,7 @@ the same form as ``reference.replay`` (for tests and small traces).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -508,7 +509,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
                    layout.Outputs(out_i, out_f, fl_min, fl_fresh),
                    layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
                                        totals.stats[:nb]), link, scratch,
-                   (lambda k=k: split(k + 1)) if k + 1 < len(starts) else None)
+                   functools.partial(split, k + 1) if k + 1 < len(starts) else None)
         if progress is not None:
             progress(n)
         yield Chunk(start, stop, out_i if keep else None, out_f if keep else None, fl_min, fl_fresh)
