@@ -86,8 +86,9 @@ from .snapshot import (
     S_WAITING,
     S_WAITING_PER_RANK,
     S_WU,
+    UNKNOWN_OLDEST,
     advance_dirty_nb,
-    refresh_nb,
+    refresh_until_nb,
 )
 
 # policy reason of a DecisionReason code (labels.reason_to_policy_reason as a table)
@@ -183,7 +184,7 @@ def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
                 runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Scratch, tuple]:
     """One block's working memory for ``run_chunk_nb``: its ``Scratch`` and its
-    running snapshot ``(snap, est, oldest, dirty)`` (``snapshot.refresh_nb``),
+    running snapshot ``(snap, est, oldest, dirty)`` (``snapshot.refresh_until_nb``),
     all fresh; ``runs`` is :func:`config_runs` of the plan (read only, so
     shared by every block).  Sizes: ``n_workers`` of the rank tables, the
     largest fleet, the most matches of a request."""
@@ -612,7 +613,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
 
     Block ``b`` covers requests ``blocks.lo[b]..blocks.lo[b+1]`` and starts
     from its own copy of the load state (``split_states_nb``); it sweeps its
-    own loads, keeps its own snapshot current (``refresh_nb``), decides every
+    own loads, keeps its own snapshot current (``refresh_until_nb``), decides every
     config and books the results into its own accumulators
     ``totals.acc[b]``... (merged exactly afterwards); ``totals.stats[b]`` counts
     the cache-rung and domain-rung evaluations it computed.  With
@@ -658,10 +659,11 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
         block_totals = layout_acc(acc, hist_wait, hist_div, stats)
         s_rung = 0
         s_ladder = 0
+        bound = UNKNOWN_OLDEST
         for i in range(block_lo[b], block_lo[b + 1]):
             now = req_ts[i]
             ptr = advance_dirty_nb(ptr, now, loads, dp_size, table, inflight, dirty)
-            refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty)
+            bound = refresh_until_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty, bound)
             mdl = req_model[i]
             fleet = fleet_w[fleet_off[mdl]:fleet_off[mdl + 1]]
             lo = m_off[i]

@@ -191,6 +191,12 @@ def capture_all_nb(table, inflight, dp_size, now, freshness, snap, est):
         est[w] = tmp[0]
 
 
+# ``refresh_until_nb``'s bound before a snapshot's first refresh (or when it is
+# not kept): every fresh worker is checked for its age
+UNKNOWN_OLDEST = np.int64(-(1 << 63))
+_NO_FRESH = np.int64((1 << 63) - 1)
+
+
 @njit(allocates=False)
 def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty):
     """Bring a running snapshot to time ``now``: recapture the workers a sample
@@ -199,15 +205,35 @@ def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirt
     only through a new sample, which marks it dirty).  Equal to
     ``capture_all_nb(now)`` whenever every worker was dirty or captured before.
     """
+    refresh_until_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty, UNKNOWN_OLDEST)
+
+
+@njit(allocates=False)
+def refresh_until_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty, bound):
+    """``refresh_nb`` given ``bound``, what the previous call on this snapshot
+    returned: no fresh worker's ``oldest`` is below it.  While ``now - bound``
+    is within the window no fresh worker can have aged out, so only the
+    touched workers are visited (the grid pass refreshes once per request, and
+    a worker ages out about once per window at most).  Returns the bound for
+    the next call (``UNKNOWN_OLDEST`` makes this call check every worker).
+    """
+    check_age = bound == UNKNOWN_OLDEST or now - bound > freshness
+    low = _NO_FRESH if check_age else bound
     for w in range(snap.shape[0]):
         if dirty[w]:
             dirty[w] = False
             oldest[w] = capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], est[w:w + 1])
-        elif snap[w, S_BASIC] == 1 and now - oldest[w] > freshness:
-            for j in range(S_NCOLS):
-                snap[w, j] = 0
-            snap[w, S_INFLIGHT] = inflight[w]
-            est[w] = np.nan
+            if snap[w, S_BASIC] == 1 and oldest[w] < low:
+                low = oldest[w]
+        elif check_age and snap[w, S_BASIC] == 1:
+            if now - oldest[w] > freshness:
+                for j in range(S_NCOLS):
+                    snap[w, j] = 0
+                snap[w, S_INFLIGHT] = inflight[w]
+                est[w] = np.nan
+            elif oldest[w] < low:
+                low = oldest[w]
+    return low
 
 
 @njit

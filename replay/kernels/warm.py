@@ -14,7 +14,7 @@ compile independently: neither process waits for the other's kernel while
 it compiles its own.  The split (measured per function with numba's
 ``numba:compile`` events, nested compiles subtracted, on the sample sweep):
 
-* the other process: ``snapshot.refresh_nb`` (which the grid kernel then
+* the other process: ``snapshot.refresh_until_nb`` (which the grid kernel then
   loads from the cache), then ``one_pass._decide_request`` and its helpers,
   except ``cache_rung_with_nb``;
 * this process, first: ``decide.cache_rung_with_nb`` (about 4 s; the other
@@ -102,15 +102,16 @@ def inner_signatures(run_sig: tuple) -> dict:
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
                 _arr(i8, 1), _arr(i8, 2), b1, b1, i8, b1)
     acc_sig = (totals_t, i8, _arr(i8, 2), _arr(f8, 2), _arr(i8, 1), ro_i8, i8, i8)
-    refresh_sig = (_arr(i8, 3), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2), _arr(f8, 1), _arr(i8, 1), _arr(b1, 1))
-    return {"refresh_nb": (snapshot.refresh_nb, refresh_sig),
+    refresh_sig = (_arr(i8, 3), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2), _arr(f8, 1), _arr(i8, 1), _arr(b1, 1),
+                   i8)
+    return {"refresh_until_nb": (snapshot.refresh_until_nb, refresh_sig),
             "_decide_request": (one_pass._decide_request, decide_sig),
             "cache_rung_with_nb": (decide.cache_rung_with_nb, rung_sig),
             "accumulate_request_nb": (accumulate.accumulate_request_nb, acc_sig)}
 
 
 # the split: the child compiles these, in this order ...
-CHILD = ("refresh_nb", "_decide_request")
+CHILD = ("refresh_until_nb", "_decide_request")
 # ... this process compiles these first (the child waits for the ones it calls)
 PARENT_FIRST = ("cache_rung_with_nb", "accumulate_request_nb")
 
