@@ -200,7 +200,8 @@ def n_rank_slots(trace: Trace) -> int:
     touched); a worker without one, its highest observed rank + 1."""
     dp = int(trace.worker_dp_size.max()) if trace.worker_dp_size.size else 0
     top = 0
-    if trace.load_rank.size:
+    # (when every worker's dp_size is known, no sample needs looking at)
+    if trace.load_rank.size and (trace.worker_dp_size <= 0).any():
         unknown = trace.worker_dp_size[trace.load_worker] <= 0
         if unknown.any():
             top = int(trace.load_rank[unknown].max()) + 1

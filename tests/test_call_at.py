@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import numba
@@ -70,6 +71,43 @@ def test_a_link_for_another_signature_raises():
     link = _jit.link_to(_scaled_sum, (types.Array(types.float64, 1, "C"), types.float64))
     with pytest.raises(RuntimeError, match="another signature"):
         _twice(link, np.ones(2), 2)
+
+
+Pair = namedtuple("Pair", ("a", "b"))
+
+
+@_jit.njit(allocates=False)
+def _dot_at(pair_at, i):
+    pair = pair_at[0]
+    return pair.a[i] * pair.b[i]
+
+
+_DOT_AT = _jit.call_at("_dot_at", _dot_at, types.float64)
+
+
+@_jit.njit(allocates=False)
+def _dot(link, pair):
+    at = _jit.address_of(pair)        # once, then every call passes the address
+    total = 0.0
+    for i in range(pair.a.shape[0]):
+        total += _DOT_AT(link, (at, i))
+    return total
+
+
+def test_a_tuple_of_arrays_passed_through_its_address():
+    pair = Pair(np.array([1.0, 2.0, 3.0]), np.array([4.0, -5.0, 0.5]))
+    link = _jit.link_to(_dot_at, (types.CPointer(numba.typeof(pair)), types.int64))
+    assert _dot(link, pair) == float(np.dot(pair.a, pair.b))
+
+
+def test_only_a_tuple_of_arrays_has_an_address():
+    """A boolean's layout in memory differs from its value's: such a tuple is refused when typed."""
+    @_jit.njit(allocates=False)
+    def boxed(t):
+        return _jit.address_of(t)[0][0]
+
+    with pytest.raises(numba.core.errors.TypingError):
+        boxed((np.zeros(2), True))
 
 
 _SWEEP = r"""

@@ -335,6 +335,34 @@ def call_at(name: str, callee, restype):
     return _intrinsic(typer)
 
 
+def _address_of(typingctx, value):
+    if not isinstance(value, _types.BaseTuple) or not all(isinstance(t, _types.Array) for t in value):
+        return None     # a tuple of arrays only: its layout in memory is its value's (no booleans)
+
+    def codegen(context, builder, sig, args):
+        return _cgutils.alloca_once_value(builder, args[0])
+
+    return _types.CPointer(value)(value), codegen
+
+
+if numba.config.DISABLE_JIT:
+    def address_of(value):
+        """A one-element box of ``value`` (what ``[0]`` reads, as the compiled one)."""
+        return (value,)
+else:
+    address_of = _intrinsic(_address_of)
+    address_of.__doc__ = """``address_of(t)``: the address of a copy of ``t`` (a tuple of arrays) in
+    the calling kernel's frame, as a ``CPointer``; ``p[0]`` reads it back.
+
+    A kernel passes a tuple of arrays through its address when it calls another
+    many times with the same tuple: a tuple of 21 arrays passed by value is
+    about 165 machine words stored for every call (numba flattens arguments),
+    through its address one.  Make the address once, before the loop (the copy
+    lives as long as the calling kernel's frame), and only in a kernel that
+    does not count references (``allocates=False``): the copy holds no
+    reference of its own."""
+
+
 def link_to(dispatcher, args: tuple):
     """A :func:`call_at` link (int64 ``[address, fingerprint]``) to ``dispatcher``
     compiled (or loaded from the cache) for the argument types ``args``."""

@@ -24,7 +24,7 @@ from collections import namedtuple
 import numpy as np
 from numba.core import types
 
-from ._jit import call_at, njit, njit_inner
+from ._jit import address_of, call_at, njit, njit_inner
 from .accumulate import accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
@@ -253,7 +253,7 @@ def _count_below(values, n, bound):
 
 @njit_inner(allocates=False)
 def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
-                    est, knobs, plan, seed, sc):
+                    est, knobs_at, plan, seed, sc_at):
     """Decide one request under every config.
 
     Each distinct outcome is computed once, into the next row ``sc.res_i[u]`` /
@@ -267,7 +267,12 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     Returns (cache-rung evaluations, domain-rung evaluations) and the
     request's fleet readings (``snapshot.fleet_reading_nb``: smallest fresh
     waiting count, -1 when none; fresh fleet workers).
+    ``knobs_at`` and ``sc_at`` are the addresses of the grid's ``KnobArrays``
+    and the block's ``Scratch`` (``_jit.address_of``: the grid kernel calls this
+    once per request with the same two).
     """
+    knobs = knobs_at[0]
+    sc = sc_at[0]
     n_fleet = fleet.shape[0]
     n_cfg = plan.group.shape[0]
     lim_vals = plan.lim_vals
@@ -652,6 +657,8 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     if n_blocks != 1:
         raise ValueError("run_chunk_nb replays one block per call (sc and snapshot are that block's)")
     snap, est, oldest, dirty = snapshot
+    knobs_at = address_of(knobs)
+    sc_at = address_of(sc)
     for b in range(n_blocks):
         table = tables[b]
         inflight = inflights[b]
@@ -671,7 +678,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             n_rung, n_ladder, fleet_min[i], fleet_fresh[i] = _decide_request_at(link, (
                 req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
                 matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
-                knobs, plan, seed, sc))
+                knobs_at, plan, seed, sc_at))
             s_rung += n_rung
             s_ladder += n_ladder
             sel = req_selected[i] if has_selected else -1
