@@ -213,12 +213,13 @@ CHUNK_REQUESTS = 1 << 17
 
 
 def _blocks_per_chunk(threads: int | None) -> int:
-    # four blocks per thread: a chunk ends when its slowest block does, and a
+    # eight blocks per thread: a chunk ends when its slowest block does, and a
     # block's cost follows the fleet's load (up to 2x between parts of the bench
-    # trace); with two per thread, 152 configs on 2 threads ran 48-53 M
-    # decisions/s, with four 56-57 (issue 13)
+    # trace).  152 configs on 2 threads, M decisions/s: two per thread 48-53,
+    # four 56-57 (one series); four against eight, 8 alternating rounds, medians
+    # 58.0 against 61.5 (issue 13)
     n = threads if threads is not None else numba.get_num_threads()
-    return max(1, 4 * int(n))
+    return max(1, 8 * int(n))
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -416,7 +417,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     With ``keep`` each chunk carries every decision (``out_i``/``out_f``);
     without it the chunks are bookkeeping only.  With ``totals`` (made by
     :func:`new_totals`), the per-config accumulators are filled as well.
-    Each chunk is split into ``blocks`` slices (default: four per thread), each
+    Each chunk is split into ``blocks`` slices (default: eight per thread), each
     replayed by one thread from its own exact copy of the load state, so no
     result depends on threads, chunk or block sizes.
     ``progress(n)`` is called with the number of requests finished after each chunk.
