@@ -435,9 +435,10 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     fleets = frozen(fleet_tables(trace))
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
     dp = readonly(dp_sizes(trace))
-    m_off = trace.match_offsets.astype(np.int64)
-    m_worker = readonly(trace.match_worker.astype(np.int64))
-    m_blocks = readonly(trace.match_blocks.astype(np.int64))
+    # (no copy of a column already int64: the kernels only read them)
+    m_off = np.ascontiguousarray(trace.match_offsets, dtype=np.int64)
+    m_worker = readonly(np.ascontiguousarray(trace.match_worker, dtype=np.int64))
+    m_blocks = readonly(np.ascontiguousarray(trace.match_blocks, dtype=np.int64))
     sizes = np.diff(m_off)
     max_matches = int(sizes.max()) if sizes.size else 0
     loads = frozen(load_columns(trace))
