@@ -212,14 +212,28 @@ def n_rank_slots(trace: Trace) -> int:
 CHUNK_REQUESTS = 1 << 17
 
 
-def _blocks_per_chunk(threads: int | None) -> int:
-    # eight blocks per thread: a chunk ends when its slowest block does, and a
-    # block's cost follows the fleet's load (up to 2x between parts of the bench
-    # trace).  152 configs on 2 threads, M decisions/s: two per thread 48-53,
-    # four 56-57 (one series); four against eight, 8 alternating rounds, medians
-    # 58.0 against 61.5 (issue 13)
+# Blocks per thread x configs a thread's accumulators hold at most (each block
+# keeps about 33 KB per config: counters and a 4096-bucket queue histogram)
+BLOCK_CONFIGS_PER_THREAD = 4_000
+
+
+def blocks_per_thread(n_configs: int) -> int:
+    """Blocks a chunk gives each thread: eight for grids of up to 500 configs,
+    fewer for larger ones (at most :data:`BLOCK_CONFIGS_PER_THREAD` block-configs,
+    about 130 MB a thread), never fewer than two.
+
+    A chunk ends when its slowest block does, and a block's cost follows the
+    fleet's load (up to 2x between parts of the bench trace), so smaller blocks
+    lose less at a chunk's end.  152 configs on 2 threads, M decisions/s: two per
+    thread 48-53, four 56-57 (one series); four against eight, 8 alternating
+    rounds, medians 58.0 against 61.5 (issue 13).
+    """
+    return max(2, min(8, BLOCK_CONFIGS_PER_THREAD // max(1, int(n_configs))))
+
+
+def _blocks_per_chunk(threads: int | None, n_configs: int) -> int:
     n = threads if threads is not None else numba.get_num_threads()
-    return max(1, 8 * int(n))
+    return max(1, blocks_per_thread(n_configs) * int(n))
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -417,7 +431,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     With ``keep`` each chunk carries every decision (``out_i``/``out_f``);
     without it the chunks are bookkeeping only.  With ``totals`` (made by
     :func:`new_totals`), the per-config accumulators are filled as well.
-    Each chunk is split into ``blocks`` slices (default: eight per thread), each
+    Each chunk is split into ``blocks`` slices (default: :func:`blocks_per_thread`), each
     replayed by one thread from its own exact copy of the load state, so no
     result depends on threads, chunk or block sizes.
     ``progress(n)`` is called with the number of requests finished after each chunk.
@@ -431,7 +445,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     chunk = max(1, chunk_decisions // n_cfg) if keep else CHUNK_REQUESTS
     if threads is not None:
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-    blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
+    blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads, len(configs))
     fleets = frozen(fleet_tables(trace))
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))
     dp = readonly(dp_sizes(trace))
@@ -528,7 +542,7 @@ def chunk_readings(mins: list, fresh: list) -> tuple[np.ndarray, np.ndarray]:
 
 def new_totals(n_configs: int, *, threads: int | None = None, blocks: int | None = None) -> Totals:
     """Accumulators sized for ``iter_chunks`` with the same ``threads``/``blocks``."""
-    n = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads)
+    n = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads, n_configs)
     return Totals(n, n_configs)
 
 

@@ -63,7 +63,8 @@ MAX_FRESHNESS_MS = (2**63 - 1) // 1_000_000
 """Largest --freshness-ms whose nanoseconds fit the kernels' int64 timestamps (about 292 years)."""
 MAX_CONFIGS = 10_000
 """Most configs one sweep replays: each keeps its counters and a 4096-bucket queue histogram per
-thread block (about 33 KB x 2 blocks per thread), so memory grows with configs x threads."""
+thread block (about 33 KB x 2 blocks per thread for grids this large, ``engine.blocks_per_thread``),
+so memory grows with configs x threads."""
 
 
 def check_grid(grid: Grid, threads: int | None = None) -> None:
@@ -73,7 +74,9 @@ def check_grid(grid: Grid, threads: int | None = None) -> None:
 
     n = len(grid.configs)
     if n > MAX_CONFIGS:
-        blocks = 2 * (threads or numba.get_num_threads())
+        from .engine import blocks_per_thread
+
+        blocks = blocks_per_thread(n) * (threads or numba.get_num_threads())
         per = 8 * (kacc.N_ACC + kacc.WAIT_HIST + kacc.N_DIV) * blocks
         raise ConfigError(f"the grid has {n:,} configs, more than the {MAX_CONFIGS:,} one sweep takes: each "
                           f"config keeps {per // 1024:,} KiB of counters here ({blocks} thread blocks), "

@@ -68,3 +68,18 @@ def test_scrambled_groups_totals_equal_each_config_alone(threads):
         np.testing.assert_array_equal(grid.acc[0][:, c], alone.acc[0][:, 0], err_msg=str(cfg))
         np.testing.assert_array_equal(grid.hist_wait[0][:, c], alone.hist_wait[0][:, 0], err_msg=str(cfg))
         np.testing.assert_array_equal(grid.hist_div[0][:, c], alone.hist_div[0][:, 0], err_msg=str(cfg))
+
+
+def test_block_accumulators_stay_bounded_for_large_grids():
+    """Smaller blocks for small grids (a chunk waits less for its slowest block),
+    but a thread's accumulators never hold more block-configs than the larger of
+    ``BLOCK_CONFIGS_PER_THREAD`` and two blocks of the grid (what a 10,000-config
+    sweep always took); the sizes ``new_totals`` makes are the ones ``iter_chunks``
+    asks for."""
+    for n in (1, 152, 500, 501, 1_000, 2_000, 4_000, 10_000):
+        per_thread = engine.blocks_per_thread(n)
+        assert 2 <= per_thread <= 8
+        assert per_thread * n <= max(engine.BLOCK_CONFIGS_PER_THREAD, 2 * n), n
+        t = engine.new_totals(n, threads=2)
+        assert t.acc.shape[0] == 2 * per_thread
+    assert engine.blocks_per_thread(152) > 2      # the bench grid gets the smaller blocks
