@@ -396,16 +396,22 @@ def _options(allocates: bool) -> dict:
     return JIT if allocates else {**JIT, "_nrt": False}
 
 
+def _kernel(fn, kind: type, allocates: bool, **extra):
+    """``fn`` compiled by ``numba.njit`` with :func:`_options` and ``extra``, as a
+    ``kind`` dispatcher whose cache loads only (:class:`_CacheLoadsOnly`)."""
+    dispatcher = numba.njit(**extra, **_options(allocates))(fn)
+    if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1 (the plain-Python runs)
+        dispatcher.__class__ = kind
+        _loads_only(dispatcher)
+    return dispatcher
+
+
 def njit(fn=None, *, allocates: bool = True):
     """``numba.njit`` with the options above and :class:`_Dispatcher`
     (``@njit`` or ``@njit(allocates=False)``, see :func:`_options`)."""
     if fn is None:
         return lambda f: njit(f, allocates=allocates)
-    dispatcher = numba.njit(**_options(allocates))(fn)
-    if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1 (the plain-Python runs)
-        dispatcher.__class__ = _Dispatcher
-        _loads_only(dispatcher)
-    return dispatcher
+    return _kernel(fn, _Dispatcher, allocates)
 
 
 class _InnerDispatcher(_Dispatcher):
@@ -429,8 +435,4 @@ def njit_inner(fn=None, *, allocates: bool = True):
     nothing).  ``allocates`` as for :func:`njit`."""
     if fn is None:
         return lambda f: njit_inner(f, allocates=allocates)
-    dispatcher = numba.njit(no_cpython_wrapper=True, **_options(allocates))(fn)
-    if isinstance(dispatcher, _CPUDispatcher):   # not under NUMBA_DISABLE_JIT=1
-        dispatcher.__class__ = _InnerDispatcher
-        _loads_only(dispatcher)
-    return dispatcher
+    return _kernel(fn, _InnerDispatcher, allocates, no_cpython_wrapper=True)

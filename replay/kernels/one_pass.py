@@ -420,7 +420,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     # can change the decision, so each run computes (or looks up) at most three.
     # Each config whose decision differs from its parent's (and every config
     # that is its own parent) goes on the booking list for accumulate.py.  Inside
-    # a run each config hangs off the one before (run_chunk_nb checks), so a
+    # a run each config hangs off the one before (config_runs checks), so a
     # config books exactly when its floor class's row differs from the previous
     # config's, and a run whose limit gates no candidate decides alike
     # throughout: only its first config can book.

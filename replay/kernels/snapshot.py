@@ -185,10 +185,8 @@ def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est)
 @njit
 def capture_all_nb(table, inflight, dp_size, now, freshness, snap, est):
     """Capture every worker at ``now`` into ``snap[w]`` / ``est[w]``."""
-    tmp = np.empty(1, dtype=np.float64)
     for w in range(snap.shape[0]):
-        capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], tmp)
-        est[w] = tmp[0]
+        capture_worker_nb(table, inflight, dp_size, w, now, freshness, snap[w], est[w:w + 1])
 
 
 # ``refresh_until_nb``'s bound before a snapshot's first refresh (or when it is

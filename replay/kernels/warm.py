@@ -220,10 +220,7 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
         LAST.update(mode="in-process")
         yield []
         return
-    from . import snapshot
-
-    table = {**inner, "split_states_nb": (one_pass.split_states_nb, kernel_sigs.get(one_pass.split_states_nb))}
-    jobs = [(n, _name(table[n][0]), table[n][1]) for n in CHILD if table[n][1] is not None]
+    jobs = [(n, _name(inner[n][0]), inner[n][1]) for n in CHILD]
     try:
         child = _Child(jobs, [_name(inner[n][0]) for n in PARENT_FIRST])
     except OSError:
@@ -231,11 +228,8 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
         yield []
         return
     LAST.update(mode="child", child_pid=child.proc.pid)
-    # this process waits for the child's part before it compiles (or types a call
-    # to) any of it: the grid kernel's advance_dirty_nb comes with split_states_nb
-    waits = {id(table[n][0]): n for n, _, _ in jobs}
-    if "split_states_nb" in child.done:
-        waits[id(snapshot.advance_dirty_nb)] = "split_states_nb"
+    # this process waits for the child's part before it compiles (or types a call to) any of it
+    waits = {id(inner[n][0]): n for n in CHILD}
     for key, n in waits.items():
         _jit.BEFORE_TYPING[key] = _WAITS[key] = (lambda n=n: child.wait(n))
 
