@@ -21,6 +21,7 @@ from ._jit import njit, njit_inner
 from .layout import (
     ACC,
     F_SELECTED_QUEUE_MS,
+    N_ACC,
     O_ADMISSION_EVALUATED,
     O_ADMISSION_REJECTED,
     O_BEST_REJECTED_BLOCKS,
@@ -97,84 +98,98 @@ def diverted_bucket_nb(v):
     return b
 
 
-@njit_inner(allocates=False)
-def _book_nb(a, hw, hd, c, row, ms, q, selected_worker, sign):
-    """Add ``sign`` times decision ``row`` (``O_*`` fields; ``ms`` its selected
-    queue estimate) to config ``c``'s accumulators."""
-    top = hw.shape[0] - 1
+# Columns of a decision's terms (``decision_terms_nb``): what it adds to each
+# accumulator of its config, then its bucket of each histogram (-1 = none).
+T_WAIT_BUCKET = N_ACC
+T_DIV_BUCKET = N_ACC + 1
+N_TERMS = N_ACC + 2
+
+
+@njit(allocates=False)
+def decision_terms_nb(t, row, ms, q, selected_worker, top):
+    """Fill ``t`` (int64[N_TERMS]) with what decision ``row`` (``O_*`` fields;
+    ``ms`` its selected queue estimate) books into its config's accumulators:
+    ``t[ACC_*]`` the amounts, ``t[T_WAIT_BUCKET]`` / ``t[T_DIV_BUCKET]`` its
+    waiting-count bucket (``top`` the last) and diverted-overlap bucket.  ``q``
+    is the request's query blocks (at least 0), ``selected_worker`` the
+    recorded choice (-1 = none)."""
+    for j in range(N_TERMS):
+        t[j] = 0
+    t[T_WAIT_BUCKET] = -1
+    t[T_DIV_BUCKET] = -1
     w = row[O_WORKER]
     # "requests" and "agree_known" are per-request constants: booked per block
     # by book_block_constants_nb.  A replayed 503 counts as a disagreement.
     if selected_worker >= 0 and selected_worker == w:
-        a[c, _AGREE] += sign
+        t[_AGREE] = 1
     if w < 0:
-        a[c, _FAILED] += sign
+        t[_FAILED] = 1
         f = row[O_FAILURE]
         if f >= 0:
-            a[c, _FAIL0 + f] += sign
+            t[_FAIL0 + f] += 1
         return
-    a[c, _ROUTED] += sign
+    t[_ROUTED] = 1
     dec = row[O_DECISION]
-    a[c, _DEC0 + dec] += sign
-    a[c, _POL0 + row[O_POLICY_REASON]] += sign
-    a[c, _QUERY] += sign * (q)
+    t[_DEC0 + dec] += 1
+    t[_POL0 + row[O_POLICY_REASON]] += 1
+    t[_QUERY] = q
     matched = row[O_MATCHED_BLOCKS]
     if matched > 0:
         sel = row[O_SELECTED_BLOCKS]
-        a[c, _MATCHED] += sign * (matched)
-        a[c, _SELECTED] += sign * (sel)
-        a[c, _OWNER_CHANCES] += sign
+        t[_MATCHED] = matched
+        t[_SELECTED] = sel
+        t[_OWNER_CHANCES] = 1
         if sel > 0:
-            a[c, _OWNER_HITS] += sign
+            t[_OWNER_HITS] = 1
         # the waterfall: three stored terms, the choosing step keeps the rest
         lc = row[O_LOST_CANDIDATES]
         lg = row[O_LOST_QUEUE_GATE]
         lcap = row[O_LOST_CAPACITY]
-        a[c, _LOST_CANDIDATES] += sign * lc
-        a[c, _LOST_GATE] += sign * lg
-        a[c, _LOST_CAPACITY] += sign * lcap
+        t[_LOST_CANDIDATES] = lc
+        t[_LOST_GATE] = lg
+        t[_LOST_CAPACITY] = lcap
         rest = matched - sel - lc - lg - lcap
         reason = row[O_REASON]
         if reason == _PIN:
-            a[c, _LOST_PIN] += sign * rest
+            t[_LOST_PIN] += rest
         elif reason == _CANDIDATE:
-            a[c, _LOST_TOURNAMENT] += sign * rest
+            t[_LOST_TOURNAMENT] += rest
         else:
-            a[c, _LOST_FALLBACK] += sign * rest
-    a[c, _COLD] += sign * (row[O_UNCACHED_TOKENS])
+            t[_LOST_FALLBACK] += rest
+    t[_COLD] = row[O_UNCACHED_TOKENS]
     sw = row[O_SELECTED_WAITING]
     if sw >= 0:
-        a[c, _WAIT_KNOWN] += sign
-        a[c, _WAIT_SUM] += sign * (sw)
-        hw[sw if sw < top else top, c] += sign
+        t[_WAIT_KNOWN] = 1
+        t[_WAIT_SUM] = sw
+        t[T_WAIT_BUCKET] = sw if sw < top else top
     wu = row[O_SELECTED_WAITING_UNCACHED]
     if wu >= 0:
-        a[c, _WU_KNOWN] += sign
-        a[c, _WU_SUM] += sign * (wu)
+        t[_WU_KNOWN] = 1
+        t[_WU_SUM] = wu
         if not math.isnan(ms):
-            a[c, _MS_KNOWN] += sign
-            a[c, _US_SUM] += sign * (np.int64(np.round(ms * 1000.0)))
+            t[_MS_KNOWN] = 1
+            t[_US_SUM] = np.int64(np.round(ms * 1000.0))
     if row[O_PRESSURE_SOURCE] < 0:
         return  # no cache resolution ran: every audit counter is 0
     gate = row[O_GATE_REJECTED]
     fell = row[O_FELL_BACK]
     if row[O_REASON] == _PIN:
-        a[c, _PINNED] += sign
+        t[_PINNED] = 1
     elif gate > 0 and fell == 0:
-        a[c, _DIVERTED] += sign
-    a[c, _FELL_BACK] += sign * (fell)
-    a[c, _ALL_QUEUED] += sign * (row[O_FLEET_ALL_QUEUED])
-    a[c, _COMPARED] += sign * (row[O_GUARD_COMPARED])
-    a[c, _OVERRIDES] += sign * (row[O_GUARD_OVERRIDES])
-    a[c, _EVAL] += sign * (row[O_ADMISSION_EVALUATED])
-    a[c, _ADM_REJ] += sign * (row[O_ADMISSION_REJECTED])
-    a[c, _GATE_REJ] += sign * (gate)
+        t[_DIVERTED] = 1
+    t[_FELL_BACK] = fell
+    t[_ALL_QUEUED] = row[O_FLEET_ALL_QUEUED]
+    t[_COMPARED] = row[O_GUARD_COMPARED]
+    t[_OVERRIDES] = row[O_GUARD_OVERRIDES]
+    t[_EVAL] = row[O_ADMISSION_EVALUATED]
+    t[_ADM_REJ] = row[O_ADMISSION_REJECTED]
+    t[_GATE_REJ] = gate
     if dec == _WORKER_QUEUED:
-        hd[diverted_bucket_nb(row[O_BEST_REJECTED_BLOCKS]), c] += sign
+        t[T_DIV_BUCKET] = diverted_bucket_nb(row[O_BEST_REJECTED_BLOCKS])
 
 
 @njit_inner(allocates=False)
-def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker):
+def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks, selected_worker, terms):
     """Book one request's decisions under every config into block ``b``'s accumulators.
 
     Config ``c``'s decision is row ``src_of[c]`` of ``res_i[:, O_*]`` /
@@ -194,20 +209,55 @@ def accumulate_request_nb(totals, b, res_i, res_f, src_of, parent, query_blocks,
     (their own parent, or deciding otherwise than it) are listed after the
     ``n_cfg`` rows of ``src_of``: ``src_of[n_cfg]`` of them in
     ``src_of[n_cfg + 1:]`` (the grid pass lists them as it decides).
+
+    Each row's terms (``decision_terms_nb``) are worked out once, into
+    ``terms[row]`` (int64[n_cfg, N_TERMS] scratch), and a booking adds them,
+    or the difference of two rows' terms, to the config's counters in one
+    pass: a row is booked by several configs, and a difference touches each
+    counter once, not twice.
     """
     n_cfg = parent.shape[0]
+    n_book = src_of[n_cfg]
+    if n_book == 0:
+        return
     q = query_blocks if query_blocks > 0 else 0
     a = totals.acc[b]
     hw = totals.hist_wait[b]
     hd = totals.hist_div[b]
-    for t in range(src_of[n_cfg]):
+    # the rows the bookings read are the first ones (rows are numbered as first made)
+    last = 0
+    for t in range(n_book):
+        c = src_of[n_cfg + 1 + t]
+        last = max(last, src_of[c], src_of[parent[c]])
+    for k in range(last + 1):
+        decision_terms_nb(terms[k], res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker,
+                          hw.shape[0] - 1)
+    for t in range(n_book):
         c = src_of[n_cfg + 1 + t]
         p = parent[c]
-        k = src_of[c]
-        _book_nb(a, hw, hd, c, res_i[k], res_f[k, F_SELECTED_QUEUE_MS], q, selected_worker, 1)
-        if p != c:
-            kp = src_of[p]
-            _book_nb(a, hw, hd, c, res_i[kp], res_f[kp, F_SELECTED_QUEUE_MS], q, selected_worker, -1)
+        tk = terms[src_of[c]]
+        ac = a[c]
+        if p == c:
+            for j in range(N_ACC):
+                ac[j] += tk[j]
+            if tk[T_WAIT_BUCKET] >= 0:
+                hw[tk[T_WAIT_BUCKET], c] += 1
+            if tk[T_DIV_BUCKET] >= 0:
+                hd[tk[T_DIV_BUCKET], c] += 1
+            continue
+        tp = terms[src_of[p]]
+        for j in range(N_ACC):
+            ac[j] += tk[j] - tp[j]
+        if tk[T_WAIT_BUCKET] != tp[T_WAIT_BUCKET]:
+            if tk[T_WAIT_BUCKET] >= 0:
+                hw[tk[T_WAIT_BUCKET], c] += 1
+            if tp[T_WAIT_BUCKET] >= 0:
+                hw[tp[T_WAIT_BUCKET], c] -= 1
+        if tk[T_DIV_BUCKET] != tp[T_DIV_BUCKET]:
+            if tk[T_DIV_BUCKET] >= 0:
+                hd[tk[T_DIV_BUCKET], c] += 1
+            if tp[T_DIV_BUCKET] >= 0:
+                hd[tp[T_DIV_BUCKET], c] -= 1
 
 
 def fold_parents(acc, hist_wait, hist_div, parent):

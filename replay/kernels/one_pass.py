@@ -25,7 +25,7 @@ import numpy as np
 from numba.core import types
 
 from ._jit import address_of, call_at, njit, njit_inner
-from .accumulate import accumulate_request_nb, book_block_constants_nb
+from .accumulate import N_TERMS, accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
     A_ALL_QUEUED,
@@ -119,6 +119,7 @@ Scratch = namedtuple("Scratch", (
     "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
     "gl_end",      # int64[n_cfg]: where the run starting at position t of gl_cfg ends; 0 inside a run
     "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
+    "terms",       # int64[n_cfg, accumulate.N_TERMS]: what each decision row books (accumulate.py)
 ), module=__name__)
 
 # Each Scratch field's (dtype, ndim), as new_scratch makes it. Keep the two
@@ -130,7 +131,7 @@ SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fclass": (_i, 2), "fleet_w
                  "ints": (_i, 2), "cands": (_i, 3), "group_n": (_i, 1), "group_rep": (_i, 1), "gated_n": (_i, 2),
                  "ladder_w": (_i, 1), "ladder_r": (_i, 1), "seen": (_b, 1), "res_i": (_i, 2), "res_f": (_f, 2),
                  "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_end": (_i, 1),
-                 "fc_slot": (_i, 1)}
+                 "fc_slot": (_i, 1), "terms": (_i, 2)}
 
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
 # the rung's worker, reason and label, and the decision row it chose (a slot
@@ -215,6 +216,7 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
         gl_cfg,
         gl_end,
         np.full(3, -1, dtype=np.int64),
+        np.zeros((n_cfg, N_TERMS), dtype=np.int64),
     )
     snapshot = (np.zeros((n_workers, S_NCOLS), dtype=np.int64), np.full(n_workers, np.nan),
                 np.zeros(n_workers, dtype=np.int64), np.ones(n_workers, dtype=np.bool_))
@@ -683,7 +685,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             s_ladder += n_ladder
             sel = req_selected[i] if has_selected else -1
             accumulate_request_nb(block_totals, b, sc.res_i, sc.res_f, sc.src_of, parent,
-                                  req_qb[i], sel)
+                                  req_qb[i], sel, sc.terms)
             if keep:
                 for c in range(n_cfg):
                     src = sc.src_of[c]

@@ -101,7 +101,7 @@ def inner_signatures(run_sig: tuple) -> dict:
                   types.CPointer(knobs_t), plan_t, i8, types.CPointer(scratch_t))
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
                 _arr(i8, 1), _arr(i8, 2), b1, b1, i8, b1)
-    acc_sig = (totals_t, i8, _arr(i8, 2), _arr(f8, 2), _arr(i8, 1), ro_i8, i8, i8)
+    acc_sig = (totals_t, i8, _arr(i8, 2), _arr(f8, 2), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2))
     refresh_sig = (_arr(i8, 3), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2), _arr(f8, 1), _arr(i8, 1), _arr(b1, 1),
                    i8)
     return {"refresh_until_nb": (snapshot.refresh_until_nb, refresh_sig),
