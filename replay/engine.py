@@ -8,12 +8,12 @@ the same form as ``reference.replay`` (for tests and small traces).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -279,40 +279,49 @@ def close_block_pool() -> None:
         _POOL = None
 
 
-def run_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
-               fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
-               keep: bool, out: layout.Outputs, totals: layout.Accumulators, link: np.ndarray,
-               scratch: Callable[[], tuple], beside: Callable[[], None] | None = None) -> None:
-    """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s threads.
+def start_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockStates, req, matches,
+                 fleets, loads, dp, freshness_ns: int, knobs, plan, seed: int, max_matches: int,
+                 keep: bool, out: layout.Outputs, totals: layout.Accumulators, slots: queue.SimpleQueue,
+                 link: np.ndarray, scratch: Callable[[], tuple]) -> list[Future]:
+    """``one_pass.run_chunk_nb`` on each of a chunk's ``nb`` blocks, on ``pool``'s
+    threads; returns their futures (with no pool: runs them here, and returns none).
 
     The kernel is plain ``njit`` with ``nogil`` (not numba's ``parallel=True``,
     whose compile took a quarter of a first start's): each call gets one
-    block's one-row slices of the block states and accumulators, so block
-    ``k`` reads and writes exactly what it did as iteration ``k`` of a
-    parallel loop, and the threads run the calls at once.  Every call has the
-    same argument types, so there is one specialization.  ``scratch()`` makes
-    a block's fresh working memory (``one_pass.new_scratch``).  ``beside()``,
-    when given, runs on the pool before the blocks and is waited for with
-    them (:func:`iter_chunks` splits the next chunk's load state there).
+    block's one-row slices of the block states, and one slot of the
+    accumulators, taken from ``slots`` (indices into ``totals``) for the
+    call and given back after it, so no two running blocks share a slot.  The
+    accumulators are counts and sums, merged over slots at the end, so which
+    slot a block books into changes no total.  Every call has the same
+    argument types, so there is one specialization.  ``scratch()`` makes a
+    block's fresh working memory (``one_pass.new_scratch``).
     """
     def one(k: int) -> None:
         sc, snapshot = scratch()
-        one_pass.run_chunk_nb(
-            layout.BlockStates(blocks.lo[k:k + 2], blocks.ptrs[k:k + 1], blocks.tables[k:k + 1],
-                               blocks.inflights[k:k + 1]),
-            req, matches, fleets, loads, dp, freshness_ns, knobs, plan, seed, max_matches, keep, out,
-            layout.Accumulators(totals.acc[k:k + 1], totals.hist_wait[k:k + 1], totals.hist_div[k:k + 1],
-                                totals.stats[k:k + 1]), link, sc, snapshot)
+        j = slots.get()
+        try:
+            one_pass.run_chunk_nb(
+                layout.BlockStates(blocks.lo[k:k + 2], blocks.ptrs[k:k + 1], blocks.tables[k:k + 1],
+                                   blocks.inflights[k:k + 1]),
+                req, matches, fleets, loads, dp, freshness_ns, knobs, plan, seed, max_matches, keep, out,
+                layout.Accumulators(totals.acc[j:j + 1], totals.hist_wait[j:j + 1], totals.hist_div[j:j + 1],
+                                    totals.stats[j:j + 1]), link, sc, snapshot)
+        finally:
+            slots.put(j)
 
-    if pool is None or nb == 1:
-        if beside is not None:
-            beside()
+    if pool is None:
         for k in range(nb):
             one(k)
-    else:
-        side = [pool.submit(beside)] if beside is not None else []
-        for f in side + [pool.submit(one, k) for k in range(nb)]:
-            f.result()
+        return []
+    return [pool.submit(one, k) for k in range(nb)]
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future, then raise the first one's error, if any."""
+    for f in futures:
+        f.exception()
+    for f in futures:
+        f.result()
 
 
 def kernel_signatures() -> dict:
@@ -500,36 +509,67 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
         ptr = one_pass.split_states_nb(ptr, readonly(req.ts[start:stop][lo]), loads, dp, table, inflight,
                                        tables[k % 2, :nb], inflights[k % 2, :nb], ptrs[k % 2, :nb])
 
-    if starts:
-        split(0)
-    for k, start in enumerate(starts):
-        stop = min(n_req, start + chunk)
-        n = stop - start
-        block_lo = block_los[k]
-        nb = block_lo.shape[0] - 1
-        tb, inf, pt = tables[k % 2, :nb], inflights[k % 2, :nb], ptrs[k % 2, :nb]
-        if keep:
-            out_i = np.empty((layout.O_NCOLS, n, n_cfg), dtype=np.int64)
-            out_f = np.empty((layout.F_NCOLS, n, n_cfg), dtype=np.float64)
-        else:
-            out_i, out_f = dummy_i, dummy_f
-        fl_min = np.empty(n, dtype=np.int64)
-        fl_fresh = np.empty(n, dtype=np.int64)
-        a, b = m_off[start], m_off[stop]
-        chunk_req = layout.Requests(*(
-            col[start:stop] if (name != "selected_worker" or has_selected) else col
-            for name, col in zip(layout.Requests._fields, req, strict=True)))
-        run_blocks(pool, nb, layout.BlockStates(block_lo, pt, tb, inf),
-                   chunk_req,
-                   layout.Matches(readonly(m_off[start:stop + 1] - a), m_worker[a:b], m_blocks[a:b]),
-                   fleets, loads, dp, int(freshness_ns), knobs, plan, int(seed), max_matches, keep,
-                   layout.Outputs(out_i, out_f, fl_min, fl_fresh),
-                   layout.Accumulators(totals._acc[:nb], totals.hist_wait[:nb], totals.hist_div[:nb],
-                                       totals.stats[:nb]), link, scratch,
-                   functools.partial(split, k + 1) if k + 1 < len(starts) else None)
-        if progress is not None:
-            progress(n)
-        yield Chunk(start, stop, out_i if keep else None, out_f if keep else None, fl_min, fl_fresh)
+    # accumulator slots, lent to one running block at a time (start_blocks)
+    slots: queue.SimpleQueue = queue.SimpleQueue()
+    for j in range(totals.acc.shape[0]):
+        slots.put(j)
+    # A chunk's blocks are handed to the threads before the previous chunk's are
+    # waited for, so no thread idles while the previous chunk's last blocks run;
+    # then the next chunk's load states are split here, beside them, into the
+    # state set the previous chunk has just released.
+    pending: tuple[list[Future], Chunk] | None = None
+    running: list[Future] = []
+    try:
+        if starts:
+            split(0)
+        for k, start in enumerate(starts):
+            stop = min(n_req, start + chunk)
+            n = stop - start
+            block_lo = block_los[k]
+            nb = block_lo.shape[0] - 1
+            tb, inf, pt = tables[k % 2, :nb], inflights[k % 2, :nb], ptrs[k % 2, :nb]
+            if keep:
+                out_i = np.empty((layout.O_NCOLS, n, n_cfg), dtype=np.int64)
+                out_f = np.empty((layout.F_NCOLS, n, n_cfg), dtype=np.float64)
+            else:
+                out_i, out_f = dummy_i, dummy_f
+            fl_min = np.empty(n, dtype=np.int64)
+            fl_fresh = np.empty(n, dtype=np.int64)
+            a, b = m_off[start], m_off[stop]
+            chunk_req = layout.Requests(*(
+                col[start:stop] if (name != "selected_worker" or has_selected) else col
+                for name, col in zip(layout.Requests._fields, req, strict=True)))
+            running = start_blocks(
+                pool, nb, layout.BlockStates(block_lo, pt, tb, inf), chunk_req,
+                layout.Matches(readonly(m_off[start:stop + 1] - a), m_worker[a:b], m_blocks[a:b]),
+                fleets, loads, dp, int(freshness_ns), knobs, plan, int(seed), max_matches, keep,
+                layout.Outputs(out_i, out_f, fl_min, fl_fresh),
+                layout.Accumulators(totals._acc, totals.hist_wait, totals.hist_div, totals.stats), slots,
+                link, scratch)
+            done = Chunk(start, stop, out_i if keep else None, out_f if keep else None, fl_min, fl_fresh)
+            if pending is not None:
+                wait_all(pending[0])
+            if k + 1 < len(starts):
+                split(k + 1)
+            if pending is not None:
+                if progress is not None:
+                    progress(pending[1].stop - pending[1].start)
+                yield pending[1]
+            pending = (running, done)
+        if pending is not None:
+            wait_all(pending[0])
+            if progress is not None:
+                progress(pending[1].stop - pending[1].start)
+            yield pending[1]
+            pending = None
+    finally:
+        # a consumer that stops early (or an error) leaves no block running into
+        # its accumulators
+        for f in running + (pending[0] if pending is not None else []):
+            f.cancel()
+        for f in running + (pending[0] if pending is not None else []):
+            if not f.cancelled():
+                f.exception()
 
 
 def chunk_readings(mins: list, fresh: list) -> tuple[np.ndarray, np.ndarray]:

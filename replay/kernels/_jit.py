@@ -13,7 +13,7 @@ parent of the hash folder, never the cache itself (one cache folder kept
 across edits once ran a stale kernel and crashed the process).
 
 What a first start compiles (issue 13): every kernel is plain ``njit``; the
-engine runs a chunk's blocks on its own threads (``engine.run_blocks``; the
+engine runs a chunk's blocks on its own threads (``engine.start_blocks``; the
 kernels release the GIL) instead of numba's ``parallel=True``, whose parfor
 passes made the grid kernel's compile about a quarter longer; and a kernel
 calling another compiles one specialization per argument type, never one per
