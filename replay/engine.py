@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numba
@@ -318,8 +318,7 @@ def start_blocks(pool: ThreadPoolExecutor | None, nb: int, blocks: layout.BlockS
 
 def wait_all(futures: list[Future]) -> None:
     """Wait for every future, then raise the first one's error, if any."""
-    for f in futures:
-        f.exception()
+    wait(futures)
     for f in futures:
         f.result()
 
@@ -565,11 +564,10 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     finally:
         # a consumer that stops early (or an error) leaves no block running into
         # its accumulators
-        for f in running + (pending[0] if pending is not None else []):
+        outstanding = running + (pending[0] if pending is not None else [])
+        for f in outstanding:
             f.cancel()
-        for f in running + (pending[0] if pending is not None else []):
-            if not f.cancelled():
-                f.exception()
+        wait(outstanding)
 
 
 def chunk_readings(mins: list, fresh: list) -> tuple[np.ndarray, np.ndarray]:
