@@ -166,3 +166,21 @@ def test_grid_totals_equal_each_config_replayed_alone(parquet_trace):
         assert (together.acc[0][:, c] == alone.acc[0][:, 0]).all(), f"config {c}"
         assert (together.hist_wait[0][:, c] == alone.hist_wait[0][:, 0]).all(), f"config {c}"
         assert (together.hist_div[0][:, c] == alone.hist_div[0][:, 0]).all(), f"config {c}"
+
+
+@pytest.mark.parametrize("n_workers", [63, 64, 65, 130, 200])
+def test_kernel_equals_reference_on_fleets_over_a_word(n_workers):
+    """The grid pass keeps the sampler's tier as a bit set, 64 fleet positions a
+    word: fleets at and across word boundaries, tiers of every size (small queue
+    readings against limits 1..8), and samples of every size (k = 1 draw, a
+    partial shuffle, a shuffle of the whole tier, k >= the tier)."""
+    trace = random_trace(n_workers, Shape(n_requests=200, n_workers=n_workers, n_loads=12 * n_workers,
+                                          span_s=10.0, queue_max=8, max_matches=6))
+    configs = [RouterConfig(worker_queue_limit=limit, saturation_queue_floor=floor, min_load_choices=k)
+               for limit in (None, 1, 3, 8) for floor in (None, 1) if floor is None or limit
+               for k in (1, 2, 40, 250)]
+    ref = reference.replay(trace, configs, seed=n_workers)
+    ker = engine.decide_all(trace, configs, seed=n_workers)
+    assert_same(ref, ker, f"{n_workers} workers")
+    # the sampler's rungs did choose, from tiers that are neither empty nor the whole fleet
+    assert (ker["reason"] == 0).any()

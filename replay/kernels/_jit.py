@@ -363,6 +363,46 @@ else:
     reference of its own."""
 
 
+def _popcount(typingctx, x):
+    if not isinstance(x, _types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ctpop(args[0])
+
+    return x(x), codegen
+
+
+def _trailing_zeros(typingctx, x):
+    if not isinstance(x, _types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.cttz(args[0], _ir.Constant(_ir.IntType(1), 0))
+
+    return x(x), codegen
+
+
+_BITS64 = (1 << 64) - 1
+
+if numba.config.DISABLE_JIT:
+    def popcount(x):
+        """The number of set bits of the 64-bit integer ``x`` (two's complement)."""
+        return (int(x) & _BITS64).bit_count()
+
+    def trailing_zeros(x):
+        """The position of the lowest set bit of the 64-bit integer ``x`` (64 for 0)."""
+        v = int(x) & _BITS64
+        return (v & -v).bit_length() - 1 if v else 64
+else:
+    popcount = _intrinsic(_popcount)
+    popcount.__doc__ = """``popcount(x)``: the set bits of an integer, one machine instruction
+    (LLVM's ``ctpop``) where the CPU has one."""
+    trailing_zeros = _intrinsic(_trailing_zeros)
+    trailing_zeros.__doc__ = """``trailing_zeros(x)``: the position of the lowest set bit of an
+    integer, its width for 0 (LLVM's ``cttz``)."""
+
+
 def link_to(dispatcher, args: tuple):
     """A :func:`call_at` link (int64 ``[address, fingerprint]``) to ``dispatcher``
     compiled (or loaded from the cache) for the argument types ``args``."""

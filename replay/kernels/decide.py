@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import labels
 from ..config import KNOBS
-from ._jit import njit, njit_inner
+from ._jit import njit, njit_inner, popcount, trailing_zeros
 from .rng import draw_at_nb, draw_key_nb
 from .snapshot import (
     S_BASIC,
@@ -540,6 +540,19 @@ def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
     """
     if m == 0:
         return -1, -1, draw
+    n_s, draw = draw_positions_nb(m, k, key, draw, idx)
+    for s in range(n_s):
+        idx[s] = pool[idx[s]]
+    best, runner = best_two_nb(snap, est, idx, n_s)
+    return best, runner, draw
+
+
+@njit(allocates=False)
+def draw_positions_nb(m, k, key, draw, idx):
+    """The sampler's draws: the positions in a tier of ``m >= 1`` workers it
+    samples, into ``idx[:n_s]`` in draw order (``idx`` needs room for
+    ``3 * max(k, 1)`` or ``m`` entries).  Returns (n_s, next_draw_index).
+    """
     kk = max(k, 1)
     if kk >= m:
         for i in range(m):
@@ -586,15 +599,77 @@ def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
                 idx[2 * kk + n_sw] = vi
                 n_sw += 1
         n_s = kk
-    best = pool[idx[0]]
+    return n_s, draw
+
+
+@njit(allocates=False)
+def best_two_nb(snap, est, workers, n):
+    """(best, runner_up) of the sampled ``workers[:n]`` (n >= 1) in sample order,
+    by the pairwise pressure compare; runner_up = -1 for one worker."""
+    best = workers[0]
     runner = -1
-    for s in range(1, n_s):
-        w = pool[idx[s]]
+    for s in range(1, n):
+        w = workers[s]
         if cmp_pair_nb(snap, est, w, best) < 0:
             runner = best
             best = w
         elif runner < 0 or cmp_pair_nb(snap, est, w, runner) < 0:
             runner = w
+    return best, runner
+
+
+@njit(allocates=False)
+def select_bit_nb(x, t):
+    """The position of the ``t``-th set bit (from 0, lowest first) of the int64
+    bit set ``x``; ``t < popcount(x)``."""
+    pos = 0
+    c = popcount(x & 0xFFFFFFFF)
+    if t >= c:
+        t -= c
+        x = x >> 32
+        pos = 32
+    x = x & 0xFFFFFFFF
+    c = popcount(x & 0xFFFF)
+    if t >= c:
+        t -= c
+        x = x >> 16
+        pos += 16
+    c = popcount(x & 0xFF)
+    if t >= c:
+        t -= c
+        x = x >> 8
+        pos += 8
+    for _ in range(t):
+        x &= x - 1
+    return pos + trailing_zeros(x)
+
+
+@njit(allocates=False)
+def sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx):
+    """``sample_from_pool_nb`` over a tier given as a bit set: bit ``j`` of
+    ``bits`` (64 fleet positions a word) marks ``fleet[j]`` as in the tier of
+    ``m`` workers, fleet order kept; ``whole``: the tier is the whole fleet
+    (``bits`` unread).  The grid pass builds the bit set with a compare per
+    worker that needs no list: a worker's place in the tier is found only for
+    the few the draws pick.
+    """
+    if m == 0:
+        return -1, -1, draw
+    n_s, draw = draw_positions_nb(m, k, key, draw, idx)
+    for s in range(n_s):
+        t = idx[s]
+        if whole:
+            idx[s] = fleet[t]
+            continue
+        q = 0
+        while True:
+            c = popcount(bits[q])
+            if t < c:
+                idx[s] = fleet[(q << 6) + select_bit_nb(bits[q], t)]
+                break
+            t -= c
+            q += 1
+    best, runner = best_two_nb(snap, est, idx, n_s)
     return best, runner, draw
 
 
@@ -815,27 +890,28 @@ def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratc
 
 
 @njit(allocates=False)
-def domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, limit, wcol, k, key, work, idx):
-    """``domain_rungs_nb`` given the sampler's tier ``pool[:m]`` (the queue-gate
-    tier of ``fleet`` under ``limit``, or the whole fleet when that is empty or
-    there is no limit), which depends on the snapshot and the limit class only:
-    the grid pass builds it once per request and class.  The three draws all
-    sample that same tier; ``work`` is scratch for the range fallback
-    (length >= fleet size), ``idx`` the sampler's index scratch; ``key`` is the
+def domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, limit, wcol, k, key, work, idx):
+    """``domain_rungs_nb`` given the sampler's tier as a bit set over fleet
+    positions (``sample_from_bits_nb``): the queue-gate tier of ``fleet`` under
+    ``limit``, or the whole fleet (``whole``) when that is empty or there is
+    no limit.  It depends on the snapshot and the limit class only: the grid
+    pass builds it once per request and class.  The three draws all sample
+    that same tier; ``work`` is scratch for the range fallback (length >=
+    fleet size), ``idx`` the sampler's index scratch; ``key`` is the
     request's ``rng.draw_key_nb`` (the grid pass makes it once per request).
     """
     if fleet.shape[0] == 0:
         return -1, -1
     draw = 0
-    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
+    p, b, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
     if w >= 0:
         return w, reason
-    p, b, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
+    p, b, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
     w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
     if w >= 0:
         return w, reason
-    w, _r, draw = sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx)
+    w, _r, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
     return w, CAPACITY_FALLBACK
 
 

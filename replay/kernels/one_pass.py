@@ -24,7 +24,7 @@ from collections import namedtuple
 import numpy as np
 from numba.core import types
 
-from ._jit import address_of, call_at, njit, njit_inner
+from ._jit import address_of, call_at, njit, njit_inner, popcount
 from .accumulate import N_TERMS, accumulate_request_nb, book_block_constants_nb
 from .decide import (
     A_ADM_REJECTED,
@@ -42,7 +42,7 @@ from .decide import (
     C_WORKER,
     PIN_LOCALITY,
     cache_rung_with_nb,
-    domain_rungs_pooled_nb,
+    domain_rungs_bits_nb,
     failure_of_nb,
     gate_column_nb,
     locality_nb,
@@ -493,21 +493,26 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                         lk = g * width + lcl
                         if ladder_w[lk] == -2:
                             # the sampler's tier: the queue-gate tier (absent readings pass the
-                            # gate), or the whole fleet without a limit or when it is empty
-                            pool = scratch_i[0]
+                            # gate), or the whole fleet without a limit or when it is empty; as
+                            # a bit set over fleet positions, 64 a word (a compare per worker
+                            # and no list to build: only the drawn positions are looked up)
+                            bits = scratch_i[0]
                             m = 0
                             if lim >= 0:
                                 fw = fleet_wait[r]
-                                for j in range(n_fleet):
-                                    x = fw[j]
-                                    pool[m] = fleet[j]
-                                    m += (x < lim) | (x == big)
-                            if m == 0:
-                                for j in range(n_fleet):
-                                    pool[j] = fleet[j]
+                                for q in range((n_fleet + 63) >> 6):
+                                    lo = q << 6
+                                    word = np.int64(0)
+                                    for j in range(lo, min(lo + 64, n_fleet)):
+                                        x = fw[j]
+                                        word |= np.int64((x < lim) | (x == big)) << (j - lo)
+                                    bits[q] = word
+                                    m += popcount(word)
+                            whole = m == 0
+                            if whole:
                                 m = n_fleet
-                            lw, lr = domain_rungs_pooled_nb(fleet, pool, m, snap, est, L, lim, wcol,
-                                                            k_choices[c], rkey, scratch_i[1], scratch_i[5])
+                            lw, lr = domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, lim, wcol,
+                                                          k_choices[c], rkey, scratch_i[1], scratch_i[5])
                             ladder_w[lk] = lw
                             ladder_r[lk] = lr
                             scratch_i[7, n_ladder] = lk
