@@ -99,7 +99,6 @@ _POLICY_OF_REASON = np.array([2, 0, 3, 4, 5, 6, 1], dtype=np.int64)
 Scratch = namedtuple("Scratch", (
     "memo",        # int64[n_groups * (max_fleet + 2) * 3]: outcome key -> config column, -1 = none yet
     "lclass",      # int64[2, lim_vals]: limit class of each distinct limit (row: gate reading)
-    "fclass",      # int64[2, fl_vals]: floor class of each distinct floor
     "fleet_wait",  # int64[2, max_fleet]: gate reading per fleet worker (huge when absent)
     "audit",       # int64[A_NCOLS]: the last cache resolution's audit
     "ints",        # int64[9, width]: scratch rows of decide.py, rows 6/7/8 the keys to reset (memo, ladder, rung)
@@ -118,7 +117,7 @@ Scratch = namedtuple("Scratch", (
     "rung",        # int64[n_groups * (max_matches + 1) * 6, _R_NCOLS]: cache-rung results by rung key
     "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
     "gl_end",      # int64[n_cfg]: where the run starting at position t of gl_cfg ends; 0 inside a run
-    "fc_slot",     # int64[3]: the current run's decision row per floor class, -1 = none yet
+    "gl_floor",    # int64[n_cfg]: the floor of the config at position t of gl_cfg, -1 = none
     "terms",       # int64[n_cfg, accumulate.N_TERMS]: what each decision row books (accumulate.py)
 ), module=__name__)
 
@@ -127,11 +126,11 @@ Scratch = namedtuple("Scratch", (
 # table (warm.inner_signatures), and tests/test_compile_child.py fails when the
 # parent then finds no cached _decide_request of the type it calls.
 _i, _f, _b = np.int64, np.float64, np.bool_
-SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fclass": (_i, 2), "fleet_wait": (_i, 2), "audit": (_i, 1),
+SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fleet_wait": (_i, 2), "audit": (_i, 1),
                  "ints": (_i, 2), "cands": (_i, 3), "group_n": (_i, 1), "group_rep": (_i, 1), "gated_n": (_i, 2),
                  "ladder_w": (_i, 1), "ladder_r": (_i, 1), "seen": (_b, 1), "res_i": (_i, 2), "res_f": (_f, 2),
                  "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_end": (_i, 1),
-                 "fc_slot": (_i, 1), "terms": (_i, 2)}
+                 "gl_floor": (_i, 1), "terms": (_i, 2)}
 
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
 # the rung's worker, reason and label, and the decision row it chose (a slot
@@ -149,11 +148,12 @@ _R_NCOLS = A_NCOLS + 5
 _HIST_MAX = 1024
 
 
-def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(gl_cfg, gl_end, group_rep)`` of a grid plan (``layout.GridPlan``): the
-    configs in runs of one (group, limit), config order inside a run (runs in
-    the order of their first config); at the position where a run starts, the
-    position where it ends (0 inside a run); the first config of each group.
+def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(gl_cfg, gl_end, gl_floor, group_rep)`` of a grid plan (``layout.GridPlan``):
+    the configs in runs of one (group, limit), config order inside a run (runs
+    in the order of their first config); at the position where a run starts,
+    the position where it ends (0 inside a run); the floor of the config at
+    each position (-1 = none); the first config of each group.
 
     ``_decide_request`` relies on the parents ``engine.encode_configs`` gives:
     inside a run each config hangs off the one before, and a run's first config
@@ -179,11 +179,12 @@ def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     group_rep = np.full(plan.n_groups, -1, dtype=np.int64)
     for c in range(n_cfg - 1, -1, -1):
         group_rep[group[c]] = c
-    return gl_cfg, gl_end, group_rep
+    gl_floor = np.asarray(plan.fl_vals, dtype=np.int64)[np.asarray(plan.fi)[gl_cfg]]
+    return gl_cfg, gl_end, gl_floor, group_rep
 
 
 def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
-                runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Scratch, tuple]:
+                runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> tuple[Scratch, tuple]:
     """One block's working memory for ``run_chunk_nb``: its ``Scratch`` and its
     running snapshot ``(snap, est, oldest, dirty)`` (``snapshot.refresh_until_nb``),
     all fresh; ``runs`` is :func:`config_runs` of the plan (read only, so
@@ -193,11 +194,10 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
     n_cfg = plan.group.shape[0]
     n_lim = plan.lim_vals.shape[0]
     width = max(n_workers, max_matches, n_cfg, 1) + 1
-    gl_cfg, gl_end, group_rep = runs
+    gl_cfg, gl_end, gl_floor, group_rep = runs
     sc = Scratch(
         np.full(n_groups * (max_fleet + 2) * 3, -1, dtype=np.int64),
         np.zeros((2, n_lim), dtype=np.int64),
-        np.zeros((2, plan.fl_vals.shape[0]), dtype=np.int64),
         np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
         np.zeros(A_NCOLS, dtype=np.int64),
         np.zeros((9, width), dtype=np.int64),
@@ -215,7 +215,7 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
         np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
         gl_cfg,
         gl_end,
-        np.full(3, -1, dtype=np.int64),
+        gl_floor,
         np.zeros((n_cfg, N_TERMS), dtype=np.int64),
     )
     snapshot = (np.zeros((n_workers, S_NCOLS), dtype=np.int64), np.full(n_workers, np.nan),
@@ -278,10 +278,8 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     n_fleet = fleet.shape[0]
     n_cfg = plan.group.shape[0]
     lim_vals = plan.lim_vals
-    fl_vals = plan.fl_vals
     fleet_wait = sc.fleet_wait
     lclass = sc.lclass
-    fclass = sc.fclass
     memo = sc.memo
     res_i = sc.res_i
     res_f = sc.res_f
@@ -298,7 +296,6 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     seen = sc.seen
     group = plan.group
     cfg_li = plan.li
-    cfg_fi = plan.fi
     # (array fields read in the loops below are unpacked once: cheaper than a
     # tuple field access per config)
     k_limit = knobs.worker_queue_limit
@@ -312,30 +309,34 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     k_scaling = knobs.variant_floor_scaling
     k_pin_order = knobs.variant_pin_order
     # limit classes: number of fresh fleet workers reading below the limit;
-    # floor classes: unset, nobody fresh below it, somebody fresh below it.
+    # floor classes: unset (0), nobody fresh below it (1), somebody fresh below
+    # it (2), that is, the floor is above the smallest fresh reading (fmin).
     # Row 0 reads the router's fleet scaling (S_WAITING), row 1 the per-worker
     # floor-scaling variant's per-rank reading (only when a config uses it).
     big = np.int64(1) << 62
     n_absent = 0
     fleet_min = -1
+    fmin0 = big
+    fmin1 = big
     n_rows = 2 if plan.per_worker else 1
     for j in range(n_fleet):
         w = fleet[j]
         if snap[w, S_BASIC] == 1:
             x = snap[w, S_WAITING]
+            y = snap[w, S_WAITING_PER_RANK]
             fleet_wait[0, j] = x
-            fleet_wait[1, j] = snap[w, S_WAITING_PER_RANK]
-            if fleet_min < 0 or x < fleet_min:
-                fleet_min = x
+            fleet_wait[1, j] = y
+            fmin0 = min(fmin0, x)
+            fmin1 = min(fmin1, y)
         else:
             fleet_wait[0, j] = big
             fleet_wait[1, j] = big
             n_absent += 1
+    if n_absent < n_fleet:
+        fleet_min = fmin0
     top = -1
     for j in range(lim_vals.shape[0]):
         top = max(top, lim_vals[j])
-    for j in range(fl_vals.shape[0]):
-        top = max(top, fl_vals[j])
     hist = sc.hist
     for r in range(n_rows):
         fw = fleet_wait[r]
@@ -360,22 +361,10 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             for j in range(lim_vals.shape[0]):
                 lim = lim_vals[j]
                 lclass[r, j] = 0 if lim < 0 else hist[lim] + 1
-            for j in range(fl_vals.shape[0]):
-                fl = fl_vals[j]
-                if fl < 0:
-                    fclass[r, j] = 0
-                else:
-                    fclass[r, j] = 2 if hist[fl] > 0 else 1
         else:
             for j in range(lim_vals.shape[0]):
                 lim = lim_vals[j]
                 lclass[r, j] = 0 if lim < 0 else _count_below(fw, n_fleet, lim) + 1
-            for j in range(fl_vals.shape[0]):
-                fl = fl_vals[j]
-                if fl < 0:
-                    fclass[r, j] = 0
-                else:
-                    fclass[r, j] = 2 if _count_below(fw, n_fleet, fl) > 0 else 1
     has_signal = qb > 0
     matched = 0
     if has_signal and m_worker.shape[0] > 0:
@@ -416,7 +405,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     n_rungs = 0
     gl_cfg = sc.gl_cfg
     gl_end = sc.gl_end
-    fc_slot = sc.fc_slot
+    gl_floor = sc.gl_floor
     parent = plan.parent
     # configs in runs of one (group, limit): inside a run only the floor class
     # can change the decision, so each run computes (or looks up) at most three.
@@ -439,15 +428,19 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         r = 1 if wcol == S_WAITING_PER_RANK else 0
         lcl = lclass[r, li]
         n_gated = gated_n[g, li]
-        fc_slot[0] = -1
-        fc_slot[1] = -1
-        fc_slot[2] = -1
+        fmin = fmin1 if r == 1 else fmin0
+        # the run's decision row per floor class so far (-1 = none yet), kept in
+        # registers: a config's class comes from its floor and fmin, not from memory
+        s0 = -1
+        s1 = -1
+        s2 = -1
         prev = -1
         for tt in range(t, end):
             c = gl_cfg[tt]
-            fcl = fclass[r, cfg_fi[c]]
+            fl = gl_floor[tt]
+            fcl = 0 if fl < 0 else (2 if fmin < fl else 1)
             fc = fcl if n_gated > 0 else 0
-            slot = fc_slot[fc]
+            slot = s0 if fc == 0 else (s1 if fc == 1 else s2)
             if slot < 0:
                 key = (g * width + lcl) * 3 + fc
                 slot = memo[key]
@@ -576,7 +569,12 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                     if rrow[_R_W] >= 0:
                         rrow[_R_SLOT] = slot
                 memo[key] = slot
-            fc_slot[fc] = slot
+            if fc == 0:
+                s0 = slot
+            elif fc == 1:
+                s1 = slot
+            else:
+                s2 = slot
             src_of[c] = slot
             if tt > t:
                 if slot != prev:
