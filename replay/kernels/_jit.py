@@ -446,12 +446,20 @@ def _kernel(fn, kind: type, allocates: bool, **extra):
     return dispatcher
 
 
-def njit(fn=None, *, allocates: bool = True):
+def njit(fn=None, *, allocates: bool = True, inline: bool = False):
     """``numba.njit`` with the options above and :class:`_Dispatcher`
-    (``@njit`` or ``@njit(allocates=False)``, see :func:`_options`)."""
+    (``@njit`` or ``@njit(allocates=False)``, see :func:`_options`).
+
+    ``inline=True`` (numba's ``forceinline``): LLVM always inlines the kernel
+    into the kernels that call it.  LLVM's own heuristic leaves the decision
+    helpers of a few hundred instructions as calls, and numba passes every
+    array as seven to nine machine words, most of them on the stack: the
+    grid pass's sampler made about seven such calls per domain-rung
+    evaluation (issue 13).  Meant for helpers with one or two call sites:
+    each call site compiles its own copy."""
     if fn is None:
-        return lambda f: njit(f, allocates=allocates)
-    return _kernel(fn, _Dispatcher, allocates)
+        return lambda f: njit(f, allocates=allocates, inline=inline)
+    return _kernel(fn, _Dispatcher, allocates, forceinline=inline)
 
 
 class _InnerDispatcher(_Dispatcher):

@@ -516,38 +516,37 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
 def sample_pair_nb(snap, est, workers, k, limit, wcol, seed, req_index, draw, pool, idx):
     """best_two_of_sample over the queue-gate tier of ``workers``.
 
-    Returns (best, runner_up, next_draw_index); best = -1 for an empty list.
+    ``pool`` is int64 scratch (at least one word per 64 workers) for the
+    tier's bit set.  Returns (best, runner_up, next_draw_index); best = -1
+    for an empty list.
     """
+    m, whole = gate_tier_bits_nb(snap, workers, limit, wcol, pool)
+    return sample_from_bits_nb(snap, est, workers, pool, whole, m, k, draw_key_nb(seed, req_index), draw, idx)
+
+
+@njit(allocates=False)
+def gate_tier_bits_nb(snap, workers, limit, wcol, bits):
+    """The sampler's tier of ``workers`` as a bit set (``sample_from_bits_nb``):
+    the workers the queue gate admits under ``limit``, else (no limit, or
+    nobody admitted) all of them.  Returns (m, whole): the tier's size, and
+    whether it is the whole list (``bits`` then unread).  The grid pass
+    builds the same set from its fleet readings (``one_pass._decide_request``)."""
+    n = workers.shape[0]
     m = 0
     if limit >= 0:
-        for w in workers:
-            if gate_admits_nb(snap, w, limit, wcol):
-                pool[m] = w
-                m += 1
+        for q in range((n + 63) >> 6):
+            lo = q << 6
+            word = np.int64(0)
+            for j in range(lo, min(lo + 64, n)):
+                word |= np.int64(gate_admits_nb(snap, workers[j], limit, wcol)) << (j - lo)
+            bits[q] = word
+            m += popcount(word)
     if m == 0:
-        for w in workers:
-            pool[m] = w
-            m += 1
-    return sample_from_pool_nb(snap, est, pool, m, k, draw_key_nb(seed, req_index), draw, idx)
+        return n, True
+    return m, False
 
 
-@njit(allocates=False)
-def sample_from_pool_nb(snap, est, pool, m, k, key, draw, idx):
-    """best_two_of_sample over the tier ``pool[:m]`` already chosen (``sample_pair_nb``);
-    ``key`` is the request's ``rng.draw_key_nb``.
-
-    Returns (best, runner_up, next_draw_index); best = -1 for an empty pool.
-    """
-    if m == 0:
-        return -1, -1, draw
-    n_s, draw = draw_positions_nb(m, k, key, draw, idx)
-    for s in range(n_s):
-        idx[s] = pool[idx[s]]
-    best, runner = best_two_nb(snap, est, idx, n_s)
-    return best, runner, draw
-
-
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def draw_positions_nb(m, k, key, draw, idx):
     """The sampler's draws: the positions in a tier of ``m >= 1`` workers it
     samples, into ``idx[:n_s]`` in draw order (``idx`` needs room for
@@ -602,7 +601,7 @@ def draw_positions_nb(m, k, key, draw, idx):
     return n_s, draw
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def best_two_nb(snap, est, workers, n):
     """(best, runner_up) of the sampled ``workers[:n]`` (n >= 1) in sample order,
     by the pairwise pressure compare; runner_up = -1 for one worker."""
@@ -618,7 +617,7 @@ def best_two_nb(snap, est, workers, n):
     return best, runner
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def select_bit_nb(x, t):
     """The position of the ``t``-th set bit (from 0, lowest first) of the int64
     bit set ``x``; ``t < popcount(x)``."""
@@ -644,9 +643,9 @@ def select_bit_nb(x, t):
     return pos + trailing_zeros(x)
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx):
-    """``sample_from_pool_nb`` over a tier given as a bit set: bit ``j`` of
+    """best_two_of_sample over a tier given as a bit set: bit ``j`` of
     ``bits`` (64 fleet positions a word) marks ``fleet[j]`` as in the tier of
     ``m`` workers, fleet order kept; ``whole``: the tier is the whole fleet
     (``bits`` unread).  The grid pass builds the bit set with a compare per
@@ -675,7 +674,7 @@ def sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx):
 
 # ---------------------------------------------------------------------------
 # Section 4.1: resolve_prefill_admitted (strict, with the two-tier range fallback)
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def resolve_admitted_nb(snap, est, primary, backup, legal, L, limit, wcol, pool):
     """Returns (worker, reason) or (-1, -1)."""
     p_ok = prefill_admitted_nb(snap, primary, L) and gate_admits_nb(snap, primary, limit, wcol)
@@ -871,22 +870,14 @@ def domain_rungs_nb(fleet, snap, est, L, limit, wcol, k, seed, req_index, scratc
     tries it strictly, then the capacity fallback draws once more.  The draws
     depend on (seed, request, draw index) only, so the result is a function of
     the snapshot, the limit and k.  A non-empty fleet always yields a worker.
+    All three draws sample the same tier (``gate_tier_bits_nb``).
     """
     if fleet.shape[0] == 0:
         return -1, -1
-    pool = scratch_i[0]
-    idx = scratch_i[5]
-    draw = 0
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
-    if w >= 0:
-        return w, reason
-    p, b, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, pool)
-    if w >= 0:
-        return w, reason
-    w, _r, draw = sample_pair_nb(snap, est, fleet, k, limit, wcol, seed, req_index, draw, pool, idx)
-    return w, CAPACITY_FALLBACK
+    bits = scratch_i[0]
+    m, whole = gate_tier_bits_nb(snap, fleet, limit, wcol, bits)
+    return domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, limit, wcol, k,
+                                draw_key_nb(seed, req_index), scratch_i[1], scratch_i[5])
 
 
 @njit(allocates=False)
@@ -903,16 +894,15 @@ def domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, limit, wcol, k, ke
     if fleet.shape[0] == 0:
         return -1, -1
     draw = 0
-    p, b, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
-    if w >= 0:
-        return w, reason
-    p, b, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
-    w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
-    if w >= 0:
-        return w, reason
-    w, _r, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
-    return w, CAPACITY_FALLBACK
+    p = -1
+    for attempt in range(3):   # one call site each: the helpers are inlined once
+        p, b, draw = sample_from_bits_nb(snap, est, fleet, bits, whole, m, k, key, draw, idx)
+        if attempt == 2:
+            break
+        w, reason = resolve_admitted_nb(snap, est, p, b, fleet, L, limit, wcol, work)
+        if w >= 0:
+            return w, reason
+    return p, CAPACITY_FALLBACK
 
 
 @njit(allocates=False)

@@ -14,19 +14,23 @@ compile independently: neither process waits for the other's kernel while
 it compiles its own.  The split (measured per function with numba's
 ``numba:compile`` events, nested compiles subtracted, on the sample sweep):
 
-* the other process: ``snapshot.refresh_until_nb`` (which the grid kernel then
-  loads from the cache), then ``one_pass._decide_request`` and its helpers,
-  except ``cache_rung_with_nb``;
+* the other process: ``one_pass._decide_request`` and its helpers, except
+  ``cache_rung_with_nb``;
 * this process, first: ``decide.cache_rung_with_nb`` (about 4 s; the other
   process waits for it when its ``_decide_request`` reaches the call) and
-  ``accumulate_request_nb``; then the grid kernel and ``split_states_nb``,
-  then ``_decide_request`` from the cache (:func:`wait_for` waits for the other
-  process's part first), whose address :func:`link` hands the grid kernel.
+  ``accumulate_request_nb``; then the grid kernel (with ``refresh_until_nb``)
+  and ``split_states_nb``, then ``_decide_request`` from the cache
+  (:func:`wait_for` waits for the other process's part first), whose address
+  :func:`link` hands the grid kernel.
 
   (Measured on the merged fourth round, sample sweep, load about 1.5: with
   ``split_states_nb`` in the other process instead of ``refresh_nb``, this one
   waited 2.7-3.9 s for it, 15.3-15.9 s wall to the first decision; with neither,
-  this one did 15.2 CPU s against the other's 12; this split: 12.3 / 13.3 s.)
+  this one did 15.2 CPU s against the other's 12; that split: 12.3 / 13.3 s.
+  Seventh round: the sampler's helpers are inlined (``_jit.njit(inline=True)``),
+  which made the other process the longer one by 0.6-0.9 CPU s, so
+  ``refresh_until_nb`` moved to this one: 7.6-7.7 s wall to the first decision
+  against 8.2 with it in the other process, on a fast VM phase.)
 
 The helpers' argument types are built here (:func:`inner_signatures`) the
 way ``run_chunk_nb`` passes them, its per-block scratch from
@@ -89,7 +93,7 @@ def inner_signatures(run_sig: tuple) -> dict:
     two processes, built from the grid kernel's own signature ``run_sig``
     (``engine.kernel_signatures()[run_chunk_nb]``) the way ``run_chunk_nb``
     and ``_decide_request`` call them."""
-    from . import accumulate, decide, one_pass, snapshot
+    from . import accumulate, decide, one_pass
 
     i8, f8, b1 = types.int64, types.float64, types.boolean
     knobs_t, plan_t, totals_t = run_sig[7], run_sig[8], run_sig[13]
@@ -102,16 +106,13 @@ def inner_signatures(run_sig: tuple) -> dict:
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
                 _arr(i8, 1), _arr(i8, 2), b1, b1, i8, b1)
     acc_sig = (totals_t, i8, _arr(i8, 2), _arr(f8, 2), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2))
-    refresh_sig = (_arr(i8, 3), _arr(i8, 1), ro_i8, i8, i8, _arr(i8, 2), _arr(f8, 1), _arr(i8, 1), _arr(b1, 1),
-                   i8)
-    return {"refresh_until_nb": (snapshot.refresh_until_nb, refresh_sig),
-            "_decide_request": (one_pass._decide_request, decide_sig),
+    return {"_decide_request": (one_pass._decide_request, decide_sig),
             "cache_rung_with_nb": (decide.cache_rung_with_nb, rung_sig),
             "accumulate_request_nb": (accumulate.accumulate_request_nb, acc_sig)}
 
 
 # the split: the child compiles these, in this order ...
-CHILD = ("refresh_until_nb", "_decide_request")
+CHILD = ("_decide_request",)
 # ... this process compiles these first (the child waits for the ones it calls)
 PARENT_FIRST = ("cache_rung_with_nb", "accumulate_request_nb")
 
