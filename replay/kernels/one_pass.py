@@ -113,7 +113,7 @@ Scratch = namedtuple("Scratch", (
     "res_f",       # float64[n_cfg, F_NCOLS]
     "src_of",      # int64[2 * n_cfg + 1]: row of res_i holding config c's decision (c < n_cfg),
                    # then the booking list: its length, and the configs accumulate.py books
-    "hist",        # int64[_HIST_MAX + 2]: fleet readings per value (the classes' counting pass)
+    "hist",        # int64[4 * (_HIST_MAX + 2)]: fleet readings per value (the classes' counting pass)
     "rung",        # int64[n_groups * (max_matches + 1) * 6, _R_NCOLS]: cache-rung results by rung key
     "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
     "gl_end",      # int64[n_cfg]: where the run starting at position t of gl_cfg ends; 0 inside a run
@@ -211,7 +211,7 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
         np.zeros((n_cfg, O_NCOLS), dtype=np.int64),
         np.zeros((n_cfg, F_NCOLS), dtype=np.float64),
         np.zeros(2 * n_cfg + 1, dtype=np.int64),
-        np.zeros(_HIST_MAX + 2, dtype=np.int64),
+        np.zeros(4 * (_HIST_MAX + 2), dtype=np.int64),
         np.zeros((n_groups * (max(max_matches, 1) + 1) * 6, _R_NCOLS), dtype=np.int64),
         gl_cfg,
         gl_end,
@@ -318,19 +318,23 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     fleet_min = -1
     fmin0 = big
     fmin1 = big
-    n_rows = 2 if plan.per_worker else 1
+    per_worker = plan.per_worker
+    n_rows = 2 if per_worker else 1
+    fw0 = fleet_wait[0]
+    fw1 = fleet_wait[1]
     for j in range(n_fleet):
         w = fleet[j]
         if snap[w, S_BASIC] == 1:
             x = snap[w, S_WAITING]
-            y = snap[w, S_WAITING_PER_RANK]
-            fleet_wait[0, j] = x
-            fleet_wait[1, j] = y
+            fw0[j] = x
             fmin0 = min(fmin0, x)
-            fmin1 = min(fmin1, y)
+            if per_worker:
+                y = snap[w, S_WAITING_PER_RANK]
+                fw1[j] = y
+                fmin1 = min(fmin1, y)
         else:
-            fleet_wait[0, j] = big
-            fleet_wait[1, j] = big
+            fw0[j] = big
+            fw1[j] = big
             n_absent += 1
     if n_absent < n_fleet:
         fleet_min = fmin0
@@ -341,21 +345,24 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     for r in range(n_rows):
         fw = fleet_wait[r]
         counted = top <= _HIST_MAX
+        hw = top + 2
         if counted:
             # hist[v] = readings below v for v <= top + 1 (absent and larger readings
-            # land in the last bucket; a negative reading takes the scanning path)
-            for v in range(top + 2):
+            # land in the last bucket; a negative reading takes the scanning path),
+            # counted in four interleaved histograms (worker j into the (j % 4)-th):
+            # neighbouring workers reading alike do not wait for each other's store
+            for v in range(4 * hw):
                 hist[v] = 0
             for j in range(n_fleet):
                 x = fw[j]
                 if x < 0:
                     counted = False
                     break
-                hist[x if x <= top else top + 1] += 1
+                hist[(j & 3) * hw + (x if x <= top else top + 1)] += 1
         if counted:
             run = 0
-            for v in range(top + 2):
-                h = hist[v]
+            for v in range(hw):
+                h = hist[v] + hist[hw + v] + hist[2 * hw + v] + hist[3 * hw + v]
                 hist[v] = run
                 run += h
             for j in range(lim_vals.shape[0]):
