@@ -83,3 +83,23 @@ def test_block_accumulators_stay_bounded_for_large_grids():
         t = engine.new_totals(n, threads=2)
         assert t.acc.shape[0] == 2 * per_thread
     assert engine.blocks_per_thread(152) > 2      # the bench grid gets the smaller blocks
+
+
+def test_a_plan_whose_run_starts_off_a_later_config_is_refused():
+    """A run that decides alike throughout has only its first config's row
+    written, so a run's first config may hang off an earlier run's first config
+    only: config_runs refuses a plan that hangs it off another member (and the
+    plans encode_configs makes pass)."""
+    from replay.kernels import one_pass
+
+    configs = [RouterConfig(worker_queue_limit=lim, saturation_queue_floor=fl)
+               for lim in (2, 4) for fl in (None, 1, 2)]
+    plan = engine.encode_configs(configs).plan
+    gl_cfg, gl_end, _floor, _rep = one_pass.config_runs(plan)
+    assert gl_end[0] == 3 and gl_end[3] == 6
+    second_run_first = int(gl_cfg[3])
+    assert plan.parent[second_run_first] == gl_cfg[0]
+    bad_parent = np.array(plan.parent)
+    bad_parent[second_run_first] = gl_cfg[2]   # the previous run's last config
+    with pytest.raises(ValueError, match="earlier run's first"):
+        one_pass.config_runs(plan._replace(parent=bad_parent))

@@ -118,6 +118,8 @@ Scratch = namedtuple("Scratch", (
     "gl_cfg",      # int64[n_cfg]: the configs in runs of one (group, limit), config order inside a run
     "gl_end",      # int64[n_cfg]: where the run starting at position t of gl_cfg ends; 0 inside a run
     "gl_floor",    # int64[n_cfg]: the floor of the config at position t of gl_cfg, -1 = none
+    "run_slot",    # int64[n_cfg]: at a run's start, the row of every config of a run that decides
+                   # alike throughout (src_of then holds only its first config), else -1
     "terms",       # int64[n_cfg, accumulate.N_TERMS]: what each decision row books (accumulate.py)
 ), module=__name__)
 
@@ -130,7 +132,7 @@ SCRATCH_TYPES = {"memo": (_i, 1), "lclass": (_i, 2), "fleet_wait": (_i, 2), "aud
                  "ints": (_i, 2), "cands": (_i, 3), "group_n": (_i, 1), "group_rep": (_i, 1), "gated_n": (_i, 2),
                  "ladder_w": (_i, 1), "ladder_r": (_i, 1), "seen": (_b, 1), "res_i": (_i, 2), "res_f": (_f, 2),
                  "src_of": (_i, 1), "hist": (_i, 1), "rung": (_i, 2), "gl_cfg": (_i, 1), "gl_end": (_i, 1),
-                 "gl_floor": (_i, 1), "terms": (_i, 2)}
+                 "gl_floor": (_i, 1), "run_slot": (_i, 1), "terms": (_i, 2)}
 
 # Columns of ``Scratch.rung``: the audit (A_*), then whether the row is filled,
 # the rung's worker, reason and label, and the decision row it chose (a slot
@@ -157,8 +159,9 @@ def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
     ``_decide_request`` relies on the parents ``engine.encode_configs`` gives:
     inside a run each config hangs off the one before, and a run's first config
-    off itself or a config of an earlier run; a plan that breaks that is refused
-    (ValueError) rather than replayed wrong."""
+    off itself or the first config of an earlier run (a run that decides alike
+    throughout has only its first config's row written); a plan that breaks
+    that is refused (ValueError) rather than replayed wrong."""
     group, li, parent = np.asarray(plan.group), np.asarray(plan.li), np.asarray(plan.parent)
     n_cfg = group.shape[0]
     gl_cfg = np.empty(n_cfg, dtype=np.int64)
@@ -168,8 +171,8 @@ def config_runs(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     for key in dict.fromkeys(zip(group.tolist(), li.tolist(), strict=True)):
         members = np.flatnonzero((group == key[0]) & (li == key[1]))
         first = int(members[0])
-        if parent[first] != first and not 0 <= pos[parent[first]] < t:
-            raise ValueError("a run's first config hangs off a config of a later run")
+        if parent[first] != first and not (0 <= pos[parent[first]] < t and gl_end[pos[parent[first]]] > 0):
+            raise ValueError("a run's first config hangs off a config that is not an earlier run's first")
         if np.any(parent[members[1:]] != members[:-1]):
             raise ValueError("a config's parent is not the one before it in its (group, limit) run")
         pos[members] = np.arange(t, t + members.shape[0])
@@ -216,6 +219,7 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
         gl_cfg,
         gl_end,
         gl_floor,
+        np.full(n_cfg, -1, dtype=np.int64),
         np.zeros((n_cfg, N_TERMS), dtype=np.int64),
     )
     snapshot = (np.zeros((n_workers, S_NCOLS), dtype=np.int64), np.full(n_workers, np.nan),
@@ -261,8 +265,10 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     Each distinct outcome is computed once, into the next row ``sc.res_i[u]`` /
     ``sc.res_f[u]``; an outcome equal in every field to an earlier row is kept
     only once, so the rows are the request's distinct decisions and
-    ``sc.src_of[c]`` names the row holding config ``c``'s decision; after the
-    ``n_cfg`` rows, ``sc.src_of`` lists the configs ``accumulate_request_nb``
+    ``sc.src_of[c]`` names the row holding config ``c``'s decision (for a run
+    of configs that decides alike throughout, only its first config's, and
+    ``sc.run_slot`` at the run's start names the row of all of them); after
+    the ``n_cfg`` rows, ``sc.src_of`` lists the configs ``accumulate_request_nb``
     books (their count, then the configs).
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
@@ -413,6 +419,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     gl_cfg = sc.gl_cfg
     gl_end = sc.gl_end
     gl_floor = sc.gl_floor
+    run_slot = sc.run_slot
     parent = plan.parent
     # configs in runs of one (group, limit): inside a run only the floor class
     # can change the decision, so each run computes (or looks up) at most three.
@@ -436,6 +443,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         lcl = lclass[r, li]
         n_gated = gated_n[g, li]
         fmin = fmin1 if r == 1 else fmin0
+        run_slot[t] = -1
         # the run's decision row per floor class so far (-1 = none yet), kept in
         # registers: a config's class comes from its floor and fmin, not from memory
         s0 = -1
@@ -594,8 +602,7 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                     n_book += 1
             prev = slot
             if n_gated == 0:
-                for t2 in range(tt + 1, end):
-                    src_of[gl_cfg[t2]] = slot
+                run_slot[t] = slot   # the other configs of the run: run_chunk_nb reads it
                 break
         t = end
     src_of[n_cfg] = n_book
@@ -697,12 +704,18 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             accumulate_request_nb(block_totals, b, sc.res_i, sc.res_f, sc.src_of, parent,
                                   req_qb[i], sel, sc.terms)
             if keep:
-                for c in range(n_cfg):
-                    src = sc.src_of[c]
-                    for col in range(O_NCOLS):
-                        out_i[col, i, c] = sc.res_i[src, col]
-                    for col in range(F_NCOLS):
-                        out_f[col, i, c] = sc.res_f[src, col]
+                t = 0
+                while t < n_cfg:
+                    end = sc.gl_end[t]
+                    uniform = sc.run_slot[t]
+                    for tt in range(t, end):
+                        c = sc.gl_cfg[tt]
+                        src = uniform if uniform >= 0 else sc.src_of[c]
+                        for col in range(O_NCOLS):
+                            out_i[col, i, c] = sc.res_i[src, col]
+                        for col in range(F_NCOLS):
+                            out_f[col, i, c] = sc.res_f[src, col]
+                    t = end
         n_sel = 0
         if has_selected:
             for i in range(block_lo[b], block_lo[b + 1]):
