@@ -459,137 +459,137 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
             if slot < 0:
                 key = (g * width + lcl) * 3 + fc
                 slot = memo[key]
-            if slot < 0:
-                scratch_i[6, used] = key
-                used += 1
-                lim = k_limit[c]
-                all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
-                # the cache rung sees the limit only through the set of gated candidates
-                # (the gate is monotone in the limit, so their count names the set) and
-                # whether the fleet is all queued; the floor through its class: one
-                # evaluation per rung key, and a rung that chose decides the whole row
-                rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
-                rrow = rung[rk]
-                if rrow[_R_SET] == 1 and rrow[_R_W] >= 0:
-                    slot = rrow[_R_SLOT]
-                else:
-                    slot = n_dist
-                    if rrow[_R_SET] == 1:
-                        for j in range(A_NCOLS):
-                            audit[j] = rrow[j]
-                        w = np.int64(-1)
-                        reason = rrow[_R_REASON]
-                        decision = rrow[_R_LABEL]
+                if slot < 0:
+                    scratch_i[6, used] = key
+                    used += 1
+                    lim = k_limit[c]
+                    all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
+                    # the cache rung sees the limit only through the set of gated candidates
+                    # (the gate is monotone in the limit, so their count names the set) and
+                    # whether the fleet is all queued; the floor through its class: one
+                    # evaluation per rung key, and a rung that chose decides the whole row
+                    rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
+                    rrow = rung[rk]
+                    if rrow[_R_SET] == 1 and rrow[_R_W] >= 0:
+                        slot = rrow[_R_SLOT]
                     else:
-                        w, reason, decision = cache_rung_with_nb(
-                            group_n[g], cands[g], L, snap, est, lim, k_floor[c],
-                            k_margin[c], k_guard[c] == 1,
-                            k_abs_tokens[c], k_abs_ms[c],
-                            k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
-                            k_pin_order[c] == PIN_LOCALITY)
-                        for j in range(A_NCOLS):
-                            rrow[j] = audit[j]
-                        rrow[_R_SET] = 1
-                        rrow[_R_W] = w
-                        rrow[_R_REASON] = reason
-                        rrow[_R_LABEL] = decision
-                        scratch_i[8, n_rungs] = rk
-                        n_rungs += 1
-                    failure = -1
-                    if w < 0:
-                        # the domain rungs depend on (group, limit class) only: computed once
-                        lk = g * width + lcl
-                        if ladder_w[lk] == -2:
-                            # the sampler's tier: the queue-gate tier (absent readings pass the
-                            # gate), or the whole fleet without a limit or when it is empty; as
-                            # a bit set over fleet positions, 64 a word (a compare per worker
-                            # and no list to build: only the drawn positions are looked up)
-                            bits = scratch_i[0]
-                            m = 0
-                            if lim >= 0:
-                                fw = fleet_wait[r]
-                                for q in range((n_fleet + 63) >> 6):
-                                    lo = q << 6
-                                    word = np.int64(0)
-                                    for j in range(lo, min(lo + 64, n_fleet)):
-                                        x = fw[j]
-                                        word |= np.int64((x < lim) | (x == big)) << (j - lo)
-                                    bits[q] = word
-                                    m += popcount(word)
-                            whole = m == 0
-                            if whole:
-                                m = n_fleet
-                            lw, lr = domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, lim, wcol,
-                                                          k_choices[c], rkey, scratch_i[1], scratch_i[5])
-                            ladder_w[lk] = lw
-                            ladder_r[lk] = lr
-                            scratch_i[7, n_ladder] = lk
-                            n_ladder += 1
-                        w = ladder_w[lk]
-                        reason = ladder_r[lk]
+                        slot = n_dist
+                        if rrow[_R_SET] == 1:
+                            for j in range(A_NCOLS):
+                                audit[j] = rrow[j]
+                            w = np.int64(-1)
+                            reason = rrow[_R_REASON]
+                            decision = rrow[_R_LABEL]
+                        else:
+                            w, reason, decision = cache_rung_with_nb(
+                                group_n[g], cands[g], L, snap, est, lim, k_floor[c],
+                                k_margin[c], k_guard[c] == 1,
+                                k_abs_tokens[c], k_abs_ms[c],
+                                k_rel[c], audit, scratch_i, all_queued, fcl == 2, wcol,
+                                k_pin_order[c] == PIN_LOCALITY)
+                            for j in range(A_NCOLS):
+                                rrow[j] = audit[j]
+                            rrow[_R_SET] = 1
+                            rrow[_R_W] = w
+                            rrow[_R_REASON] = reason
+                            rrow[_R_LABEL] = decision
+                            scratch_i[8, n_rungs] = rk
+                            n_rungs += 1
+                        failure = -1
                         if w < 0:
-                            decision = -1
-                            failure = failure_of_nb(group_n[g] > 0, n_fleet)
-                    row = res_i[n_dist]
-                    row[O_WORKER] = w
-                    row[O_REASON] = reason
-                    row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
-                    row[O_DECISION] = decision
-                    row[O_FAILURE] = failure
-                    row[O_MATCHED_BLOCKS] = matched
-                    resolved = audit[A_REASON] != -2
-                    row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
-                    row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
-                    row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
-                    row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
-                    row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
-                    row[O_FELL_BACK] = audit[A_FELL_BACK]
-                    row[O_GUARD_COMPARED] = audit[A_COMPARED]
-                    row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
-                    row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
-                    if w >= 0:
-                        _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
-                        row[O_SELECTED_BLOCKS] = sel_blocks
-                        row[O_UNCACHED_TOKENS] = uncached
-                        (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
-                         row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
-                        row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
-                        row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
-                        res_f[n_dist, F_SELECTED_QUEUE_MS] = est[w]
-                    else:
-                        row[O_SELECTED_BLOCKS] = 0
-                        row[O_UNCACHED_TOKENS] = -1
-                        row[O_LOST_CANDIDATES] = 0
-                        row[O_LOST_QUEUE_GATE] = 0
-                        row[O_LOST_CAPACITY] = 0
-                        row[O_LOST_TO] = -1
-                        row[O_SELECTED_WAITING] = -1
-                        row[O_SELECTED_WAITING_UNCACHED] = -1
-                        res_f[n_dist, F_SELECTED_QUEUE_MS] = np.nan
-                    # an outcome equal in every field to one computed before (another key can
-                    # decide alike) refers to that one, so it books as shared
-                    # (the float field is est[w] or NaN: equal whenever the worker is)
-                    for d in range(n_dist):
-                        rd = res_i[d]
-                        same = True
-                        for col in range(O_NCOLS):
-                            if rd[col] != row[col]:
-                                same = False
+                            # the domain rungs depend on (group, limit class) only: computed once
+                            lk = g * width + lcl
+                            if ladder_w[lk] == -2:
+                                # the sampler's tier: the queue-gate tier (absent readings pass the
+                                # gate), or the whole fleet without a limit or when it is empty; as
+                                # a bit set over fleet positions, 64 a word (a compare per worker
+                                # and no list to build: only the drawn positions are looked up)
+                                bits = scratch_i[0]
+                                m = 0
+                                if lim >= 0:
+                                    fw = fleet_wait[r]
+                                    for q in range((n_fleet + 63) >> 6):
+                                        lo = q << 6
+                                        word = np.int64(0)
+                                        for j in range(lo, min(lo + 64, n_fleet)):
+                                            x = fw[j]
+                                            word |= np.int64((x < lim) | (x == big)) << (j - lo)
+                                        bits[q] = word
+                                        m += popcount(word)
+                                whole = m == 0
+                                if whole:
+                                    m = n_fleet
+                                lw, lr = domain_rungs_bits_nb(fleet, bits, whole, m, snap, est, L, lim, wcol,
+                                                              k_choices[c], rkey, scratch_i[1], scratch_i[5])
+                                ladder_w[lk] = lw
+                                ladder_r[lk] = lr
+                                scratch_i[7, n_ladder] = lk
+                                n_ladder += 1
+                            w = ladder_w[lk]
+                            reason = ladder_r[lk]
+                            if w < 0:
+                                decision = -1
+                                failure = failure_of_nb(group_n[g] > 0, n_fleet)
+                        row = res_i[n_dist]
+                        row[O_WORKER] = w
+                        row[O_REASON] = reason
+                        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
+                        row[O_DECISION] = decision
+                        row[O_FAILURE] = failure
+                        row[O_MATCHED_BLOCKS] = matched
+                        resolved = audit[A_REASON] != -2
+                        row[O_GATE_REJECTED] = audit[A_GATE_REJECTED]
+                        row[O_ADMISSION_EVALUATED] = audit[A_EVALUATED]
+                        row[O_ADMISSION_REJECTED] = audit[A_ADM_REJECTED]
+                        row[O_BEST_REJECTED_BLOCKS] = audit[A_BEST_REJECTED]
+                        row[O_FLEET_ALL_QUEUED] = audit[A_ALL_QUEUED]
+                        row[O_FELL_BACK] = audit[A_FELL_BACK]
+                        row[O_GUARD_COMPARED] = audit[A_COMPARED]
+                        row[O_GUARD_OVERRIDES] = audit[A_OVERRIDES]
+                        row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
+                        if w >= 0:
+                            _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+                            row[O_SELECTED_BLOCKS] = sel_blocks
+                            row[O_UNCACHED_TOKENS] = uncached
+                            (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
+                             row[O_LOST_TO]) = waterfall_nb(matched, sel_blocks, reason, audit)
+                            row[O_SELECTED_WAITING] = snap[w, S_WAITING] if snap[w, S_BASIC] == 1 else -1
+                            row[O_SELECTED_WAITING_UNCACHED] = snap[w, S_WU] if snap[w, S_NATIVE] == 1 else -1
+                            res_f[n_dist, F_SELECTED_QUEUE_MS] = est[w]
+                        else:
+                            row[O_SELECTED_BLOCKS] = 0
+                            row[O_UNCACHED_TOKENS] = -1
+                            row[O_LOST_CANDIDATES] = 0
+                            row[O_LOST_QUEUE_GATE] = 0
+                            row[O_LOST_CAPACITY] = 0
+                            row[O_LOST_TO] = -1
+                            row[O_SELECTED_WAITING] = -1
+                            row[O_SELECTED_WAITING_UNCACHED] = -1
+                            res_f[n_dist, F_SELECTED_QUEUE_MS] = np.nan
+                        # an outcome equal in every field to one computed before (another key can
+                        # decide alike) refers to that one, so it books as shared
+                        # (the float field is est[w] or NaN: equal whenever the worker is)
+                        for d in range(n_dist):
+                            rd = res_i[d]
+                            same = True
+                            for col in range(O_NCOLS):
+                                if rd[col] != row[col]:
+                                    same = False
+                                    break
+                            if same:
+                                slot = d
                                 break
-                        if same:
-                            slot = d
-                            break
-                    if slot == n_dist:
-                        n_dist += 1
-                    if rrow[_R_W] >= 0:
-                        rrow[_R_SLOT] = slot
-                memo[key] = slot
-            if fc == 0:
-                s0 = slot
-            elif fc == 1:
-                s1 = slot
-            else:
-                s2 = slot
+                        if slot == n_dist:
+                            n_dist += 1
+                        if rrow[_R_W] >= 0:
+                            rrow[_R_SLOT] = slot
+                    memo[key] = slot
+                if fc == 0:
+                    s0 = slot
+                elif fc == 1:
+                    s1 = slot
+                else:
+                    s2 = slot
             src_of[c] = slot
             if tt > t:
                 if slot != prev:
