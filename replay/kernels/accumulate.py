@@ -105,7 +105,7 @@ T_DIV_BUCKET = N_ACC + 1
 N_TERMS = N_ACC + 2
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def decision_terms_nb(t, row, ms, q, selected_worker, top):
     """Fill ``t`` (int64[N_TERMS]) with what decision ``row`` (``O_*`` fields;
     ``ms`` its selected queue estimate) books into its config's accumulators:

@@ -108,7 +108,7 @@ def advance_dirty_nb(ptr, upto_ts, loads, dp_size, table, inflight, dirty):
     return ptr
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def capture_worker_nb(table, inflight, dp_size, w, now, freshness, out, out_est):
     """Fill snapshot row ``out`` (and ``out_est[0]``) for worker ``w`` at time ``now``.
 
