@@ -206,7 +206,7 @@ def refresh_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirt
     refresh_until_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty, UNKNOWN_OLDEST)
 
 
-@njit(allocates=False)
+@njit(allocates=False, inline=True)
 def refresh_until_nb(table, inflight, dp_size, now, freshness, snap, est, oldest, dirty, bound):
     """``refresh_nb`` given ``bound``, what the previous call on this snapshot
     returned: no fresh worker's ``oldest`` is below it.  While ``now - bound``
