@@ -140,6 +140,14 @@ class Columns:
 _NP = {pl.Int64: np.int64, pl.Int32: np.int32}
 
 
+def int_dtype(t: pa.DataType) -> np.dtype:
+    """The numpy dtype of an Arrow integer type, read without pandas (pyarrow's
+    ``to_pandas_dtype`` imports pandas before pyarrow 19, and pandas is not a dependency)."""
+    if not pa.types.is_integer(t):
+        raise TypeError(f"not an integer type: {t}")
+    return np.dtype(str(t))
+
+
 def pool_empty(n: int, dtype) -> np.ndarray:
     """``np.empty(n, dtype)``, writeable and contiguous, in Arrow's memory pool.
 
@@ -172,7 +180,7 @@ def dense_ints(s: pl.Series, fill: int, dtype) -> np.ndarray:
             out[at:at + n] = ch.to_numpy()
         else:       # the values buffer as it is (any value under a null), nulls set below
             arr = ch.to_arrow()
-            raw = np.frombuffer(arr.buffers()[1], dtype=arr.type.to_pandas_dtype(), count=len(arr),
+            raw = np.frombuffer(arr.buffers()[1], dtype=int_dtype(arr.type), count=len(arr),
                                 offset=arr.offset * arr.type.bit_width // 8)
             out[at:at + n] = raw
         at += n

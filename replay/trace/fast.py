@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from .columns import Coded, Columns, pool_empty
+from .columns import Coded, Columns, int_dtype, pool_empty
 from .core import Trace
 from .encode import (
     ClosedLoopColumns,
@@ -145,7 +145,7 @@ def coded(col: pa.ChunkedArray) -> Coded:
         remap[len(values)] = -1                       # a null row
         idx = ch.indices
         rows: np.ndarray = idx.to_numpy() if not idx.null_count else np.where(   # null -> the last slot
-            valid_rows(idx), np.frombuffer(idx.buffers()[1], dtype=idx.type.to_pandas_dtype())[
+            valid_rows(idx), np.frombuffer(idx.buffers()[1], dtype=int_dtype(idx.type))[
                 idx.offset:idx.offset + len(idx)], len(values))
         parts.append((remap, rows))
     codes = pool_empty(sum(len(r) for _m, r in parts), np.int32)
