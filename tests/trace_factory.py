@@ -33,9 +33,9 @@ class Shape:
     selected: bool = True
 
 
-def random_trace(seed: int, shape: Shape = Shape()) -> Trace:
+def random_trace(seed: int, shape: Shape | None = None) -> Trace:
     rng = np.random.default_rng(seed)
-    s = shape
+    s = shape if shape is not None else Shape()
     n_w = s.n_workers
     span = int(s.span_s * 1e9)
     workers = [f"http://w{i:02d}" for i in range(n_w)]
