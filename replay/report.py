@@ -657,7 +657,9 @@ def fig_over_time(a: ReportView, config_ids: list[int] | None = None) -> dict:
         for val, name, color in ((row[FLOOR], "floor", "#9467bd"), (row[LIMIT], "limit", "#d62728")):
             if val is None:
                 continue
-            add(fs.trace("scatter", x=[t[0], t[-1]], y=[val, val], mode="lines", name=f"{name} {val}", visible=vis,
+            # the ends as a datetime array, not a list of numpy scalars: a list is encoded as raw
+            # nanosecond integers, which a date axis does not draw
+            add(fs.trace("scatter", x=t[[0, -1]], y=[val, val], mode="lines", name=f"{name} {val}", visible=vis,
                            line=dict(color=color, width=2, dash="dash"),
                            hovertemplate=f"{name} {val}<extra></extra>"), 3, cid)
         titles[cid] = (f"Config {cid} over time ({html.escape(a.label(row))}), "

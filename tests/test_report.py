@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -473,6 +474,72 @@ def test_report_renders_in_chromium(run_dir):
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1400, 4000)
     assert len(data) > 100_000  # not a blank page
+
+
+# Run inside the page once plotly.js has drawn it: every floor and limit line of the over-time
+# figure is made visible, then its x values, its axis type and the drawn path are read back.
+LINE_PROBE = """<script>
+window.addEventListener("load", function () { setTimeout(function () {
+  var gd = document.getElementById("fig-over_time"), idx = [];
+  gd._fullData.forEach(function (t, i) { if (/^(floor|limit) /.test(t.name)) idx.push(i); });
+  Plotly.restyle(gd, {visible: true}, idx).then(function () {
+    var out = idx.map(function (i) {
+      var t = gd._fullData[i], ax = gd._fullLayout[t.xaxis.replace("x", "xaxis")];
+      var g = gd.querySelector(".scatterlayer .trace" + t.uid), path = g && g.querySelector("path.js-line");
+      return {name: t.name, x: Array.from(t.x).map(String), axis: ax.type,
+              d: path ? path.getAttribute("d") : null};
+    });
+    document.body.setAttribute("data-probe", JSON.stringify(out));
+  });
+}, 500); });
+</script>"""
+
+
+# the report command with orjson refused at import: the page's JSON then comes from plotly's own encoder
+WITHOUT_ORJSON = (
+    "import sys, importlib.abc\n"
+    "class Refuse(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] == 'orjson':\n"
+    "            raise ImportError('orjson refused')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+    "from replay.cli import main\n"
+    "sys.argv = ['router-replay'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+@pytest.mark.parametrize("encoder", ["orjson", "plotly"])
+def test_over_time_floor_and_limit_lines_are_drawn(run_dir, tmp_path, encoder):
+    """The floor and limit lines of the over-time chart are drawn on its date axis: their x values
+    are dates (not raw nanosecond integers, which a date axis reads far from the data) and each has
+    a path across the chart; with the page's JSON written by orjson and by plotly's own encoder
+    (what the page falls back to without orjson)."""
+    exe = _chromium()
+    if exe is None:
+        pytest.skip(NO_BROWSER)
+    if encoder == "orjson":
+        page = (run_dir / "report.html").read_text(encoding="utf-8")
+    else:
+        out = tmp_path / "plotly-encoded.html"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        res = subprocess.run([sys.executable, "-c", WITHOUT_ORJSON, "report", str(run_dir), "--out", str(out), "-q"],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        page = out.read_text(encoding="utf-8")
+    probe = tmp_path / "report.html"
+    probe.write_text(page.replace("</body>", LINE_PROBE + "</body>"), encoding="utf-8")
+    dom = _run_chromium(exe, probe.resolve().as_uri(), "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    m = re.search(r'<body[^>]*data-probe="([^"]*)"', dom.stdout)
+    assert m, "the probe did not run: " + dom.stderr[-2000:]
+    lines = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    names = {ln["name"].split()[0] for ln in lines}
+    assert names == {"floor", "limit"}, lines
+    for ln in lines:
+        assert ln["axis"] == "date", ln
+        assert len(ln["x"]) == 2 and all(re.match(r"\d{4}-\d\d-\d\d", x) for x in ln["x"]), ln
+        xs = [float(v) for v in re.findall(r"[ML]\s*(-?[\d.]+)", ln["d"] or "")]
+        assert len(xs) >= 2 and max(xs) - min(xs) > 100, ln   # a line across the chart, in pixels
 
 
 def test_console_check_catches_errors(tmp_path):
