@@ -59,7 +59,7 @@ def waterfall_terms(dec: dict) -> dict[str, np.ndarray]:
     """The six waterfall terms of every decision, from the fields above, as int64
     arrays (0 for failed decisions and decisions without matched blocks):
     ``matched_blocks - sum(terms) == selected_blocks`` for every routed decision."""
-    from . import labels
+    from replay import labels
 
     routed = dec["worker"] >= 0
     out = {f"lost_{s}": np.zeros(dec["worker"].shape, dtype=np.int64) for s in labels.LOSS_STEPS}

@@ -17,7 +17,7 @@ from replay.config import RouterConfig
 from replay.simulate import FleetSpec, build_fleet, generate_log, simulate, write_mooncake_jsonl
 from replay.simulate.logs import RequestLog
 from replay.simulate.sim import START_NS
-from replay.sweep import run_sweep
+from replay.sweep.run import run_sweep
 
 DAY_NS = 24 * 3600 * 10**9
 INTERVAL_MS = 1000

@@ -26,7 +26,7 @@ from replay.simulate import (
     write_mooncake_jsonl,
 )
 from replay.simulate.logs import LogError, RequestLog
-from replay.sweep import run_sweep
+from replay.sweep.run import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"

@@ -23,7 +23,7 @@ from conftest import tree_digest
 import replay
 from replay.cli import main
 from replay.errors import ReplayError
-from replay.sweep import run_sweep
+from replay.sweep.run import run_sweep
 
 OUTPUTS = {"summary.parquet", "summary.csv", "decisions.parquet", "run.json", "fleet.parquet",
            "report.html"}

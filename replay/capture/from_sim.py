@@ -35,16 +35,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .. import rundir
-from ..errors import ReplayError
-from . import outguard as _kinds  # noqa: F401 - registers the capture output kinds
-from .store import (
+from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture.store import (
     KV_SCHEMA,
     LOADS_SCHEMA,
     WORKERS_SCHEMA,
     PartWriter,
     write_atomic_table,
 )
+from replay.errors import ReplayError
+from replay.runs import rundir
 
 NS = 1_000_000_000
 

@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .. import __version__
-from ..errors import ReplayError
-from . import wire
-from .store import (
+from replay import __version__
+from replay.capture import wire
+from replay.capture.store import (
     GAPS_SCHEMA,
     KV_SCHEMA,
     LOADS_SCHEMA,
@@ -50,6 +49,7 @@ from .store import (
     write_atomic_json,
     write_atomic_table,
 )
+from replay.errors import ReplayError
 
 LOAD = "load"
 KV = "kv"

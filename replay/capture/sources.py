@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 NS = 1_000_000_000
 

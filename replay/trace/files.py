@@ -19,8 +19,8 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from .base import KINDS, LOADS, REQUESTS, WORKERS, TraceError, one_line, run_both
-from .columns import Locate
+from replay.trace.base import KINDS, LOADS, REQUESTS, WORKERS, TraceError, one_line, run_both
+from replay.trace.columns import Locate
 
 
 @dataclass

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from .base import LOAD_FIELDS, MAX_DP_SIZE, PARALLEL_ROWS, REQUESTS, TraceError, run_both
-from .columns import Coded, Columns, map_names, pool_empty
-from .core import Trace
-from .encode import (
+from replay.trace.base import LOAD_FIELDS, MAX_DP_SIZE, PARALLEL_ROWS, REQUESTS, TraceError, run_both
+from replay.trace.columns import Coded, Columns, map_names, pool_empty
+from replay.trace.core import Trace
+from replay.trace.encode import (
     ClosedLoopColumns,
     LoadColumns,
     Loads,
@@ -28,11 +28,11 @@ from .encode import (
     stable_order,
     to_ids,
 )
-from .facts import TraceFacts
-from .fast import load_fast
-from .files import Frames, read_frames
-from .info import TraceInfo, read_trace_info
-from .workers import Universe, make_universe, parse_workers_table
+from replay.trace.facts import TraceFacts
+from replay.trace.fast import load_fast
+from replay.trace.files import Frames, read_frames
+from replay.trace.info import TraceInfo, read_trace_info
+from replay.trace.workers import Universe, make_universe, parse_workers_table
 
 # dtypes of the Trace's load columns other than int64
 LOAD_DTYPES = {"load_worker": np.int32, "load_rank": np.int32, "load_has_tail": np.bool_}
