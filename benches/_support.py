@@ -405,7 +405,7 @@ def source_stamp() -> dict:
 _FIRST_START = r"""
 import json, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
-from replay.sweep.run import run_sweep
+from replay import run_sweep
 first = {}
 def progress(n):
     if not first:

@@ -17,8 +17,8 @@ N_REQUESTS = 300_000
 
 @pytest.fixture(scope="module")
 def big_run(tmp_path_factory):
+    from replay import run_sweep
     from replay.config import Grid
-    from replay.sweep.run import run_sweep
     from replay.trace.synthetic import generate_trace
 
     d = tmp_path_factory.mktemp("cl-bench")
@@ -49,7 +49,7 @@ def test_report_with_waterfall(benchmark, report, big_run):
 
 
 def test_trace_identity(benchmark, report, big_run):
-    from replay.analysis.closed_loop import log_identity
+    from replay.trace.files import log_identity
 
     benchmark.group = "closed-loop-report"
     ident = benchmark.pedantic(log_identity, args=(big_run / "trace",), rounds=1, iterations=1)

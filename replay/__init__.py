@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from replay.api import run_sweep
     from replay.config import Grid, RouterConfig
     from replay.errors import ConfigError, ReplayError
     from replay.runs.decisions import read_decisions
     from replay.sweep.engine import decide_all, iter_chunks
-    from replay.sweep.run import SweepResult, run_sweep
+    from replay.sweep.run import SweepResult
     from replay.trace import Trace, TraceError, load_trace, validate_trace
     from replay.trace.synthetic import generate_trace
 
@@ -39,7 +40,7 @@ _LAZY = {
     "decide_all": "sweep.engine", "iter_chunks": "sweep.engine",
     "ConfigError": "errors", "ReplayError": "errors",
     "generate_trace": "trace.synthetic",
-    "SweepResult": "sweep.run", "run_sweep": "sweep.run",
+    "SweepResult": "sweep.run", "run_sweep": "api",
     "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
 }
 

@@ -31,7 +31,7 @@ _SWEEP = r"""
 import json, os, signal, sys, threading, time
 from replay import engine
 from replay.kernels import one_pass, warm
-from replay.sweep.run import run_sweep
+from replay import run_sweep
 kill = sys.argv[3] == "kill"
 if kill:
     thread = engine.compile_in_background()
@@ -92,7 +92,7 @@ def test_warm_start_starts_no_child(cold, tmp_path):
 _WARM_THEN_COMPILE = r"""
 import json, sys
 import numba
-from replay.sweep.run import run_sweep
+from replay import run_sweep
 run_sweep(sys.argv[1], json.loads(sys.argv[3]), out=sys.argv[2])
 loaded = sorted(m for m in ("numba.cpython.listobj", "numba.cpython.setobj", "numba.core.typing.cffi_utils",
                             "numba.np.random.generator_methods") if m in sys.modules)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
 import replay
+from replay import run_sweep
 from replay.analysis import waterfall as wf
 from replay.cli import main
 from replay.config import Grid
@@ -29,7 +30,6 @@ from replay.report.run_page import decision_counts, fleet_bins
 from replay.runs import decisions as decision_store
 from replay.runs.rundir import decision_files, load_run
 from replay.sweep.engine import iter_chunks
-from replay.sweep.run import run_sweep
 from replay.trace import load_trace
 from replay.trace.synthetic import generate_trace_set
 

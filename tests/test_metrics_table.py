@@ -10,12 +10,12 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from replay import run_sweep
 from replay.analysis import runs as analysis
 from replay.cli import main
 from replay.report.run_page import HEATMAP_METRICS, HOVER_METRICS, figures
 from replay.runs import metrics
 from replay.runs.rundir import load_run
-from replay.sweep.run import run_sweep
 
 # every metric name a baseline written by router-replay before the table existed could store
 # (the check --help list of that version)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from replay import run_sweep
 from replay.errors import ReplayError
 from replay.runs.rundir import move_into_place, partial_beside, refuse_existing
-from replay.sweep.run import run_sweep
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
 

@@ -23,10 +23,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import tree_digest
 
-from replay import reference
+from replay import reference, run_sweep
 from replay.cli import main
 from replay.report.run_page import HEATMAP_METRICS, figures, headline, load_run, pareto_front
-from replay.sweep.run import run_sweep
 from replay.trace import load_trace
 from replay.trace.synthetic import generate_trace
 

@@ -18,9 +18,9 @@ import plotly.io as pio
 import pytest
 from plotly.subplots import make_subplots
 
+from replay import run_sweep
 from replay.report import figspec as fs
 from replay.report.run_page import figure_dicts, figures, render_html
-from replay.sweep.run import run_sweep
 from replay.trace.synthetic import generate_trace
 
 

@@ -19,9 +19,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from replay import run_sweep
 from replay.config import Grid
 from replay.errors import ReplayError
-from replay.sweep.run import decision_files, run_sweep
+from replay.sweep.run import decision_files
 from replay.sweep.shards import FAULT_ENV, config_blocks, iso
 from replay.trace import TraceError
 from replay.trace.synthetic import generate_trace_set

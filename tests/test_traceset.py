@@ -33,13 +33,12 @@ from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 from trace_factory import Shape, random_trace, shape_strategy
 
-from replay import labels
+from replay import labels, run_sweep
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.fields import empty_decisions
 from replay.sweep import engine
-from replay.sweep.run import run_sweep
 from replay.trace import (
     LOAD_FIELDS,
     NS,

@@ -182,8 +182,8 @@ def test_closed_loop_simulator_runs_a_variant(tmp_path):
     """The simulator calls the decision kernel with the config's knobs, so a
     variant just works: sweeping the simulated trace with the same variant
     reproduces every decision (agreement 1.0), and not without it."""
+    from replay import run_sweep
     from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
-    from replay.sweep.run import run_sweep
 
     # a saturating fleet (8 workers, 80 requests/s over 6 shared prompts) where pins happen
     # with owners of different depths

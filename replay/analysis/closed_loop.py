@@ -31,6 +31,7 @@ from typing import Any
 
 import polars as pl
 
+from replay.analysis.runs import Recommendation
 from replay.config import KNOB_NAMES
 from replay.errors import ReplayError
 
@@ -168,23 +169,6 @@ def _obj(v: Any) -> dict:
     return v if isinstance(v, dict) else {}
 
 
-def log_identity(source: str | os.PathLike) -> dict[str, Any]:
-    """What ``sim.json`` records about a trace-directory log so a run of the same trace finds
-    the grid: its absolute path and each trace file's sha256 (run.json's ``trace.files``)."""
-    p = Path(source)
-    out: dict[str, Any] = {"path": str(p.resolve())}
-    if p.is_dir():
-        from replay.trace.files import file_info
-
-        files = {}
-        for f in sorted(p.iterdir()):
-            if f.is_file() and f.suffix == ".parquet":
-                info = file_info(str(f), digest=True)
-                files[f.name] = {"bytes": info.get("bytes"), "sha256": info.get("sha256")}
-        out["files"] = files
-    return out
-
-
 def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
     """How ``grid`` was produced from the run's trace ("sha256" / "path"), or None."""
     tr = _obj(run_meta.get("trace"))
@@ -318,7 +302,6 @@ class ClosedLoopRecommendation:
 def router_flags(row: dict) -> str:
     """The router command-line flags of a config row (the knobs that differ from the defaults),
     as ``recommend`` prints them for an open-loop run."""
-    from replay.analysis.runs import Recommendation
 
     return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).flags()
 

@@ -33,6 +33,7 @@ from typing import Any
 import polars as pl
 
 from replay import __version__
+from replay.analysis import waterfall as wf
 from replay.config import KNOB_NAMES, KNOBS, RouterConfig
 from replay.errors import ReplayError
 from replay.runs import decisions as decision_store
@@ -457,7 +458,6 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
 
 def _waterfall_changes(cmp: Comparison, ids_a: Sequence[int], width: int) -> list[str]:
     """The locality-waterfall terms that changed, B - A in blocks, for the configs shown."""
-    from replay.analysis import waterfall as wf
 
     if not (wf.has_waterfall(cmp.a.summary.columns) and wf.has_waterfall(cmp.b.summary.columns)):
         return ["", "locality waterfall: not compared (a run without the waterfall columns; re-run its sweep)"]

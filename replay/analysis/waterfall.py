@@ -1,4 +1,4 @@
-"""The locality waterfall read back: figures, the drill-down table and the changed terms.
+"""The locality waterfall read back: its terms, the drill-down table and the changed terms.
 
 The summary's integer columns (docs/replay-model.md, "Where locality goes")
 split the blocks a config could have reused into what each decision step gave
@@ -6,8 +6,8 @@ away::
 
     matched_blocks - (lost_candidates + ... + lost_fallback) = selected_blocks
 
-This module draws that per config (a menu picks the config) and side by side
-for two configs, lists the requests that lost most (from ``decisions.parquet``)
+The report draws that per config and side by side for two configs
+(:mod:`replay.report.sections`); this module lists the requests that lost most (from ``decisions.parquet``)
 and computes the terms that changed between two configs for ``compare``.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import polars as pl
 
 from replay import labels
-from replay.report import figspec as fs
+from replay.runs import decisions as decision_store
 
 TERMS = tuple(f"lost_{s}" for s in labels.LOSS_STEPS)
 """The six loss columns in chain order."""
@@ -48,65 +48,11 @@ def changed_terms(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, int]:
     return {c: tb[c] - ta[c] for c in COLUMNS if tb[c] != ta[c]}
 
 
-def _trace(row: Mapping[str, Any], name: str, visible: bool = True, showlegend: bool = False) -> dict:
-    t = terms(row)
-    m = t["matched_blocks"] or 1
-    x = ["matched (ceiling)", *(f"lost: {STEP_TEXT[c]}" for c in TERMS), "selected"]
-    y = [t["matched_blocks"], *(-t[c] for c in TERMS), t["selected_blocks"]]
-    text = [f"{t['matched_blocks']:,}", *(f"-{t[c]:,} ({100 * t[c] / m:.1f}%)" if t[c] else "0" for c in TERMS),
-            f"{t['selected_blocks']:,} ({100 * t['selected_blocks'] / m:.1f}%)"]
-    return fs.trace("waterfall", x=x, y=y, measure=["absolute", *["relative"] * len(TERMS), "total"], text=text,
-                    textposition="outside", name=name, visible=visible, showlegend=showlegend,
-                    connector=dict(line=dict(color="#9aa5b1", width=1)),
-                    decreasing=dict(marker=dict(color="#d62728")),
-                    increasing=dict(marker=dict(color="#2ca02c")),
-                    totals=dict(marker=dict(color="#1f77b4")),
-                    hovertemplate="%{x}: %{text}<extra>" + name.replace("<", "&lt;") + "</extra>")
-
-
-def fig_menu(rows: Sequence[Mapping[str, Any]], label, first_id: int) -> dict:
-    """One waterfall per config of ``rows`` (at most :data:`MENU_MAX`), a menu switching between them;
-    ``first_id`` is shown first.  ``label(row)`` names a config.  A plotly figure dict
-    (``replay/report/figspec.py``; ``go.Figure(d)`` validates it)."""
-    rows = list(rows)[:MENU_MAX]
-    ids = [r["config_id"] for r in rows]
-    first = ids.index(first_id) if first_id in ids else 0
-    fig = fs.Fig()
-    for i, r in enumerate(rows):
-        fig.add_trace(_trace(r, f"config {r['config_id']}", visible=i == first))
-    buttons = [dict(label=f"config {r['config_id']}: {label(r)}", method="update",
-                    args=[{"visible": [j == i for j in range(len(rows))]},
-                          {"title.text": f"where locality goes: config {r['config_id']} ({label(r)})"}])
-               for i, r in enumerate(rows)]
-    fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", active=first, x=1.0, xanchor="right",
-                                        y=1.18, yanchor="top", showactive=True)],
-                      title=dict(text=f"where locality goes: config {rows[first]['config_id']} "
-                                      f"({label(rows[first])})", x=0.01, font=dict(size=14)),
-                      height=440, margin=dict(t=90, l=70, r=20, b=60), yaxis=dict(title=dict(text="blocks")),
-                      font=dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12),
-                      paper_bgcolor="white", plot_bgcolor="white", template=fs.template("plotly"))
-    return fig.to_dict()
-
-
-def fig_pair(a: Mapping[str, Any], b: Mapping[str, Any], label) -> dict:
-    """The waterfalls of two configs side by side, on one block axis (a plotly figure dict)."""
-    fig = fs.grid(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
-                  subplot_titles=[f"config {r['config_id']}: {label(r)}" for r in (a, b)])
-    fig.add_trace(_trace(a, f"config {a['config_id']}"), row=1, col=1)
-    fig.add_trace(_trace(b, f"config {b['config_id']}"), row=1, col=2)
-    fig.update_layout(height=440, margin=dict(t=60, l=70, r=20, b=60), showlegend=False,
-                      font=dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12),
-                      paper_bgcolor="white", plot_bgcolor="white", template=fs.template("plotly"))
-    fig.update_yaxes(title=dict(text="blocks"), row=1, col=1)
-    return fig.to_dict()
-
-
 def drilldown(files: Sequence[Path] | None, config_id: int, n: int = 20) -> pl.DataFrame | None:
     """The ``n`` requests of ``config_id`` that lost the most blocks, with their labels (None
     without decisions files or without the waterfall columns in them)."""
     if not files:
         return None
-    from replay.runs import decisions as decision_store
 
     names = set(decision_store.columns_of(files[0]))
     if "blocks_lost" not in names:

@@ -6,8 +6,12 @@ stderr and exit code 2; nothing a user gave us is modified.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -36,7 +40,7 @@ def user_errors(fn):
         except ReplayError as err:
             raise InputError(str(err)) from None
         except OSError as err:              # a full disk, a read-only file system, a permission
-            from replay.runs.rundir import write_error  # (imported here: rundir pulls in polars and pyarrow)
+            from replay.runs.rundir import write_error  # lazy: rundir pulls in polars and pyarrow
 
             written = next((kwargs[k] for k in ("validate_dir", "out") if kwargs.get(k)), None)
             mapped = write_error(err, err.filename or written or "the output")
@@ -61,8 +65,6 @@ def _raise_interrupted(signum, _frame):
 
 def _handle_signals() -> None:
     """SIGTERM and SIGHUP end a command the way SIGINT does (clean up, exit 128 + signal)."""
-    import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
@@ -74,7 +76,6 @@ def _handle_signals() -> None:
 def _interrupted_exit(err: BaseException) -> int:
     """128 + the signal that stopped the command (SIGINT 130, SIGTERM 143, SIGHUP 129):
     distinct from ``check``'s regression code 1 and the bad-input code 2."""
-    import signal
 
     found = [e for e in (err, err.__cause__, err.__context__) if isinstance(e, Interrupted)]
     signum = found[0].signum if found else int(signal.SIGINT)
@@ -103,8 +104,6 @@ def _exit_now(code: int):
     running, ends this way: stdout and stderr are flushed and every ``atexit`` handler runs
     (logging, weakref finalizers, Ray's shutdown) exactly as at a normal exit; only the
     teardown after them is skipped."""
-    import atexit
-    import os
 
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -140,7 +139,6 @@ class _OneLineErrors(click.Group):
             sys.exit(_interrupted_exit(err))
         code = rv if isinstance(rv, int) else 0
         if args is None and _DONE:
-            import threading
 
             if "replay.sweep.engine" in sys.modules:
                 sys.modules["replay.sweep.engine"].close_block_pool()

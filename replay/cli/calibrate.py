@@ -6,6 +6,11 @@ against the recording (fidelity), and predict a closed-loop grid from it.
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from pathlib import Path
+
 import click
 
 from replay.cli.app import user_errors
@@ -61,18 +66,20 @@ Example:
 def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, seed, freshness_ms,
               threads, seeds_text, force, quiet, **knobs):
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
-    import shutil
-    from pathlib import Path
 
-    from replay.errors import ReplayError
-    from replay.runs import rundir
-    from replay.runs.rundir import move_into_place, partial_beside, refuse_existing
-    from replay.simulate import load_fleet, simulate_grid
-    from replay.simulate.calibrate import calibrate as fit
-    from replay.simulate.calibrate import refine_decode, write_fleet
-    from replay.simulate.fidelity import recorded_seed, validate
-    from replay.simulate.seeds import parse_seeds
-    from replay.simulate.tracelog import read_trace_log
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.runs.rundir import (  # lazy: loaded when the command runs
+        move_into_place,
+        partial_beside,
+        refuse_existing,
+    )
+    from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
+    from replay.simulate.calibrate import calibrate as fit  # lazy: loaded when the command runs
+    from replay.simulate.calibrate import refine_decode, write_fleet  # lazy: loaded when the command runs
+    from replay.simulate.fidelity import recorded_seed, validate  # lazy: loaded when the command runs
+    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
+    from replay.simulate.tracelog import read_trace_log  # lazy: loaded when the command runs
 
     fleet_path = Path(out)
     if fleet_path.exists() and Path(trace_dir).resolve() in fleet_path.resolve().parents:
@@ -167,14 +174,16 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
 def _register_outputs() -> None:
     """Teach rundir.guard this command's outputs, so --force replaces only what it wrote (called by
     the command, not at import: it imports the simulator, which every CLI start would pay for)."""
-    import re
 
-    from replay.runs import rundir
-    from replay.simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.simulate.fidelity import (  # lazy: loaded when the command runs
+        FIDELITY_JSON,
+        FIDELITY_TOOL,
+        FLEET_MARKER,
+    )
 
     def fidelity_dir(path):
         try:
-            import json
             rec = json.loads((path / FIDELITY_JSON).read_text())
         except (OSError, ValueError):
             return f"no {FIDELITY_JSON} written by router-replay calibrate"

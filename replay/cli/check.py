@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import click
 
@@ -40,7 +41,7 @@ Example:
 
 
 def _tolerances(tolerance, hit_drop, p99_rise, label_share, stored):
-    from replay.analysis import runs as analysis
+    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
 
     tol = {}
     if hit_drop is not None:
@@ -83,11 +84,10 @@ def _tolerances(tolerance, hit_drop, p99_rise, label_share, stored):
 def check(run_dir, baseline, write_baseline, metrics, tolerance, max_hit_rate_drop, max_p99_rise,
           max_label_share_change, junit, markdown, force):
     """Check RUN_DIR against a baseline under tolerances; exit 0 (ok), 1 (regression), 2 (bad input)."""
-    from pathlib import Path
 
-    from replay.analysis import runs as analysis
-    from replay.errors import ReplayError
-    from replay.runs import rundir
+    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
 
     if (baseline is None) == (write_baseline is None):
         raise ReplayError("give exactly one of --baseline FILE (check) or --write-baseline FILE")

@@ -39,8 +39,8 @@ Example:
 @user_errors
 def compare(run_a, run_b, out, label, limit, force):
     """Compare run RUN_B with run RUN_A of the same trace, config by config."""
-    from replay.analysis import runs as analysis
-    from replay.runs import rundir
+    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
 
     rundir.guard([(out, "compare")], inputs=[run_a, run_b], force=force)  # refuse before any work
     cmp = analysis.compare_runs(run_a, run_b, label=label)

@@ -40,8 +40,8 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
       router-replay generate big --requests 100000000 --workers 64 --dp-size 2 \\
           --rate 1000 --partition-s 3600
     """
-    from replay.runs import rundir
-    from replay.trace.synthetic import generate_trace
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.trace.synthetic import generate_trace  # lazy: loaded when the command runs
 
     rundir.guard([(out_dir, "trace")], force=force)
     # built aside and swapped in whole: an interrupted or failed run leaves the old trace as it was
@@ -73,7 +73,7 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
 
 
 def _generate_set(tmp, **kwargs) -> dict:
-    from replay.trace.synthetic import generate_trace_set, plan_trace_set
+    from replay.trace.synthetic import generate_trace_set, plan_trace_set  # lazy: loaded when the command runs
 
     bar = None
     if sys.stderr.isatty():

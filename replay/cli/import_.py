@@ -63,7 +63,7 @@ def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, 
     answered at each request's arrival), loads/, workers.parquet and
     trace.json (what was joined, what was missing: extra.capture).
     """
-    from replay.capture.importer import ImportSpec, import_capture
+    from replay.capture.importer import ImportSpec, import_capture  # lazy: loaded when the command runs
 
     dyn = {}
     for v in dynamo_worker:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import textwrap
+from pathlib import Path
 
 import click
 
@@ -62,12 +64,11 @@ level has none); a directory with plan_summary.parquet is read so without
 @user_errors
 def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode):
     """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
-    from pathlib import Path
 
-    from replay.analysis import closed_loop
-    from replay.analysis import runs as analysis
-    from replay.errors import ReplayError
-    from replay.simulate.plan import PLAN_TABLE, recommend_plan
+    from replay.analysis import closed_loop  # lazy: loaded when the command runs
+    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.simulate.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
 
     if plan_mode or (Path(run_dir) / PLAN_TABLE).is_file():  # a capacity plan (docs/capacity.md)
         if bound is not None:
@@ -95,7 +96,6 @@ def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode):
         raise ReplayError("an open-loop run needs --max-p99-waiting N")
     run = analysis.load_run(run_dir)
     recs = analysis.recommend(run, bound)
-    import textwrap
 
     trace = (run.meta.get("trace") or {}).get("path")
     click.echo(analysis.format_recommendations(recs, run))

@@ -73,14 +73,14 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     parts), OUT/workers.parquet and OUT/record.json (streams, gaps, restarts,
     malformed frames, unreachable engines; "complete": true after a clean stop).
     """
-    from replay.capture import outguard
-    from replay.capture.recorder import (
+    from replay.capture import outguard  # lazy: loaded when the command runs
+    from replay.capture.recorder import (  # lazy: loaded when the command runs
         Overrides,
         Recorder,
         StatusLine,
         install_signal_handlers,
     )
-    from replay.runs import rundir
+    from replay.runs import rundir  # lazy: loaded when the command runs
 
     urls = _urls(workers, workers_file)
     dur = parse_seconds(duration, "--duration") if duration is not None else None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import click
 
 from replay.cli.app import outputs_closed, user_errors
@@ -46,12 +49,10 @@ Example:
 def report(run_dir, out, max_p99_waiting, config_id, beside, closed_loop, max_ttft_p99_ms, max_queue_wait_p99_ms,
            force, quiet):
     """Write RUN_DIR's report: one self-contained HTML page of figures and provenance."""
-    import math
-    from pathlib import Path
 
-    from replay.errors import ReplayError
-    from replay.report.run_page import build_report
-    from replay.runs import rundir
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.report.run_page import build_report  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
 
     if max_p99_waiting is not None and not math.isfinite(max_p99_waiting):
         raise ReplayError(f"--max-p99-waiting must be a finite number >= 0, got {max_p99_waiting!r}")

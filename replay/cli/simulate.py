@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from pathlib import Path
 
 import click
 
@@ -89,17 +90,16 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
-    from pathlib import Path
 
-    import numpy as np
+    import numpy as np  # lazy: loaded when the command runs
 
-    from replay.errors import ReplayError
-    from replay.runs import rundir
-    from replay.simulate import load_fleet, read_log, simulate_grid
-    from replay.simulate import simulate as run_one
-    from replay.simulate.plan import parse_list
-    from replay.simulate.sim import _check_out, interval_rows
-    from replay.simulate.tracelog import is_trace_dir, read_trace_log
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.simulate import load_fleet, read_log, simulate_grid  # lazy: loaded when the command runs
+    from replay.simulate import simulate as run_one  # lazy: loaded when the command runs
+    from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
+    from replay.simulate.sim import _check_out, interval_rows  # lazy: loaded when the command runs
+    from replay.simulate.tracelog import is_trace_dir, read_trace_log  # lazy: loaded when the command runs
 
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
@@ -109,7 +109,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
                   *([(capture_out, "capture")] if capture_out else [])],
                  inputs=[log, fleet_path], force=force)
     _check_out(Path(out), force)
-    from replay.simulate.seeds import parse_seeds
+    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
     try:
         seeds = parse_seeds(seeds_text, seed)
     except ValueError as err:
@@ -128,7 +128,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
                     max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
     fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size, resize=planning, **fleet_kw)
     if per_dp_rank and not planning:
-        from replay.config import fleet_dp_size
+        from replay.config import fleet_dp_size  # lazy: loaded when the command runs
 
         grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers
                                                       if w.role != "decode"]))
@@ -172,8 +172,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
         r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
                     cache_log=capture_out is not None, **kw)
         if capture_out:
-            from replay.capture import outguard  # noqa: F401 - registers the capture output kinds
-            from replay.capture.from_sim import write_capture
+            from replay.capture import outguard  # noqa: F401 - registers the capture output kinds; lazy: loaded when the command runs
+            from replay.capture.from_sim import write_capture  # lazy: loaded when the command runs
 
             with rundir.writing(capture_out):
                 write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
@@ -205,8 +205,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
 def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out, *,
               per_dp_rank, seeds, quiet, **kw):
     """--workers / --dp-size / --load-scale lists: the capacity-plan grid (replay.simulate.plan)."""
-    from replay.simulate import load_fleet
-    from replay.simulate.plan import fleet_points, plan_grid
+    from replay.simulate import load_fleet  # lazy: loaded when the command runs
+    from replay.simulate.plan import fleet_points, plan_grid  # lazy: loaded when the command runs
 
     base_dp = sorted({w.dp_size for w in fleet.workers if w.role != "decode"})
     points = fleet_points(workers_l or [len(fleet.prefill)], dp_l or base_dp[:1], scales or [1.0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -88,11 +89,12 @@ def _knob_options(fn):
 def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout, report, per_dp_rank, threads, window,
           executor, ray_address, ray_cpus, configs_per_task, ray_retries, force, quiet, **knobs):
     """Replay TRACE_DIR under every config of a grid of router knobs, in one pass."""
-    from replay.analysis.recorded import grid_dir_error
-    from replay.errors import ReplayError
-    from replay.runs import rundir
-    from replay.sweep.run import check_grid, run_sweep
-    from replay.trace import NS, format_window, parse_window
+    from replay import run_sweep  # lazy: loaded when the command runs
+    from replay.analysis.recorded import grid_dir_error  # lazy: loaded when the command runs
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.sweep.run import check_grid  # lazy: loaded when the command runs
+    from replay.trace import NS, format_window, parse_window  # lazy: loaded when the command runs
 
     not_a_trace = grid_dir_error(trace_dir)
     if not_a_trace:
@@ -157,10 +159,9 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
         click.echo(f"replayed {n_req:,} requests x {s.height} configs "
                    f"= {n_dec:,} decisions in {t['total_s']:.2f} s{how} -> {out}")
         _print_top(s)
-        import textwrap
 
-        from replay.analysis.closed_loop import open_loop_line
-        from replay.analysis.recorded import agreement_lines, read_recorded
+        from replay.analysis.closed_loop import open_loop_line  # lazy: loaded when the command runs
+        from replay.analysis.recorded import agreement_lines, read_recorded  # lazy: loaded when the command runs
 
         click.echo(textwrap.fill(f"note: {open_loop_line(trace_dir)}", width=100, subsequent_indent="  ",
                                  break_on_hyphens=False))

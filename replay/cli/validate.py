@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import datetime as _dt
+import json
+import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -96,10 +98,9 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
     Example:
       router-replay validate traces/sample --json
     """
-    import sys
 
-    from replay.errors import ReplayError
-    from replay.trace import parse_window, validate_trace
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.trace import parse_window, validate_trace  # lazy: loaded when the command runs
 
     try:
         window_ns = parse_window(window)
@@ -117,11 +118,10 @@ def validate(trace_dir: str, freshness_ms: int, as_json: bool, window: str) -> N
     facts = validate_trace(trace_dir, freshness_ms=freshness_ms, window=window_ns, progress=progress)
     if bar is not None:
         bar.render_finish()
-    from replay.capture.summary import capture_facts, capture_lines
+    from replay.capture.summary import capture_facts, capture_lines  # lazy: loaded when the command runs
 
     cap = capture_facts(trace_dir)  # an imported trace's capture facts (docs/capture.md)
     if as_json:
-        import json
 
         click.echo(json.dumps({**facts.as_dict(), **({"capture": cap} if cap else {})}, indent=2, sort_keys=True))
     else:

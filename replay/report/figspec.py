@@ -21,12 +21,17 @@ without importing plotly's graph objects or validators (about 0.1 s more).
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.util
 import json
 import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from _plotly_utils.colors import diverging
+from plotly.io.json import to_json_plotly
 
 
 def merge(dst: dict, src: dict) -> dict:
@@ -71,7 +76,6 @@ def template(name: str) -> dict:
 def colorscale(name: str) -> list:
     """A named diverging plotly colorscale (``"RdYlGn"``; ``"RdYlGn_r"`` reversed) as the
     ``[[stop, colour], ...]`` list plotly's validation turns the name into."""
-    from _plotly_utils.colors import diverging
 
     base = name[:-2] if name.endswith("_r") else name
     colors = list(getattr(diverging, base))
@@ -221,9 +225,6 @@ def _typed(v: Any) -> Any:
     """A numpy array as plotly.js's typed-array spec (``{"dtype": "f8", "bdata": base64}``), 64-bit
     integers narrowed to the smallest type that holds them, as ``go.Figure.to_dict`` writes it; an
     empty array, or one of another dtype (datetimes), stays an array for the JSON encoder."""
-    import base64
-
-    import numpy as np
 
     if v.size == 0:
         return v
@@ -248,7 +249,6 @@ def typed_arrays(obj: Any) -> None:
     A ``template`` is not walked: it comes from JSON (:func:`template`) and holds no arrays."""
     if not _typed_arrays_supported():
         return
-    import numpy as np
 
     stack = [obj]
     while stack:
@@ -277,7 +277,7 @@ def to_json(obj: Any) -> str:
     (``plotly.io.json.to_json_plotly``, its orjson engine) writes; plotly's encoder itself when
     orjson is missing or the object holds something orjson does not encode."""
     try:
-        import orjson
+        import orjson  # optional: an extra dependency
     except ImportError:
         orjson = None
     if orjson is not None:
@@ -289,7 +289,6 @@ def to_json(obj: Any) -> str:
             for raw, safe in _SCRIPT_SAFE:
                 text = text.replace(raw, safe)
             return text
-    from plotly.io.json import to_json_plotly
 
     return to_json_plotly(obj)
 

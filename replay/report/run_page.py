@@ -37,18 +37,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import plotly.graph_objects as go
 import polars as pl
 
 from replay import __version__, labels
+from replay.analysis import closed_loop as cl
+from replay.analysis import waterfall as wf
 from replay.config import KNOBS, RouterConfig
 from replay.errors import ReplayError
 from replay.report import figspec as fs
+from replay.report import sections as rs
+from replay.report.html import CSS as _CSS
+from replay.report.html import FONT
+from replay.report.html import esc as _e
+from replay.report.html import fig_html as _fig_html
+from replay.report.plan_page import render_plan_html
+from replay.report.sections import waterfall_figures
 from replay.runs import decisions as decision_store
 from replay.runs import metrics as metrics_mod
 from replay.runs import rundir
 from replay.runs.metrics import flag_text, knob_text
 from replay.runs.rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401 - names of the run's files, re-exported
 from replay.runs.rundir import unreadable as _unreadable
+from replay.simulate.plan import PLAN_TABLE
 
 LIMIT = "worker_queue_limit"
 FLOOR = "saturation_queue_floor"
@@ -66,9 +77,7 @@ REASON_COLORS = {
     "no_cache_candidate_range_fallback": "#bcbd22",
     "no_cache_candidate_capacity_fallback_power_of_two": "#17becf", FAILED: "#222222",
 }
-PLOT_CONFIG = {"displaylogo": False, "responsive": True,
-               "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
-FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12)
+
 
 
 @dataclass(frozen=True)
@@ -917,7 +926,6 @@ def figures(run_dir: str | os.PathLike | Run, *, config_id: int | None = None,
     config shown over time (default: the best under the pressure bound);
     ``max_p99_waiting`` sets that bound (default: the median p99 of the grid).
     """
-    import plotly.graph_objects as go  # here: plotly's graph objects are slow to import; the page needs none
 
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     specs = _figures(ReportView(data, config_id=config_id, max_p99_waiting=max_p99_waiting))
@@ -933,12 +941,10 @@ def figure_dicts(run_dir: str | os.PathLike | Run, *, config_id: int | None = No
 
 
 def _figures(a: ReportView) -> dict[str, dict]:
-    from replay.analysis import waterfall as wf
 
     out = {"heatmaps": fig_heatmaps(a), "decision_mix": fig_mix(a, "decision"),
            "reason_mix": fig_mix(a, "policy")}
     if wf.has_waterfall(a.summary.columns):
-        from replay.report.sections import waterfall_figures
 
         out.update(waterfall_figures(a))
     if a.data.decisions is not None and a.data.fleet is not None and a.chosen is not None:
@@ -1002,33 +1008,6 @@ def _best_table(a: ReportView) -> pl.DataFrame:
 
 # ---------------------------------------------------------------------------
 # the page
-_CSS = """
-:root { --fg:#1d2430; --muted:#5b6675; --line:#dde2e8; --bg:#f6f8fa; --accent:#1f6feb; }
-* { box-sizing: border-box; }
-body { margin:0; font: 14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif; color:var(--fg); background:#fff; }
-main { max-width: 1320px; margin: 0 auto; padding: 18px 24px 60px; }
-header h1 { font-size: 22px; margin: 4px 0 2px; }
-header .sub { color: var(--muted); }
-h2 { font-size: 17px; margin: 30px 0 8px; padding-top: 10px; border-top: 1px solid var(--line); }
-.note { color: var(--muted); font-size: 13px; margin: 4px 0 8px; }
-.cards { display:flex; flex-wrap:wrap; gap:10px; margin: 12px 0; }
-.card { background: var(--bg); border:1px solid var(--line); border-radius:8px; padding:8px 14px; min-width: 150px; }
-.card .v { font-size: 19px; font-weight: 600; }
-.card .k { color: var(--muted); font-size: 12px; }
-table { border-collapse: collapse; font-size: 13px; margin: 6px 0 10px; }
-th, td { border-bottom: 1px solid var(--line); padding: 4px 10px; text-align: right; white-space: nowrap; }
-th { background: var(--bg); font-weight: 600; }
-td.l, th.l { text-align: left; }
-td.wrap { white-space: normal; word-break: break-all; text-align:left; }
-.pos { color: #1a7f37; } .neg { color: #cf222e; }
-.fig { width: 100%; margin: 4px 0 8px; }
-.verdict.poor { background:#fdecea; border-color:#f5b5ae; }
-pre.answer { background:#f6f8fa; border:1px solid #dde2e8; border-radius:8px; padding:8px 14px; white-space:pre-wrap; }
-.verdict { background:#eef6ee; border:1px solid #b7dfb9; border-radius:8px; padding:8px 14px; margin: 10px 0; }
-nav a { margin-right: 12px; color: var(--accent); text-decoration:none; font-size:13px; }
-code { background: var(--bg); padding: 0 4px; border-radius: 4px; }
-"""  # noqa: E501 - one CSS rule a line, written as is into report.html
-
 _ERROR_HOOK = """
 window.__reportErrors = [];
 window.addEventListener('error', function (e) {
@@ -1036,10 +1015,6 @@ window.addEventListener('error', function (e) {
   document.documentElement.setAttribute('data-report-errors', String(window.__reportErrors.length));
 });
 """
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x))
 
 
 def _delta_html(v: float | None, unit: str, better: str) -> str:
@@ -1220,20 +1195,6 @@ def _cell(v: Any) -> str:
     return "none" if v is None else str(v)
 
 
-def _fig_html(fig, key: str) -> str:
-    """One figure's ``<div>``: a figure dict (``replay/report/figspec.py``) or a plotly figure."""
-    if isinstance(fig, dict):
-        return ('<div class="fig">' + fs.to_html(fig, div_id=f"fig-{key}", config=PLOT_CONFIG,
-                                                 default_height=f"{fig['layout'].get('height') or 450}px")
-                + "</div>")
-    import plotly.io as pio
-
-    return ('<div class="fig">' + pio.to_html(fig, include_plotlyjs=False, full_html=False,
-                                                div_id=f"fig-{key}", config=PLOT_CONFIG,
-                                                default_height=f"{fig.layout.height or 450}px")
-            + "</div>")
-
-
 FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall_pair", "over_time", "floor_vs_dp",
                "tradeoff", "closed_loop")
 
@@ -1241,7 +1202,6 @@ FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall
 def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
     """The closed-loop grid the report shows first: ``given`` (``report --closed-loop DIR``), else
     one found beside the run or its trace (:func:`replay.analysis.closed_loop.find_for_run`); with notes."""
-    from replay.analysis import closed_loop as cl
 
     if given is not None:
         grid = cl.load_grid(given)
@@ -1259,7 +1219,6 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                 max_queue_wait_p99_ms: float | None = None) -> str:
     """The whole report page as one string (plotly.js inline).  A closed-loop grid of the run's
     trace (``closed_loop``, else found beside the run or the trace) is shown first."""
-    from replay.report import sections as rs
 
     data = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
     grid, grid_notes = closed_loop_for(data, closed_loop)
@@ -1351,7 +1310,6 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     An existing ``out`` is replaced only with ``force``; the file is written
     aside and renamed into place, and nothing else is touched.
     """
-    from replay.simulate.plan import PLAN_TABLE, render_plan_html  # noqa: PLC0415
 
     plan_page = (Path(run_dir) / PLAN_TABLE).is_file()  # a capacity plan (docs/capacity.md)
     data = None if plan_page else load_run(run_dir)

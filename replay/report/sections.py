@@ -12,10 +12,13 @@ by side, and the requests that lost most.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
+from replay.errors import ReplayError
+from replay.report import figspec as fs
 
 
 def _e(x: Any) -> str:
@@ -77,7 +80,6 @@ def _pair(view) -> tuple[dict, dict | None]:
     beside = getattr(view, "beside", None)
     if beside is not None:
         if beside not in view.rows:
-            from replay.errors import ReplayError
 
             raise ReplayError(f"--beside {beside}: no such config_id in this run")
         return a, view.rows[beside]
@@ -90,9 +92,9 @@ def _pair(view) -> tuple[dict, dict | None]:
 def waterfall_figures(view) -> dict[str, Any]:
     """``waterfall`` (one config at a time, a menu) and ``waterfall_pair`` (two side by side)."""
     a, b = _pair(view)
-    out = {"waterfall": wf.fig_menu(_menu_rows(view), view.label, a["config_id"])}
+    out = {"waterfall": fig_menu(_menu_rows(view), view.label, a["config_id"])}
     if b is not None:
-        out["waterfall_pair"] = wf.fig_pair(a, b, view.label)
+        out["waterfall_pair"] = fig_pair(a, b, view.label)
     return out
 
 
@@ -149,3 +151,56 @@ def _menu_rows(view) -> list[dict]:
         if i not in seen:
             seen.append(i)
     return [view.rows[i] for i in seen[:wf.MENU_MAX]]
+
+
+def _waterfall_trace(row: Mapping[str, Any], name: str, visible: bool = True, showlegend: bool = False) -> dict:
+    t = wf.terms(row)
+    m = t["matched_blocks"] or 1
+    x = ["matched (ceiling)", *(f"lost: {wf.STEP_TEXT[c]}" for c in wf.TERMS), "selected"]
+    y = [t["matched_blocks"], *(-t[c] for c in wf.TERMS), t["selected_blocks"]]
+    text = [f"{t['matched_blocks']:,}", *(f"-{t[c]:,} ({100 * t[c] / m:.1f}%)" if t[c] else "0" for c in wf.TERMS),
+            f"{t['selected_blocks']:,} ({100 * t['selected_blocks'] / m:.1f}%)"]
+    return fs.trace("waterfall", x=x, y=y, measure=["absolute", *["relative"] * len(wf.TERMS), "total"], text=text,
+                    textposition="outside", name=name, visible=visible, showlegend=showlegend,
+                    connector=dict(line=dict(color="#9aa5b1", width=1)),
+                    decreasing=dict(marker=dict(color="#d62728")),
+                    increasing=dict(marker=dict(color="#2ca02c")),
+                    totals=dict(marker=dict(color="#1f77b4")),
+                    hovertemplate="%{x}: %{text}<extra>" + name.replace("<", "&lt;") + "</extra>")
+
+
+def fig_menu(rows: Sequence[Mapping[str, Any]], label, first_id: int) -> dict:
+    """One waterfall per config of ``rows`` (at most :data:`wf.MENU_MAX`), a menu switching between them;
+    ``first_id`` is shown first.  ``label(row)`` names a config.  A plotly figure dict
+    (``replay/report/figspec.py``; ``go.Figure(d)`` validates it)."""
+    rows = list(rows)[:wf.MENU_MAX]
+    ids = [r["config_id"] for r in rows]
+    first = ids.index(first_id) if first_id in ids else 0
+    fig = fs.Fig()
+    for i, r in enumerate(rows):
+        fig.add_trace(_waterfall_trace(r, f"config {r['config_id']}", visible=i == first))
+    buttons = [dict(label=f"config {r['config_id']}: {label(r)}", method="update",
+                    args=[{"visible": [j == i for j in range(len(rows))]},
+                          {"title.text": f"where locality goes: config {r['config_id']} ({label(r)})"}])
+               for i, r in enumerate(rows)]
+    fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", active=first, x=1.0, xanchor="right",
+                                        y=1.18, yanchor="top", showactive=True)],
+                      title=dict(text=f"where locality goes: config {rows[first]['config_id']} "
+                                      f"({label(rows[first])})", x=0.01, font=dict(size=14)),
+                      height=440, margin=dict(t=90, l=70, r=20, b=60), yaxis=dict(title=dict(text="blocks")),
+                      font=dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12),
+                      paper_bgcolor="white", plot_bgcolor="white", template=fs.template("plotly"))
+    return fig.to_dict()
+
+
+def fig_pair(a: Mapping[str, Any], b: Mapping[str, Any], label) -> dict:
+    """The waterfalls of two configs side by side, on one block axis (a plotly figure dict)."""
+    fig = fs.grid(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
+                  subplot_titles=[f"config {r['config_id']}: {label(r)}" for r in (a, b)])
+    fig.add_trace(_waterfall_trace(a, f"config {a['config_id']}"), row=1, col=1)
+    fig.add_trace(_waterfall_trace(b, f"config {b['config_id']}"), row=1, col=2)
+    fig.update_layout(height=440, margin=dict(t=60, l=70, r=20, b=60), showlegend=False,
+                      font=dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12),
+                      paper_bgcolor="white", plot_bgcolor="white", template=fs.template("plotly"))
+    fig.update_yaxes(title=dict(text="blocks"), row=1, col=1)
+    return fig.to_dict()

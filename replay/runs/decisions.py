@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, overload
 
@@ -38,6 +38,10 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 from polars.io.plugins import register_io_source
+
+from replay.errors import ReplayError
+from replay.kernels import outcomes
+from replay.runs.names import DECISIONS, RUN_JSON
 
 LONG = "long"
 OUTCOMES = "outcomes"
@@ -58,6 +62,23 @@ LONG_COLUMNS = (
     "lost_queue_gate", "lost_capacity",
 )
 """The long table's columns, in order (a file from an earlier version may lack some)."""
+
+
+def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> list[Path] | None:
+    """The decisions files of a run: ``run.json``'s ``decisions`` (one file, or
+    the list a sharded sweep writes), else ``decisions.parquet`` if present;
+    None when the run kept no decisions (or a listed file is gone)."""
+    p = Path(run_dir)
+    if run is None:
+        try:
+            run = json.loads((p / RUN_JSON).read_text())
+        except (OSError, ValueError):
+            run = {}
+    listed = run.get("decisions", DECISIONS) if isinstance(run, Mapping) else DECISIONS
+    if not listed:
+        return None
+    files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
+    return files if all(f.is_file() for f in files) else None
 
 
 def outcomes_metadata(config_ids: Sequence[int]) -> dict[str, str]:
@@ -171,7 +192,6 @@ def _decode(path: str | os.PathLike, ids: list[int], cols: Sequence[str], span: 
             n_requests: int):
     """The long rows of an ``outcomes`` file, a row group at a time (only ``cols``; only
     the long rows ``span`` when given)."""
-    from replay.kernels import outcomes  # numba: only when an outcomes file is read
 
     n_cfg = len(ids)
     pf = pq.ParquetFile(path)
@@ -239,8 +259,6 @@ def read_decisions(run_dir: str | os.PathLike, columns: Sequence[str] | None = N
     (request, config) in the trace's order (either layout; the same frame
     ``pl.read_parquet`` gives of a ``long`` file).  Raises
     :class:`replay.errors.ReplayError` when the run kept none."""
-    from replay.errors import ReplayError
-    from replay.runs.rundir import decision_files
 
     files = decision_files(Path(run_dir))
     if not files:

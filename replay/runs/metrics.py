@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from replay.config import KNOB_NAMES, KNOBS
 from replay.errors import ReplayError
 
 
@@ -54,7 +55,7 @@ class Metric:
     def expr(self, cols: Iterable[str]):
         """The polars expression over a summary with columns ``cols`` (Float64), or None
         when the summary lacks a source column."""
-        import polars as pl
+        import polars as pl  # lazy: the metric names are read by `check --help`, which imports no polars
 
         cols = set(cols)
         if self.column is not None:
@@ -173,7 +174,6 @@ def knob_text(v: Any) -> str:
 def flag_text(knob: str, v: Any) -> str:
     """A knob value as its router flag reads it (``--disable-pressure-guard`` inverts
     ``pressure_guard``; booleans as ``true``/``false``)."""
-    from replay.config import KNOBS
 
     spec = KNOBS.get(knob)
     if spec is not None and spec.inverted and isinstance(v, bool):
@@ -200,9 +200,7 @@ def metric_table(summary: Any, names: Iterable[str] = COMPARE_METRICS):
     """Per-config metrics from a summary table: id and knob columns (and ``dp_size``,
     per-rank values when present), then one Float64 column per metric of ``names``
     (null where the summary lacks its source columns)."""
-    import polars as pl
-
-    from replay.config import KNOB_NAMES
+    import polars as pl  # lazy: the metric names are read by `check --help`, which imports no polars
 
     cols = set(summary.columns)
     keep = ["config_id", *[k for k in KNOB_NAMES if k in cols],

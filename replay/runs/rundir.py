@@ -57,89 +57,27 @@ from pathlib import Path
 
 import polars as pl
 
+from replay.config import KNOB_NAMES
 from replay.errors import ReplayError
-
-# ---------------------------------------------------------------------------
-# file names of a run directory (written by ``sweep``)
-
-SUMMARY = "summary.parquet"
-SUMMARY_CSV = "summary.csv"
-DECISIONS = "decisions.parquet"
-DECISIONS_DIR = "decisions"             # a sharded (Ray) sweep's decisions files
-FLEET_PARTS = "fleet-parts"             # Ray tasks' fleet readings, joined into FLEET
-RUN_JSON = "run.json"
-FLEET = "fleet.parquet"
-REPORT = "report.html"
-CLOSED_LOOP = "closed_loop_summary.parquet"
-SIM_JSON = "sim.json"
-TOOL = "router-replay"                  # run.json's and a baseline's "tool" marker
-SIM_TOOL = "router-replay simulate"     # sim.json's "tool" marker
+from replay.runs import decisions as decision_store
+from replay.runs import metrics
+from replay.runs.decisions import decision_files
+from replay.runs.names import (
+    CLOSED_LOOP,
+    DECISIONS,
+    DECISIONS_DIR,
+    FLEET,
+    REPORT,
+    RUN_JSON,
+    SIM_JSON,
+    SIM_TOOL,
+    SUMMARY,
+    SUMMARY_CSV,
+    TOOL,
+)
 
 RUN_FILES = frozenset({RUN_JSON, SUMMARY, SUMMARY_CSV, DECISIONS, DECISIONS_DIR, FLEET, REPORT})
 """Every name ``sweep`` writes into a run directory (and ``report`` writes by default)."""
-
-
-def decision_files(run_dir: str | os.PathLike, run: Mapping | None = None) -> list[Path] | None:
-    """The decisions files of a run: ``run.json``'s ``decisions`` (one file, or
-    the list a sharded sweep writes), else ``decisions.parquet`` if present;
-    None when the run kept no decisions (or a listed file is gone)."""
-    p = Path(run_dir)
-    if run is None:
-        try:
-            run = json.loads((p / RUN_JSON).read_text())
-        except (OSError, ValueError):
-            run = {}
-    listed = run.get("decisions", DECISIONS) if isinstance(run, Mapping) else DECISIONS
-    if not listed:
-        return None
-    files = [p / f for f in ([listed] if isinstance(listed, str) else listed)]
-    return files if all(f.is_file() for f in files) else None
-
-
-def run_record(trace, grid, *, seed: int, freshness_ms: int, model: str | None, per_dp_rank: bool,
-               decisions: str | list[str] | None, timings: Mapping[str, float],
-               decisions_layout: str | None = None) -> dict:
-    """``run.json``: the tool's marker, version, the trace (path, files with sha256, size),
-    the grid, the settings, where the decisions are, timings and the machine.  ``sweep``
-    adds the execution, the trace's facts and the fleet/report names."""
-    import platform
-
-    import numba
-    import numpy as np
-
-    from replay import __version__
-
-    return {
-        "tool": TOOL,
-        "version": __version__,
-        "status": "complete",
-        "created_unix": int(time.time()),
-        "trace": {
-            "path": str(trace.path),
-            "files": trace.files,
-            "requests": trace.n_requests,
-            "workers": trace.n_workers,
-            "models": list(trace.models),
-        },
-        "grid": grid.describe(),
-        "config_ids": list(grid.config_ids),
-        "seed": int(seed),
-        "freshness_ms": int(freshness_ms),
-        "model": model,
-        "per_dp_rank": bool(per_dp_rank),
-        "dp_size": grid.dp_size,
-        "decisions": decisions,
-        # decision_store.LAYOUTS (None without decisions; runs before the key: "long")
-        "decisions_layout": decisions_layout if decisions else None,
-        "timings": dict(timings),
-        "machine": {
-            "python": platform.python_version(),
-            "numba": numba.__version__,
-            "numpy": np.__version__,
-            "polars": pl.__version__,
-            "threads": numba.get_num_threads(),
-        },
-    }
 
 
 def run_inputs(run_dir: str | os.PathLike) -> list[Path]:
@@ -183,7 +121,6 @@ class Run:
     @property
     def knobs(self) -> list[str]:
         """The knob columns of the summary, in ``KNOB_NAMES`` order."""
-        from replay.config import KNOB_NAMES
 
         return [k for k in KNOB_NAMES if k in self.summary.columns]
 
@@ -191,7 +128,6 @@ class Run:
         """``config_id``, the knob columns (and ``dp_size``, per-rank values when present),
         then one Float64 column per metric of ``names`` (default: the compare set; see
         :mod:`replay.runs.metrics`), null where unknown."""
-        from replay.runs import metrics
 
         return metrics.metric_table(self.summary, names if names is not None else metrics.COMPARE_METRICS)
 
@@ -275,7 +211,6 @@ def load_run(path: str | os.PathLike | Run) -> Run:
     decisions = decision_files(p, meta)
     for dp in decisions or []:
         try:
-            from replay.runs import decisions as decision_store
 
             names = set(decision_store.columns_of(dp))
         except Exception as err:  # noqa: BLE001 - any reader error is unusable input

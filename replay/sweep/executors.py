@@ -12,10 +12,10 @@ job, the result, the fleet table sink and the background helpers.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -23,12 +23,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.config import Grid
 from replay.errors import ParamError
-from replay.runs.rundir import DECISIONS, FLEET
-from replay.sweep import engine
+from replay.runs.names import DECISIONS, FLEET
+from replay.sweep import engine, shards
 from replay.sweep import readings as fleet_mod
+from replay.sweep.jobs import Done, Job
 from replay.sweep.results import DecisionWriter
+from replay.sweep.shards import require_ray
 from replay.trace import NS, Trace, TraceSet
 
 
@@ -36,7 +37,6 @@ class Background:
     """``fn()`` on a daemon thread (a failed sweep does not wait for it at exit)."""
 
     def __init__(self, fn):
-        import threading
 
         self._out: dict = {}
 
@@ -63,35 +63,6 @@ def shard_window(tset: TraceSet, shards: int = 8) -> int:
         return NS
     span_s = (tset.ts_max - tset.ts_min) / NS
     return max(1, int(math.ceil((span_s + 1) / shards))) * NS
-
-
-@dataclass
-class Job:
-    """What every executor needs to replay a trace (in memory or window by window)."""
-
-    source: Trace | TraceSet
-    configs: list
-    grid: Grid
-    seed: int
-    freshness_ns: int
-    model: str | None
-    threads: int | None
-    progress: Callable[[int], None] | None
-    out_dir: Path | None             # the unfinished run dir (None: nothing written)
-    decisions: bool
-    decisions_layout: str = "long"   # decision_store.LAYOUTS
-
-
-@dataclass
-class Done:
-    totals: engine.Totals
-    facts: fleet_mod.FleetFacts
-    has_selected: bool
-    decision_files: str | list[str] | None = None   # DECISIONS, or the shards' files (Ray)
-    windows: int = 1
-    t_kernel: float = 0.0
-    t_write: float = 0.0
-    execution: dict = field(default_factory=dict)
 
 
 class FleetSink:
@@ -195,8 +166,6 @@ def prefetched(windows, depth: int = 1):
     background thread while the current one is replayed: Parquet decoding and
     the kernels both release the GIL.  At most ``depth`` windows wait; an
     error while reading is raised here, in order."""
-    import queue
-    import threading
 
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -307,7 +276,6 @@ class RayExecutor(Executor):
         self.address, self.configs_per_task, self.retries, self.cpus = address, configs_per_task, retries, cpus
 
     def prepare(self) -> None:
-        from replay.sweep.shards import require_ray
 
         require_ray()
 
@@ -315,7 +283,6 @@ class RayExecutor(Executor):
         return shard_window(tset)
 
     def replay(self, job: Job, window_ns: int) -> Done:
-        from replay.sweep import shards
 
         return shards.run_ray(job, window_ns, address=self.address, configs_per_task=self.configs_per_task,
                               retries=self.retries, cpus=self.cpus)

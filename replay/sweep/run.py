@@ -4,7 +4,7 @@ A run directory holds ``summary.parquet`` / ``summary.csv`` (one row per
 config), ``decisions.parquet`` (one row per request and config, optional),
 ``fleet.parquet`` (one row per request: time and the fleet's smallest fresh
 queue reading, see ``replay/sweep/readings.py``), ``run.json`` (provenance) and
-``report.html`` (unless ``report=False``).  It is built in a hidden sibling folder and moved
+``report.html`` (when given a ``report`` writer).  It is built in a hidden sibling folder and moved
 into place only when complete, so an interrupted or failed sweep never leaves
 a run that looks finished (``replay/runs/rundir.py`` owns the directory and its rule).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numba
+import numpy as np
 import polars as pl
 
-from replay.config import Grid
+from replay import __version__
+from replay.config import KNOBS, Grid
 from replay.errors import ConfigError, ParamError, ReplayError
 from replay.kernels import layout as kacc
 from replay.runs import decisions as decision_store
@@ -42,6 +45,7 @@ from replay.runs.rundir import (  # noqa: F401 - re-exported: their home was her
 )
 from replay.sweep import executors
 from replay.sweep import readings as fleet_mod
+from replay.sweep.engine import blocks_per_thread
 from replay.sweep.executors import shard_window  # noqa: F401 - re-exported: its home was here
 from replay.sweep.results import Accumulator
 from replay.trace import (
@@ -72,11 +76,9 @@ so memory grows with configs x threads."""
 def check_grid(grid: Grid, threads: int | None = None) -> None:
     """Refuse, before any trace work, a grid the kernels cannot hold: an integer knob above
     :data:`MAX_INT_KNOB`, or more than :data:`MAX_CONFIGS` configs (one line, the limit and why)."""
-    from replay.config import KNOBS
 
     n = len(grid.configs)
     if n > MAX_CONFIGS:
-        from replay.sweep.engine import blocks_per_thread
 
         blocks = blocks_per_thread(n) * (threads or numba.get_num_threads())
         per = 8 * (kacc.N_ACC + kacc.WAIT_HIST + kacc.N_DIV) * blocks
@@ -119,7 +121,7 @@ def run_sweep(
     decisions_layout: str = "long",
     per_dp_rank: bool = False,
     force: bool = False,
-    report: bool = True,
+    report: Callable[..., Any] | None = None,
     threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -138,7 +140,7 @@ def run_sweep(
     build one from (see :class:`Grid`).  With ``out``, the run directory is
     written (atomically); without it only the summary is computed.
     ``per_dp_rank`` reads limit and floor values as per-rank numbers and
-    scales them by the fleet's dp_size.  With ``out`` and ``report``,
+    scales them by the fleet's dp_size.  With ``out`` and a ``report`` writer (``(run_dir, html_path)``),
     ``report.html`` is built in the run directory too; a report that fails to
     build does not fail the sweep (``run["report_error"]`` says why).
 
@@ -231,7 +233,7 @@ def run_sweep(
             "accumulate_and_write_s": round(done.t_write, 4),
             "total_s": round(time.perf_counter() - t0, 4),
         }
-        run = rundir.run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
+        run = run_record(source, grid, seed=seed, freshness_ms=freshness_ms, model=model,
                           decisions=done.decision_files if job.decisions else None,
                           decisions_layout=decisions_layout if job.decisions else None,
                           per_dp_rank=grid.per_dp_rank, timings=timings)
@@ -248,7 +250,7 @@ def run_sweep(
                 summary.write_csv(tmp_dir / SUMMARY_CSV)
                 (tmp_dir / RUN_JSON).write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
                 if report:
-                    _write_report(tmp_dir, run)
+                    _write_report(report, tmp_dir, run)
                 rundir.move_into_place(tmp_dir, out_path)
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, source, timings)
@@ -321,9 +323,8 @@ def _layout(source) -> str:
     return "set" if any("/" in n for n in names) else "files"
 
 
-def _write_report(tmp_dir: Path, run: dict) -> None:
+def _write_report(build_report: Callable[..., Any], tmp_dir: Path, run: dict) -> None:
     """Build report.html inside the unfinished run dir; on failure note it in run.json."""
-    from replay.report.run_page import build_report
 
     try:
         build_report(tmp_dir, tmp_dir / REPORT)
@@ -345,3 +346,43 @@ def _config_rows(grid: Grid) -> list[dict]:
             row.update({k: r[k] for k in extra})
         rows.append(row)
     return rows
+
+
+def run_record(trace, grid, *, seed: int, freshness_ms: int, model: str | None, per_dp_rank: bool,
+               decisions: str | list[str] | None, timings: Mapping[str, float],
+               decisions_layout: str | None = None) -> dict:
+    """``run.json``: the tool's marker, version, the trace (path, files with sha256, size),
+    the grid, the settings, where the decisions are, timings and the machine.  ``sweep``
+    adds the execution, the trace's facts and the fleet/report names."""
+
+    return {
+        "tool": rundir.TOOL,
+        "version": __version__,
+        "status": "complete",
+        "created_unix": int(time.time()),
+        "trace": {
+            "path": str(trace.path),
+            "files": trace.files,
+            "requests": trace.n_requests,
+            "workers": trace.n_workers,
+            "models": list(trace.models),
+        },
+        "grid": grid.describe(),
+        "config_ids": list(grid.config_ids),
+        "seed": int(seed),
+        "freshness_ms": int(freshness_ms),
+        "model": model,
+        "per_dp_rank": bool(per_dp_rank),
+        "dp_size": grid.dp_size,
+        "decisions": decisions,
+        # decision_store.LAYOUTS (None without decisions; runs before the key: "long")
+        "decisions_layout": decisions_layout if decisions else None,
+        "timings": dict(timings),
+        "machine": {
+            "python": platform.python_version(),
+            "numba": numba.__version__,
+            "numpy": np.__version__,
+            "polars": pl.__version__,
+            "threads": numba.get_num_threads(),
+        },
+    }

@@ -42,10 +42,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from replay.errors import ReplayError
-from replay.runs.rundir import DECISIONS_DIR, FLEET_PARTS
+from replay.runs.names import DECISIONS_DIR, FLEET_PARTS
 from replay.sweep import engine
 from replay.sweep import readings as fleet_mod
-from replay.sweep.executors import Done, Job
+from replay.sweep.jobs import Done, Job
 from replay.sweep.results import DecisionWriter
 from replay.trace import NS, TraceError, TraceSet
 
@@ -59,7 +59,7 @@ class InjectedFault(RuntimeError):
 def require_ray():
     """Ray's module, or a one-line error saying how to install it."""
     try:
-        import ray
+        import ray  # optional: an extra dependency
     except ImportError:
         raise ReplayError("--executor ray needs Ray: pip install 'router-replay[ray]'") from None
     return ray

@@ -30,6 +30,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from replay.trace.assemble import RankTable, finish_trace
 from replay.trace.base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
 from replay.trace.columns import Coded, Columns, pool_empty
 from replay.trace.core import Trace
@@ -384,7 +385,6 @@ def _ints_by_group(part: Part, columns: list[str], meta,
 
 
 def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
-    from replay.trace.load import finish_trace  # load imports this module
 
     require_dir(dirpath)
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
@@ -432,7 +432,6 @@ def _follow_loads(groups: _Groups, load_worker: np.ndarray, n_workers: int):
     """The loads' steps that need no other row group, each group's as it comes in (in the
     requests' thread, while the loads' thread reads the next): the ranks per worker (facts)
     and the tails and their flags (:func:`~replay.trace.encode.tail_flags`)."""
-    from replay.trace.load import RankTable  # load imports this module
 
     ranks = RankTable(n_workers)
     rows = load_worker.shape[0]
