@@ -2,7 +2,7 @@
 
 Every command that writes calls :func:`guard` before any work::
 
-    from replay import rundir
+    from replay.runs import rundir
     outs = rundir.guard([(out, "run")], inputs=[trace_dir], force=force)
 
 The rule, for every output of a command:
