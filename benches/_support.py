@@ -91,7 +91,7 @@ def ensure_trace(params: dict | None = None, *, log=None) -> Path:
     """Generate the bench trace once and reuse it.
 
     The cache directory is keyed by ``params``; its ``bench-params.json`` also
-    records a hash of ``replay/generate.py``, and the trace is regenerated (in
+    records a hash of ``replay/trace/synthetic.py``, and the trace is regenerated (in
     place, atomically) when the generator changed.  Set
     ``ROUTER_REPLAY_BENCH_KEEP=1`` to reuse a trace from an older generator.
     """
@@ -104,7 +104,7 @@ def ensure_trace(params: dict | None = None, *, log=None) -> Path:
         if have.get("params") == params and (have.get("generator_sha256") == want["generator_sha256"]
                                              or os.environ.get("ROUTER_REPLAY_BENCH_KEEP")):
             return d
-    from replay.generate import generate_trace
+    from replay.trace.synthetic import generate_trace
 
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.partial-", dir=d.parent))
@@ -150,7 +150,7 @@ def bench_set_trace(n_requests: int | None = None, *, log=None) -> Path:
     """Path of the cached trace set of ``n_requests`` requests (default
     ``bench_set_requests()``: 100M unless overridden), generating it first if needed.
 
-    ``replay.generate.generate_trace_set(n_requests=N, **BENCH_SET_PARAMS)``
+    ``replay.trace.synthetic.generate_trace_set(n_requests=N, **BENCH_SET_PARAMS)``
     is written into a temporary sibling directory (``.bench-set-...partial-*``)
     and renamed into place only when complete, so a directory under the
     final name is always a whole trace set; an interrupted build leaves only
@@ -161,7 +161,7 @@ def bench_set_trace(n_requests: int | None = None, *, log=None) -> Path:
     d = trace_set_dir_for(params)
     if d.is_dir():
         return d
-    from replay.generate import generate_trace_set, plan_trace_set
+    from replay.trace.synthetic import generate_trace_set, plan_trace_set
 
     n_parts = len(plan_trace_set(params["n_requests"], rate_per_s=params["rate_per_s"],
                                  partition_s=params["partition_s"]))
@@ -249,7 +249,7 @@ def slice_trace(trace, start: int, stop: int, lookback_ns: int = SUBTRACE_LOOKBA
 
 def burst_start(trace, params: dict | None = None) -> int:
     """Index of the first request 5 s into the generator's first fleet-saturating
-    burst (it starts at 25% of the span, see replay/generate.py)."""
+    burst (it starts at 25% of the span, see replay/trace/synthetic.py)."""
     t0 = int(trace.req_ts[0])
     span = int(trace.req_ts[-1]) - t0
     return int(np.searchsorted(trace.req_ts, t0 + span // 4 + 5_000_000_000))
@@ -269,7 +269,7 @@ def subtraces(trace, n: int = SUBTRACE_REQUESTS) -> dict:
 def warm_up(configs) -> float:
     """Compile (or load from numba's cache) every kernel on the small sample
     trace, so timed runs exclude compilation.  Returns the seconds it took."""
-    from replay import engine
+    from replay.sweep import engine
     from replay.trace import load_trace
 
     t0 = time.perf_counter()
@@ -281,7 +281,7 @@ def run_engine(trace, configs, threads: int | None = None) -> int:
     """Replay through ``engine.iter_chunks`` as ``sweep --no-decisions`` does: every
     decision is made and booked into the per-config accumulators, none is kept.
     Returns the number of decisions."""
-    from replay import engine
+    from replay.sweep import engine
 
     n = 0
     totals = engine.new_totals(len(configs), threads=threads)
@@ -291,7 +291,7 @@ def run_engine(trace, configs, threads: int | None = None) -> int:
 
 
 def run_decide_all(trace, configs) -> dict:
-    from replay import engine
+    from replay.sweep import engine
 
     return engine.decide_all(trace, configs)
 
@@ -405,7 +405,7 @@ def source_stamp() -> dict:
 _FIRST_START = r"""
 import json, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
-from replay.sweep import run_sweep
+from replay import run_sweep
 first = {}
 def progress(n):
     if not first:

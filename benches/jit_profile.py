@@ -39,8 +39,8 @@ KERNELS = ("_decide_request", "run_chunk_nb")
 
 def _child(args) -> None:
     """Under perf: replay once, then write where the two kernels' code was loaded."""
-    from replay import engine
     from replay.kernels import one_pass
+    from replay.sweep import engine
     from replay.trace import load_trace
 
     configs = S.grid(args.grid).configs

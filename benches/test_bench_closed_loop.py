@@ -17,9 +17,9 @@ N_REQUESTS = 300_000
 
 @pytest.fixture(scope="module")
 def big_run(tmp_path_factory):
+    from replay import run_sweep
     from replay.config import Grid
-    from replay.generate import generate_trace
-    from replay.sweep import run_sweep
+    from replay.trace.synthetic import generate_trace
 
     d = tmp_path_factory.mktemp("cl-bench")
     generate_trace(d / "trace", n_requests=N_REQUESTS, n_workers=16, dp_size=2, seed=3)
@@ -29,10 +29,10 @@ def big_run(tmp_path_factory):
 
 
 def test_report_with_waterfall(benchmark, report, big_run):
-    from replay import report as rep
-    from replay import report_sections as rs
-    from replay import waterfall as wf
-    from replay.rundir import load_run
+    from replay.analysis import waterfall as wf
+    from replay.report import run_page as rep
+    from replay.report import sections as rs
+    from replay.runs.rundir import load_run
 
     benchmark.group = "closed-loop-report"
     run = load_run(big_run / "run")
@@ -49,7 +49,7 @@ def test_report_with_waterfall(benchmark, report, big_run):
 
 
 def test_trace_identity(benchmark, report, big_run):
-    from replay.closed_loop import log_identity
+    from replay.trace.files import log_identity
 
     benchmark.group = "closed-loop-report"
     ident = benchmark.pedantic(log_identity, args=(big_run / "trace",), rounds=1, iterations=1)

@@ -55,7 +55,7 @@ def test_load_trace_vs_plain_read(benchmark, report, bench_trace_dir):
 
 _FRESH_LOAD = r"""
 import json, sys, time
-import replay.sweep                      # the sweep's imports, as the CLI has them before it loads
+import replay.sweep.run                      # the sweep's imports, as the CLI has them before it loads
 from replay.trace import load_trace
 t0, c0 = time.perf_counter(), time.process_time()
 tr = load_trace(sys.argv[1])

@@ -2,7 +2,7 @@
 ``rundir.guard`` walks every input file (symlinks resolved), ``sweep.plan`` reads the
 Parquet footers instead of an index pass; and writing ``decisions.parquet`` in either
 layout (issue 13), alone and in a 1M-request sweep, and the ``long`` layout's writer
-(``replay/flat_parquet.py``) against the pyarrow writer it replaced (:class:`ArrowLongWriter`).
+(``replay/runs/flat_parquet.py``) against the pyarrow writer it replaced (:class:`ArrowLongWriter`).
 Run with ``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from replay import executors, rundir
-from replay.decision_store import LAYOUTS
-from replay.generate import generate_trace_set
-from replay.sweep import plan
+from replay.runs import rundir
+from replay.runs.decisions import LAYOUTS
+from replay.sweep import executors
+from replay.sweep.run import plan
 from replay.trace import TraceSet
+from replay.trace.synthetic import generate_trace_set
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_bench_index_pass_the_plan_skips(benchmark, many_files):
 
 
 # ---------------------------------------------------------------------------
-# issue 13: the decisions file, written in either layout (replay/decision_store.py)
+# issue 13: the decisions file, written in either layout (replay/runs/decisions.py)
 
 WRITER_REQUESTS = 100_000   # x the mixed grid's 60 configs = 6M decision rows
 
@@ -60,7 +61,7 @@ def writer_chunks(bench_trace):
     the chunks a sweep hands its decisions writer (kept in memory)."""
     import _support as S
 
-    from replay.engine import iter_chunks
+    from replay.sweep.engine import iter_chunks
 
     sub = S.slice_trace(bench_trace, 0, WRITER_REQUESTS)
     g = S.grid("mixed")
@@ -69,7 +70,7 @@ def writer_chunks(bench_trace):
 
 def write_cpu(path, writer_chunks, layout: str) -> float:
     """CPU seconds of writing every chunk through one DecisionWriter (as the sweep's writer thread)."""
-    from replay.results import DecisionWriter
+    from replay.sweep.results import DecisionWriter
 
     sub, ids, chunks = writer_chunks
     t0 = time.process_time()
@@ -126,7 +127,7 @@ class ArrowLongWriter:
     through ``pq.ParquetWriter`` with zstd and statistics on every column."""
 
     def __init__(self, path: str, trace, config_ids):
-        from replay.results import DecisionWriter
+        from replay.sweep.results import DecisionWriter
 
         self.path = path
         self.tables = DecisionWriter(path, trace, config_ids)  # builds the Arrow table only; writes nothing
@@ -145,7 +146,7 @@ class ArrowLongWriter:
 
 def write_long_cpu(path, writer_chunks, which: str) -> float:
     """CPU seconds of writing every chunk in the long layout: ``new`` (DecisionWriter) or ``old``."""
-    from replay.results import DecisionWriter
+    from replay.sweep.results import DecisionWriter
 
     sub, ids, chunks = writer_chunks
     t0 = time.process_time()

@@ -24,22 +24,23 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .config import Grid, RouterConfig
-    from .decision_store import read_decisions
-    from .engine import decide_all, iter_chunks
-    from .errors import ConfigError, ReplayError
-    from .generate import generate_trace
-    from .sweep import SweepResult, run_sweep
-    from .trace import Trace, TraceError, load_trace, validate_trace
+    from replay.api import run_sweep
+    from replay.config import Grid, RouterConfig
+    from replay.errors import ConfigError, ReplayError
+    from replay.runs.decisions import read_decisions
+    from replay.sweep.engine import decide_all, iter_chunks
+    from replay.sweep.run import SweepResult
+    from replay.trace import Trace, TraceError, load_trace, validate_trace
+    from replay.trace.synthetic import generate_trace
 
 # public name -> the module that defines it
 _LAZY = {
     "Grid": "config", "RouterConfig": "config",
-    "read_decisions": "decision_store",
-    "decide_all": "engine", "iter_chunks": "engine",
+    "read_decisions": "runs.decisions",
+    "decide_all": "sweep.engine", "iter_chunks": "sweep.engine",
     "ConfigError": "errors", "ReplayError": "errors",
-    "generate_trace": "generate",
-    "SweepResult": "sweep", "run_sweep": "sweep",
+    "generate_trace": "trace.synthetic",
+    "SweepResult": "sweep.run", "run_sweep": "api",
     "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
 }
 
@@ -51,7 +52,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The public names on first use; ``replay.engine`` and the other submodules too."""
+    """The public names on first use; ``replay.sweep.engine`` and the other submodules too."""
     mod = _LAZY.get(name)
     if mod is not None:
         value = getattr(importlib.import_module(f".{mod}", __name__), name)

@@ -1,5 +1,5 @@
 """``python -m replay ...`` runs the ``router-replay`` command."""
 
-from .cli import main
+from replay.cli import main
 
 main()

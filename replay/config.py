@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import ConfigError
+from replay.errors import ConfigError
 
 
 @dataclass(frozen=True)

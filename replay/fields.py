@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from replay import labels
+
 # name, dtype, null sentinel, meaning
 DECISION_FIELDS: tuple[tuple[str, type, object, str], ...] = (
     ("worker", np.int32, -1, "selected worker id; -1 when the selection failed"),
@@ -59,7 +61,6 @@ def waterfall_terms(dec: dict) -> dict[str, np.ndarray]:
     """The six waterfall terms of every decision, from the fields above, as int64
     arrays (0 for failed decisions and decisions without matched blocks):
     ``matched_blocks - sum(terms) == selected_blocks`` for every routed decision."""
-    from . import labels
 
     routed = dec["worker"] >= 0
     out = {f"lost_{s}": np.zeros(dec["worker"].shape, dtype=np.int64) for s in labels.LOSS_STEPS}

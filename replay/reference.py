@@ -25,9 +25,9 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cmp_to_key
 
-from . import fields as _fields
-from . import labels
-from .config import RouterConfig
+from replay import fields as _fields
+from replay import labels
+from replay.config import RouterConfig
 
 Worker = Hashable
 

@@ -13,7 +13,7 @@ import shutil
 import polars as pl
 import pytest
 
-from replay.generate import generate_trace
+from replay.trace.synthetic import generate_trace
 
 NS = 1_000_000_000
 T0 = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z

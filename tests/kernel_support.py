@@ -6,7 +6,7 @@ The kernels see integer worker ids whose ascending order is the router's
 order of the worker names, so a scenario's names map to ids by ``sorted``.
 List orders (fleet order, legal order, candidate seed order) are passed as
 explicit int64 arrays in the scenario's listed order.  None-valued knobs
-become -1 (integers) or NaN (floats), as in replay/engine.py.
+become -1 (integers) or NaN (floats), as in replay/sweep/engine.py.
 
 Nothing here decides anything: it only encodes scenario inputs into kernel
 arrays and decodes kernel outputs back into names and label strings.

@@ -113,7 +113,7 @@ def test_only_a_tuple_of_arrays_has_an_address():
 _SWEEP = r"""
 import json, sys
 from replay.kernels import one_pass
-from replay.sweep import run_sweep
+from replay import run_sweep
 run_sweep(sys.argv[1], {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"},
           out=sys.argv[2])
 d = one_pass._decide_request

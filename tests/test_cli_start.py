@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from replay.cli import main
-from replay.generate import generate_trace
+from replay.trace.synthetic import generate_trace
 
 REPO = Path(__file__).resolve().parent.parent
 CONSOLE = shutil.which("router-replay") or os.path.join(os.path.dirname(sys.executable), "router-replay")
@@ -26,7 +26,7 @@ GRID = ["--worker-queue-limit", "none,2,4", "--saturation-queue-floor", "none,1,
 
 
 def _imported_after(code: str) -> list[str]:
-    heavy = ("numba", "polars", "pyarrow", "plotly", "scipy", "replay.engine", "replay.simulate", "replay.trace")
+    heavy = ("numba", "polars", "pyarrow", "plotly", "scipy", "replay.sweep.engine", "replay.simulate", "replay.trace")
     probe = f"{code}\nimport sys\nprint(' '.join(m for m in {heavy!r} if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     return res.stdout.split()

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from test_trace import MATCH_T, digest, write_trace
 
 from replay.cli import main
-from replay.generate import generate_trace
 from replay.trace import validate_trace
+from replay.trace.synthetic import generate_trace
 
 REQ = dict(
     ts=[1, 2, 3, 4],

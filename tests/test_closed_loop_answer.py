@@ -224,7 +224,7 @@ def test_report_without_a_grid_has_no_closed_loop_section(tmp_path, light):
 
 
 def test_waterfall_per_config_side_by_side_and_drilldown(saturated):
-    from replay.report import figures, load_run
+    from replay.report.run_page import figures, load_run
 
     run_ = load_run(saturated / "run")
     s = run_.summary
@@ -373,7 +373,7 @@ def test_report_beside_picks_the_second_waterfall(saturated, tmp_path):
     a = pl.read_parquet(saturated / "run" / "summary.parquet").sort("config_id")
     r1, r3 = a.row(1, named=True), a.row(3, named=True)
     assert "Side by side: config 1 (" in t and ") and config 3 (" in t
-    from replay.waterfall import STEP_TEXT, changed_terms
+    from replay.analysis.waterfall import STEP_TEXT, changed_terms
 
     for c, v in changed_terms(r3, r1).items():
         assert f"{STEP_TEXT.get(c, c.replace('_', ' '))} {v:+,}" in t

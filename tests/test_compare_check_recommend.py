@@ -17,11 +17,11 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from replay import analysis
+from replay import run_sweep
+from replay.analysis import runs as analysis
 from replay.cli import main
 from replay.errors import ReplayError
-from replay.generate import generate_trace
-from replay.sweep import run_sweep
+from replay.trace.synthetic import generate_trace
 
 GRID = {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,2"}
 KNOBS = ["worker_queue_limit", "saturation_queue_floor"]

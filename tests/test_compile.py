@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from replay import engine
 from replay.cli import main
 from replay.config import Grid
-from replay.generate import generate_trace
 from replay.kernels import one_pass
+from replay.sweep import engine
 from replay.trace import load_trace
+from replay.trace.synthetic import generate_trace
 
 SAMPLE = "traces/sample"
 

@@ -29,9 +29,9 @@ GRID = '{"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..
 # compile (or load) the kernels, run the README's sample sweep, report what happened
 _SWEEP = r"""
 import json, os, signal, sys, threading, time
-from replay import engine
+from replay.sweep import engine
 from replay.kernels import one_pass, warm
-from replay.sweep import run_sweep
+from replay import run_sweep
 kill = sys.argv[3] == "kill"
 if kill:
     thread = engine.compile_in_background()
@@ -92,7 +92,7 @@ def test_warm_start_starts_no_child(cold, tmp_path):
 _WARM_THEN_COMPILE = r"""
 import json, sys
 import numba
-from replay.sweep import run_sweep
+from replay import run_sweep
 run_sweep(sys.argv[1], json.loads(sys.argv[3]), out=sys.argv[2])
 loaded = sorted(m for m in ("numba.cpython.listobj", "numba.cpython.setobj", "numba.core.typing.cffi_utils",
                             "numba.np.random.generator_methods") if m in sys.modules)
@@ -152,7 +152,7 @@ def test_switched_off_is_one_process_and_the_same_decisions(cold, tmp_path):
 
 _ORPHAN = r"""
 import sys, time
-from replay import engine
+from replay.sweep import engine
 from replay.kernels import warm
 engine.compile_in_background()
 while "child_pid" not in warm.LAST:
@@ -187,7 +187,7 @@ def test_the_child_dies_with_its_parent(tmp_path):
 
 
 def test_no_child_without_the_jit(tmp_path):
-    code = ("from replay import engine; from replay.kernels import warm\n"
+    code = ("from replay.sweep import engine; from replay.kernels import warm\n"
             "with warm.both_cores(engine.kernel_signatures()) as first: assert first == []\n"
             "print(warm.LAST['mode'])")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -203,7 +203,7 @@ def test_a_cached_start_does_not_import_scipy_linalg(tmp_path):
     a kernel that does use BLAS still compiles and gets it."""
     code = ("import sys\n"
             "import numpy as np, numba\n"
-            "from replay import engine\n"
+            "from replay.sweep import engine\n"
             "engine.compile_kernels()\n"
             "assert 'scipy.linalg' not in sys.modules, 'scipy.linalg imported'\n"
             "dot = numba.njit(lambda a, b: np.dot(a, b))\n"

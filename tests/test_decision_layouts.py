@@ -21,16 +21,17 @@ from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
 import replay
-from replay import decision_store, outcomes
-from replay import waterfall as wf
+from replay import run_sweep
+from replay.analysis import waterfall as wf
 from replay.cli import main
 from replay.config import Grid
-from replay.engine import iter_chunks
-from replay.generate import generate_trace_set
-from replay.report import decision_counts, fleet_bins
-from replay.rundir import decision_files, load_run
-from replay.sweep import run_sweep
+from replay.kernels import outcomes
+from replay.report.run_page import decision_counts, fleet_bins
+from replay.runs import decisions as decision_store
+from replay.runs.rundir import decision_files, load_run
+from replay.sweep.engine import iter_chunks
 from replay.trace import load_trace
+from replay.trace.synthetic import generate_trace_set
 
 GRID = ["--worker-queue-limit", "none,2,4,8", "--saturation-queue-floor", "none,1,2",
         "--disable-pressure-guard", "true,false"]
@@ -221,7 +222,7 @@ def test_code_dtype_widens_with_the_grid():
 
 def test_empty_files_read_back_alike(tmp_path):
     """A writer closed before any chunk (no requests) leaves a readable empty file in either layout."""
-    from replay.results import DecisionWriter
+    from replay.sweep.results import DecisionWriter
 
     trace = load_trace("traces/sample")
     for layout in decision_store.LAYOUTS:

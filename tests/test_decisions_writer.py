@@ -1,6 +1,6 @@
 """decisions.parquet's ``long`` layout, written from its runs (issue 13).
 
-``replay/flat_parquet.py`` writes the long table without pyarrow's writer.
+``replay/runs/flat_parquet.py`` writes the long table without pyarrow's writer.
 Held here: the file reads back exactly as the Arrow table earlier versions
 wrote through ``pq.ParquetWriter`` (``DecisionWriter.long_table``, the
 reference; ``pl.read_parquet`` and pyarrow, dtypes, values and order), on
@@ -24,12 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from replay import decision_store, executors
-from replay import flat_parquet as fp
 from replay.cli import main
 from replay.config import Grid
-from replay.engine import Chunk, iter_chunks
-from replay.results import DecisionWriter
+from replay.runs import decisions as decision_store
+from replay.runs import flat_parquet as fp
+from replay.sweep import executors
+from replay.sweep.engine import Chunk, iter_chunks
+from replay.sweep.results import DecisionWriter
 from replay.trace import load_trace
 
 GRID = {"--worker-queue-limit": "none,1,2,4", "--saturation-queue-floor": "none,1,2"}

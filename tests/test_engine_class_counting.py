@@ -12,9 +12,10 @@ import pytest
 from test_engine_vs_reference import assert_same
 from trace_factory import Shape, random_trace
 
-from replay import engine, reference
+from replay import reference
 from replay.config import RouterConfig
 from replay.kernels import one_pass
+from replay.sweep import engine
 
 BIG = one_pass._HIST_MAX
 

@@ -14,8 +14,8 @@ import time
 import numpy as np
 from trace_factory import Shape, random_trace
 
-from replay import engine
 from replay.config import Grid
+from replay.sweep import engine
 
 _SHAPE = Shape(n_requests=900, n_workers=6, n_loads=4000, span_s=60.0, max_matches=5, queue_max=9)
 

@@ -17,8 +17,9 @@ import pytest
 from test_engine_vs_reference import assert_same
 from trace_factory import Shape, random_trace
 
-from replay import engine, reference
+from replay import reference
 from replay.config import RouterConfig
+from replay.sweep import engine
 
 
 def _grid(max_limit: int) -> list[RouterConfig]:

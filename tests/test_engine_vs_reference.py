@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trace_factory import Shape, random_trace, shape_strategy
 
-from replay import engine, reference
+from replay import reference
 from replay.config import Grid, RouterConfig
-from replay.generate import generate_trace
+from replay.sweep import engine
 from replay.trace import load_trace
+from replay.trace.synthetic import generate_trace
 
 
 def assert_same(ref: dict, ker: dict, context: str = "") -> None:

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from replay import labels
 from replay.cli import main
-from replay.generate import generate_trace
 from replay.trace import load_trace
+from replay.trace.synthetic import generate_trace
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "traces" / "generated-sample"
 
@@ -108,7 +108,7 @@ def test_committed_sample_matches_its_regeneration_command(tmp_path):
 def test_sizes_that_cannot_fit_in_memory_are_refused_first(tmp_path):
     """issue 14 B: ``--workers 10**7`` used to try a 90 GiB allocation.  Every
     oversize request is one line, exit 2, in well under a second, nothing written."""
-    from replay.generate import MAX_PART_LOAD_ROWS, MAX_PART_REQUESTS
+    from replay.trace.synthetic import MAX_PART_LOAD_ROWS, MAX_PART_REQUESTS
 
     cases = [
         (["--workers", str(10**7)], "12,000,002,400 load rows in one file, above the "

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from replay.cli import main
-from replay.generate import NS, generate_trace_set, plan_trace_set
 from replay.trace import load_trace
+from replay.trace.synthetic import NS, generate_trace_set, plan_trace_set
 
 # 22:00 UTC on 2026-01-01: three hourly partitions cross midnight
 START = 1_767_225_600 * NS + 22 * 3600 * NS

@@ -1,4 +1,4 @@
-"""Issue 9 item 2: one metrics table (replay/metrics.py) read by report, compare, check and
+"""Issue 9 item 2: one metrics table (replay/runs/metrics.py) read by report, compare, check and
 recommend; check --help's list comes from it; the shares have one name and denominator."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from replay import analysis, metrics
+from replay import run_sweep
+from replay.analysis import runs as analysis
 from replay.cli import main
-from replay.report import HEATMAP_METRICS, HOVER_METRICS, figures
-from replay.rundir import load_run
-from replay.sweep import run_sweep
+from replay.report.run_page import HEATMAP_METRICS, HOVER_METRICS, figures
+from replay.runs import metrics
+from replay.runs.rundir import load_run
 
 # every metric name a baseline written by router-replay before the table existed could store
 # (the check --help list of that version)

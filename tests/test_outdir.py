@@ -1,4 +1,4 @@
-"""Atomic output directories (replay/outdir.py), shared by sweep, simulate and compare."""
+"""Atomic output directories (replay/runs/rundir.py), shared by sweep, simulate and compare."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from replay import run_sweep
 from replay.errors import ReplayError
-from replay.outdir import move_into_place, partial_beside, refuse_existing
-from replay.sweep import run_sweep
+from replay.runs.rundir import move_into_place, partial_beside, refuse_existing
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
 

@@ -290,7 +290,7 @@ def test_knobs_and_grids_the_kernels_cannot_hold_are_refused_up_front(gen_trace,
 
 
 def test_generate_refuses_a_fleet_it_cannot_hold(tmp_path):
-    """generate bounds what one file holds (replay/generate.py): --workers 10**7 is one line,
+    """generate bounds what one file holds (replay/trace/synthetic.py): --workers 10**7 is one line,
     exit 2, nothing written, before any allocation."""
     t0 = time.perf_counter()
     refused(invoke("generate", tmp_path / "t", "--workers", str(10**7)), "load rows in one file")

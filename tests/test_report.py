@@ -24,12 +24,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import tree_digest
 
-from replay import reference
+from replay import reference, run_sweep
 from replay.cli import main
-from replay.generate import generate_trace
-from replay.report import HEATMAP_METRICS, figures, headline, load_run, pareto_front
-from replay.sweep import run_sweep
+from replay.report.run_page import HEATMAP_METRICS, figures, headline, load_run, pareto_front
 from replay.trace import load_trace
+from replay.trace.synthetic import generate_trace
 
 GRID = {"worker_queue_limit": "none,2,4,8", "saturation_queue_floor": "none,1..4"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -238,7 +237,7 @@ def test_figures_from_library(run_dir):
 
 def test_over_time_counts(run_dir):
     """Per-interval counts of the over-time figure add up to the config's summary."""
-    from replay.report import ReportView, over_time_frames
+    from replay.report.run_page import ReportView, over_time_frames
 
     a = ReportView(load_run(run_dir))
     s = pl.read_parquet(run_dir / "summary.parquet")
@@ -254,7 +253,7 @@ def test_over_time_counts(run_dir):
 def test_pins_only_where_no_fresh_reading_is_below_the_floor(run_dir):
     """The engine pins a request only when fleet.parquet shows no fresh reading below the floor
     (spec 3.6), and the over-time figure's 'pin allowed' counts are exactly those requests."""
-    from replay.report import ReportView, over_time_frames
+    from replay.report.run_page import ReportView, over_time_frames
 
     s = pl.read_parquet(run_dir / "summary.parquet").filter(pl.col("pinned") > 0)
     fl = pl.read_parquet(run_dir / "fleet.parquet")
@@ -568,8 +567,8 @@ def _over_time_reference(run_dir: Path, floors: dict) -> dict[int, list[dict]]:
     from collections import defaultdict
 
     from replay.labels import DECISIONS
-    from replay.report import _nice_interval_ns
-    from replay.sweep import decision_files
+    from replay.report.run_page import _nice_interval_ns
+    from replay.sweep.run import decision_files
 
     fl = pl.read_parquet(run_dir / "fleet.parquet")
     assert fl["request_id"].is_unique().all()
@@ -608,8 +607,8 @@ def _over_time_reference(run_dir: Path, floors: dict) -> dict[int, list[dict]]:
 def _check_over_time(run_dir: Path, monkeypatch, *, batch: int | None = None, joins: int = 0) -> None:
     """Every config's over-time frame equals the brute-force numbers; ``joins``: how many
     config groups must take the join on request_id (0: all matched by position)."""
-    from replay import report
-    from replay.report import ReportView, over_time_frames
+    from replay.report import run_page as report
+    from replay.report.run_page import ReportView, over_time_frames
 
     calls = []
     joined = report._joined_counts
@@ -637,8 +636,8 @@ def test_over_time_equals_in_memory_reference(run_dir, monkeypatch, batch):
 def test_over_time_reads_nothing_request_sized(run_dir, monkeypatch):
     """No frame as large as the fleet table is ever materialized for the over-time figure: every
     collect returns at most a slice or a per-interval table, and nothing is read whole."""
-    from replay import report
-    from replay.report import ReportView, over_time_frames
+    from replay.report import run_page as report
+    from replay.report.run_page import ReportView, over_time_frames
 
     n = pl.read_parquet(run_dir / "fleet.parquet").height
     heights = []
@@ -687,7 +686,7 @@ def test_over_time_from_a_collected_fleet(run_dir):
 def test_fleet_bins_median_equals_polars():
     """The per-interval median, min and max come from counts per reading; they equal polars'
     own on the rows (odd and even counts, nulls, intervals without a known reading)."""
-    from replay.report import fleet_bins
+    from replay.report.run_page import fleet_bins
 
     rng = np.random.default_rng(7)
     n = 5000
@@ -724,7 +723,7 @@ SET_GRID = {"worker_queue_limit": "none,2,4", "saturation_queue_floor": "none,1,
 
 @pytest.fixture(scope="module")
 def set_dir(tmp_path_factory):
-    from replay.generate import generate_trace_set
+    from replay.trace.synthetic import generate_trace_set
 
     d = tmp_path_factory.mktemp("rep_set") / "set"
     generate_trace_set(d, n_requests=2000, n_workers=6, dp_size=2, rate_per_s=40.0, partition_s=20)
@@ -750,7 +749,7 @@ def test_over_time_ray_decision_files(set_dir, tmp_path, monkeypatch):
     """A Ray run: one decisions file per (window, block of configs); the configs are streamed per
     block, each beside the fleet's rows, to the brute-force numbers."""
     pytest.importorskip("ray")
-    from replay import report
+    from replay.report import run_page as report
 
     out = tmp_path / "run"
     run_sweep(set_dir, SET_GRID, out=out, executor="ray", window="10s", configs_per_task=3)
@@ -769,11 +768,11 @@ def test_over_time_ray_decision_files(set_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("blocks,chunk", [(1, 1 << 20), (3, 97), (7, 1000)])
 def test_kernel_fleet_readings_equal_the_snapshot_pass(gen_trace, blocks, chunk):
     """The grid kernel's per-request fleet readings (what sweep writes to
-    fleet.parquet) equal replay/readings.py's own snapshot pass, for any block
+    fleet.parquet) equal replay/sweep/readings.py's own snapshot pass, for any block
     and chunk layout, at two freshness windows."""
-    from replay import engine
     from replay.config import RouterConfig
-    from replay.readings import fleet_readings
+    from replay.sweep import engine
+    from replay.sweep.readings import fleet_readings
 
     tr = load_trace(gen_trace)
     for fresh_ns in (5_000_000_000, 150_000_000):

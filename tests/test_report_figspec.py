@@ -1,4 +1,4 @@
-"""The report's figures as plain dicts (replay/figspec.py) are plotly's figures.
+"""The report's figures as plain dicts (replay/report/figspec.py) are plotly's figures.
 
 The page is written from figure dicts built without plotly's graph objects
 (issue 13: they were most of a sample sweep's time).  These tests hold the
@@ -18,10 +18,10 @@ import plotly.io as pio
 import pytest
 from plotly.subplots import make_subplots
 
-from replay import figspec as fs
-from replay.generate import generate_trace
-from replay.report import figure_dicts, figures, render_html
-from replay.sweep import run_sweep
+from replay import run_sweep
+from replay.report import figspec as fs
+from replay.report.run_page import figure_dicts, figures, render_html
+from replay.trace.synthetic import generate_trace
 
 
 def _layout(fig) -> dict:

@@ -3,7 +3,7 @@
 The sweeps run through the real CLI on real Parquet traces (``conftest.py``);
 the expected summary is rebuilt here with plain polars expressions from the
 decisions file (and, for ``agreement``, from the trace's own
-``requests.parquet``), never through ``replay.results``.
+``requests.parquet``), never through ``replay.sweep.results``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from replay import labels
 from replay.cli import main
 from replay.config import Grid
-from replay.engine import iter_chunks
-from replay.results import DecisionWriter, _quantiles
+from replay.sweep.engine import iter_chunks
+from replay.sweep.results import DecisionWriter, _quantiles
 from replay.trace import load_trace
 
 BOUNDS = [2**i for i in range(14)]  # 1, 2, 4, ..., 8192; then +inf

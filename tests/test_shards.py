@@ -1,4 +1,4 @@
-"""The Ray executor (``sweep --executor ray``, replay/shards.py) on a local Ray.
+"""The Ray executor (``sweep --executor ray``, replay/sweep/shards.py) on a local Ray.
 
 Every sharded run is held against the local in-memory sweep of the same trace
 set: summary, decisions, fleet table and trace facts must be identical, for
@@ -19,12 +19,13 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from replay import run_sweep
 from replay.config import Grid
 from replay.errors import ReplayError
-from replay.generate import generate_trace_set
-from replay.shards import FAULT_ENV, config_blocks, iso
-from replay.sweep import decision_files, run_sweep
+from replay.sweep.run import decision_files
+from replay.sweep.shards import FAULT_ENV, config_blocks, iso
 from replay.trace import TraceError
+from replay.trace.synthetic import generate_trace_set
 
 ray = pytest.importorskip("ray")
 

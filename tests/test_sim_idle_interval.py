@@ -12,12 +12,12 @@ import polars as pl
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
+from replay import run_sweep
 from replay.cli import main
 from replay.config import RouterConfig
 from replay.simulate import FleetSpec, build_fleet, generate_log, simulate, write_mooncake_jsonl
 from replay.simulate.logs import RequestLog
 from replay.simulate.sim import START_NS
-from replay.sweep import run_sweep
 
 DAY_NS = 24 * 3600 * 10**9
 INTERVAL_MS = 1000

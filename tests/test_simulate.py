@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from replay import run_sweep
 from replay.cli import main
 from replay.config import RouterConfig
 from replay.errors import ReplayError
@@ -26,7 +27,6 @@ from replay.simulate import (
     write_mooncake_jsonl,
 )
 from replay.simulate.logs import LogError, RequestLog
-from replay.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"

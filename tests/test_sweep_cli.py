@@ -21,9 +21,9 @@ from click.testing import CliRunner
 from conftest import tree_digest
 
 import replay
+from replay import run_sweep
 from replay.cli import main
 from replay.errors import ReplayError
-from replay.sweep import run_sweep
 
 OUTPUTS = {"summary.parquet", "summary.csv", "decisions.parquet", "run.json", "fleet.parquet",
            "report.html"}

@@ -8,10 +8,11 @@ import shutil
 import pytest
 from polars.testing import assert_frame_equal
 
-from replay import executors
+from replay import run_sweep
 from replay.config import ConfigError, Grid
 from replay.errors import ReplayError
-from replay.sweep import plan, run_sweep
+from replay.sweep import executors
+from replay.sweep.run import plan
 from replay.trace import NS
 from replay.trace import windows as trace_windows
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from test_cli_validate import one_error_line
 
 from replay.cli import main
-from replay.generate import generate_trace
 from replay.trace import MAX_DP_SIZE, NS, TraceSet, load_trace, row_counts
+from replay.trace.synthetic import generate_trace
 
 DAY = 86_400 * NS
 

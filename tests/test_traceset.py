@@ -33,12 +33,12 @@ from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 from trace_factory import Shape, random_trace, shape_strategy
 
-from replay import engine, labels
+from replay import labels, run_sweep
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.fields import empty_decisions
-from replay.sweep import run_sweep
+from replay.sweep import engine
 from replay.trace import (
     LOAD_FIELDS,
     NS,
@@ -1022,7 +1022,7 @@ def test_stray_huge_rank_is_ignored_not_allocated(tmp_path):
     the decisions equal those with the rank written as 2 (also ignored), whole
     and in 1 s windows."""
     from replay.config import Grid
-    from replay.generate import generate_trace
+    from replay.trace.synthetic import generate_trace
 
     grid = Grid.from_texts({"--worker-queue-limit": "2,4", "--saturation-queue-floor": "none,1"}).configs
     out = []

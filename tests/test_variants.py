@@ -22,10 +22,11 @@ from test_engine_vs_reference import CONFIGS, assert_same, shapes
 from test_waterfall import BASE, lost_of, one_request
 from trace_factory import Shape, random_trace
 
-from replay import engine, labels, reference
+from replay import labels, reference
 from replay.cli import main
 from replay.config import Grid, RouterConfig
 from replay.fields import waterfall_terms
+from replay.sweep import engine
 
 VARIANTS = [("pressure", "fleet"), ("locality", "fleet"), ("pressure", "per-worker"),
             ("locality", "per-worker")]
@@ -181,8 +182,8 @@ def test_closed_loop_simulator_runs_a_variant(tmp_path):
     """The simulator calls the decision kernel with the config's knobs, so a
     variant just works: sweeping the simulated trace with the same variant
     reproduces every decision (agreement 1.0), and not without it."""
+    from replay import run_sweep
     from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
-    from replay.sweep import run_sweep
 
     # a saturating fleet (8 workers, 80 requests/s over 6 shared prompts) where pins happen
     # with owners of different depths
@@ -201,7 +202,7 @@ def test_closed_loop_simulator_runs_a_variant(tmp_path):
 def test_compare_a_variant_against_the_router(gen_trace, tmp_path):
     """compare matches a variant run to the router's run of the same grid by the
     router's knobs, and shows the changed waterfall terms and requests."""
-    from replay.analysis import compare_runs
+    from replay.analysis.runs import compare_runs
 
     grid = ["--worker-queue-limit", "2,3", "--saturation-queue-floor", "1"]
     for name, extra in (("router", []), ("locality", ["--pin-order", "locality"])):
@@ -239,7 +240,7 @@ def test_report_and_recommend_say_a_variant_is_not_a_router_flag(gen_trace, tmp_
 def test_report_draws_each_variant_as_its_own_series(gen_trace, tmp_path):
     """Issue 15: in the hit-rate / pressure plot, configs under a policy variant are their own
     series (named, marked as not a router flag); the router's own configs stay one series."""
-    from replay.report import figures
+    from replay.report.run_page import figures
 
     run = tmp_path / "run"
     res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(run), "-q", "--no-report",

@@ -15,11 +15,12 @@ import pytest
 from test_engine_vs_reference import CONFIGS
 from trace_factory import Shape, random_trace
 
-from replay import engine, labels, reference
+from replay import labels, reference
 from replay.config import RouterConfig
 from replay.fields import waterfall_terms
 from replay.kernels.layout import ACC
-from replay.results import Accumulator
+from replay.sweep import engine
+from replay.sweep.results import Accumulator
 from replay.trace import Trace
 
 STEPS = [f"lost_{s}" for s in labels.LOSS_STEPS]
@@ -172,7 +173,7 @@ def test_report_draws_the_waterfall(gen_trace, tmp_path):
     from click.testing import CliRunner
 
     from replay.cli import main
-    from replay.report import figures
+    from replay.report.run_page import figures
 
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["sweep", str(gen_trace), "--out", str(out), "-q",

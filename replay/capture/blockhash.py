@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 SALT_PREFIX = b"sglang-cache-salt-v1\0"
 

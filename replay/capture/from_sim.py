@@ -34,17 +34,18 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from .. import rundir
-from ..errors import ReplayError
-from . import outguard as _kinds  # noqa: F401 - registers the capture output kinds
-from .store import (
+from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture.store import (
     KV_SCHEMA,
     LOADS_SCHEMA,
     WORKERS_SCHEMA,
     PartWriter,
     write_atomic_table,
 )
+from replay.errors import ReplayError
+from replay.runs import rundir
 
 NS = 1_000_000_000
 
@@ -217,7 +218,6 @@ def _write(res, log, fleet, root: Path, index_lag_ms: int) -> None:
 def engine_dirs(out) -> list[tuple[str, Path]]:
     """``(worker URL, export folder)`` of a written capture, for ``import --engine-export``."""
     out = Path(out)
-    import pyarrow.parquet as pq
 
     urls = pq.read_table(out / "recorded" / "workers.parquet")["worker"].to_pylist()
     return [(u, out / "engines" / f"{w:03d}") for w, u in enumerate(urls)]

@@ -29,11 +29,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import __version__, rundir
-from . import outguard as _kinds  # noqa: F401 - registers the capture output kinds
-from .blockhash import block_hashes_csr
-from .index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
-from .sources import (
+from replay import __version__
+from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture.blockhash import block_hashes_csr
+from replay.capture.index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
+from replay.capture.sources import (
     LOAD_COLUMNS,
     LOAD_TYPES,
     Facts,
@@ -45,6 +45,7 @@ from .sources import (
     read_prometheus,
     read_v1_loads,
 )
+from replay.runs import rundir
 
 NS = 1_000_000_000
 MS = 1_000_000

@@ -24,8 +24,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..kernels._jit import njit
-from . import wire
+from replay.capture import wire
+from replay.kernels._jit import njit
 
 EV_STORED = 0
 EV_REMOVED = 1

@@ -1,7 +1,7 @@
-"""Output kinds the capture commands write, registered with :mod:`replay.rundir`.
+"""Output kinds the capture commands write, registered with :mod:`replay.runs.rundir`.
 
 ``record``, ``import`` and the simulator's capture writer protect their
-``--out`` with :func:`replay.rundir.guard` (an output is never, contains or
+``--out`` with :func:`replay.runs.rundir.guard` (an output is never, contains or
 lies inside an input; ``--force`` replaces only what router-replay wrote).
 These are the capture outputs it recognises as its own:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .. import rundir
+from replay.runs import rundir
 
 RECORDING_NAMES = frozenset({"record.json", "loads", "kv_events", "gaps", "workers.parquet"})
 IMPORTED_NAMES = frozenset({"trace.json", "requests.parquet", "loads.parquet", "workers.parquet",

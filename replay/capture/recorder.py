@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .. import __version__
-from ..errors import ReplayError
-from . import wire
-from .store import (
+import pyarrow as pa
+
+from replay import __version__
+from replay.capture import wire
+from replay.capture.store import (
     GAPS_SCHEMA,
     KV_SCHEMA,
     LOADS_SCHEMA,
@@ -50,6 +51,7 @@ from .store import (
     write_atomic_json,
     write_atomic_table,
 )
+from replay.errors import ReplayError
 
 LOAD = "load"
 KV = "kv"
@@ -234,7 +236,7 @@ class Recorder:
                 self._discover_all(missing)
 
     def _take_discovered(self, ctx, poller) -> None:
-        import zmq
+        import zmq  # optional: an extra dependency
 
         while True:
             try:
@@ -277,7 +279,7 @@ class Recorder:
     def _open_replay(self, s: Stream) -> None:
         """(Re)open the rank's replay DEALER; a new socket has a new identity, so the answer to
         a request that timed out can never be taken for the answer to the next one."""
-        import zmq
+        import zmq  # optional: an extra dependency
 
         if s.replay is not None:
             self._poller.unregister(s.replay)
@@ -420,7 +422,6 @@ class Recorder:
 
     # ---------------------------------------------------------------- output
     def _write_workers(self) -> None:
-        import pyarrow as pa
 
         es = [self.engines[u] for u in sorted(self.engines)]
         t = pa.table({"worker": [e.url for e in es], "model": [e.model for e in es],
@@ -481,7 +482,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ run
     def run(self, duration_s: float | None = None) -> dict:
-        import zmq
+        import zmq  # optional: an extra dependency
 
         self.out.mkdir(parents=True, exist_ok=True)
         ctx = zmq.Context()

@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 NS = 1_000_000_000
 
@@ -177,7 +178,6 @@ def iter_token_export(paths, facts: Facts):
         raise ImportError_(f"{', '.join(map(str, paths))}: no token export file (*.ndjson.gz)")
     facts.data["token_export_files"] = len(files)
     # the next file is read and parsed (polars, without the GIL) while the caller hashes this one
-    from concurrent.futures import ThreadPoolExecutor
 
     def parse(f):
         return ndjson(f, read_text(f, facts), TOKEN_SCHEMA, facts, "token export")
@@ -378,7 +378,7 @@ def read_prometheus(url: str, path: Path, facts: Facts) -> pl.DataFrame:
     with a line ``# scrape_ts_ms <unix ms>`` (or its samples carry timestamps).
     ``max_total_num_tokens`` is ``num_used_tokens / token_usage`` where usage > 0, else 0
     (unknown); the native tail is absent."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # optional: an extra dependency
 
     text = read_text(path, facts).decode(errors="replace")
     chunks: list[tuple[int | None, str]] = []

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 NS = 1_000_000_000
@@ -143,7 +144,6 @@ class PartWriter:
 
     def write(self, table: pa.Table) -> list[Path]:
         """Write ``table`` as parts (one per period), each aside then renamed; returns the paths."""
-        import pyarrow.compute as pc
 
         ts = table.column("ts")
         period = pc.divide(ts, pa.scalar(self.rotate_s * NS, pa.int64()))

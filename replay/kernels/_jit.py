@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import zlib
 from pathlib import Path
 
 import numba
+import numpy as np
 from llvmlite import ir as _ir
 from numba.core import cgutils as _cgutils
 from numba.core import types as _types
@@ -72,11 +74,10 @@ def _arraymath_without_scipy() -> None:
     scipy, when a kernel uses them.  So the module is imported here with that
     one check answering "no BLAS".
     """
-    import sys
 
     if "numba.np.arraymath" in sys.modules or numba.config.DISABLE_JIT:
         return
-    from numba.np import linalg
+    from numba.np import linalg  # lazy: numba internals, on numba's schedule
 
     real = getattr(linalg, "ensure_blas", None)
     if real is None:        # another numba: leave its import alone (the probe only costs time)
@@ -87,7 +88,7 @@ def _arraymath_without_scipy() -> None:
 
     linalg.ensure_blas = no_blas
     try:
-        from numba.np import arraymath
+        from numba.np import arraymath  # lazy: numba internals, on numba's schedule
     finally:
         linalg.ensure_blas = real
     arraymath.ensure_blas = real
@@ -98,7 +99,7 @@ def _registries_when_compiling() -> None:
     first loads its registries, not when this module is imported: a cached
     start of our kernels loads none (:class:`_CacheLoadsOnly`), so it need not
     import that module at all."""
-    from numba.core import cpu
+    from numba.core import cpu  # lazy: numba internals, on numba's schedule
 
     real = cpu.CPUContext.__dict__.get("load_additional_registries")
     if real is None:        # another numba: import it now, as before
@@ -125,7 +126,7 @@ def _plain_error_markup() -> None:
     compile.  The markup is built in a byte buffer and never written to those
     streams, so a no-op shell gives the same messages.
     """
-    from numba.core import errors
+    from numba.core import errors  # lazy: numba internals, on numba's schedule
 
     if getattr(errors, "ColorShell", None) is None:   # another numba, or no colorama: nothing to skip
         return
@@ -151,7 +152,7 @@ def _quiet_llvm_lock() -> None:
     LLVM share for ``metadata["timers"]``, which nothing here reads; the
     broadcasts cost about 0.6 CPU s of a first start's compile.
     """
-    import llvmlite.binding.ffi as ffi
+    import llvmlite.binding.ffi as ffi  # lazy: numba internals, on numba's schedule
 
     lock = getattr(getattr(ffi, "lib", None), "_lock", None)
     callbacks = getattr(lock, "_cblist", None)
@@ -173,7 +174,7 @@ def _fast_target_config_compare() -> None:
     class are compared option by option as their properties read them (the
     set value, else the option's default), without the properties and dicts.
     """
-    from numba.core import targetconfig
+    from numba.core import targetconfig  # lazy: numba internals, on numba's schedule
 
     cls = getattr(targetconfig, "TargetConfig", None)
     if cls is None or "__hash__" not in cls.__dict__ or not hasattr(cls, "values"):
@@ -406,7 +407,6 @@ else:
 def link_to(dispatcher, args: tuple):
     """A :func:`call_at` link (int64 ``[address, fingerprint]``) to ``dispatcher``
     compiled (or loaded from the cache) for the argument types ``args``."""
-    import numpy as np
 
     dispatcher.compile(args)
     cres = dispatcher.overloads[tuple(args)]

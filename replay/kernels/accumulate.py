@@ -16,9 +16,9 @@ import math
 
 import numpy as np
 
-from .. import labels
-from ._jit import njit, njit_inner
-from .layout import (
+from replay import labels
+from replay.kernels._jit import njit, njit_inner
+from replay.kernels.layout import (
     ACC,
     F_SELECTED_QUEUE_MS,
     N_ACC,

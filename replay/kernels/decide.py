@@ -16,11 +16,11 @@ import math
 
 import numpy as np
 
-from .. import labels
-from ..config import KNOBS
-from ._jit import njit, njit_inner, popcount, trailing_zeros
-from .rng import draw_at_nb, draw_key_nb
-from .snapshot import (
+from replay import labels
+from replay.config import KNOBS
+from replay.kernels._jit import njit, njit_inner, popcount, trailing_zeros
+from replay.kernels.rng import draw_at_nb, draw_key_nb
+from replay.kernels.snapshot import (
     S_BASIC,
     S_INFLIGHT,
     S_MAXRUN,

@@ -40,9 +40,9 @@ from collections import namedtuple
 
 import numpy as np
 
-from .. import labels
-from ..config import KNOB_NAMES, KNOBS, KnobSpec
-from ..fields import DECISION_FIELDS
+from replay import labels
+from replay.config import KNOB_NAMES, KNOBS, KnobSpec
+from replay.fields import DECISION_FIELDS
 
 # ---------------------------------------------------------------------------
 # Configs: one array per knob (the knob table)

@@ -24,9 +24,9 @@ from collections import namedtuple
 import numpy as np
 from numba.core import types
 
-from ._jit import address_of, call_at, njit, njit_inner, popcount
-from .accumulate import N_TERMS, accumulate_request_nb, book_block_constants_nb
-from .decide import (
+from replay.kernels._jit import address_of, call_at, njit, njit_inner, popcount
+from replay.kernels.accumulate import N_TERMS, accumulate_request_nb, book_block_constants_nb
+from replay.kernels.decide import (
     A_ADM_REJECTED,
     A_ALL_QUEUED,
     A_BEST_REJECTED,
@@ -49,7 +49,7 @@ from .decide import (
     prepare_candidates_nb,
     waterfall_nb,
 )
-from .layout import (
+from replay.kernels.layout import (
     F_NCOLS,
     F_SELECTED_QUEUE_MS,
     O_ADMISSION_EVALUATED,
@@ -77,9 +77,9 @@ from .layout import (
     O_UNCACHED_TOKENS,
     O_WORKER,
 )
-from .layout import Accumulators as layout_acc
-from .rng import draw_key_nb
-from .snapshot import (
+from replay.kernels.layout import Accumulators as layout_acc
+from replay.kernels.rng import draw_key_nb
+from replay.kernels.snapshot import (
     S_BASIC,
     S_NATIVE,
     S_NCOLS,
@@ -645,7 +645,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
     ``out.floats[F_*, i, c]`` (one contiguous array per column).  Results
     depend on nothing but (trace, config, seed), never on threads or chunking.
     ``out.fleet_min[i]``/``out.fleet_fresh[i]`` get the request's fleet
-    readings as ``replay/readings.py`` defines them (smallest fresh basic
+    readings as ``replay/sweep/readings.py`` defines them (smallest fresh basic
     waiting count of its fleet, -1 when none; fleet workers with one).
     """
     # numba's parfors do not see writes made through a tuple's array fields

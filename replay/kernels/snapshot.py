@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._jit import njit
+from replay.kernels._jit import njit
 
 # Columns of a captured snapshot row (int64), one row per worker.
 S_BASIC = 0      # 1 when the basic aggregate is present

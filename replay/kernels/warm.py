@@ -68,7 +68,7 @@ import numba
 import numpy as np
 from numba.core import types
 
-from . import _jit
+from replay.kernels import _jit, accumulate, decide, one_pass
 
 ENV_SWITCH = "ROUTER_REPLAY_COMPILE_CHILD"
 # what the last both_cores() did, for tests and benches: "child" (a child compiled
@@ -93,7 +93,6 @@ def inner_signatures(run_sig: tuple) -> dict:
     two processes, built from the grid kernel's own signature ``run_sig``
     (``engine.kernel_signatures()[run_chunk_nb]``) the way ``run_chunk_nb``
     and ``_decide_request`` call them."""
-    from . import accumulate, decide, one_pass
 
     i8, f8, b1 = types.int64, types.float64, types.boolean
     knobs_t, plan_t, totals_t = run_sig[7], run_sig[8], run_sig[13]
@@ -198,7 +197,6 @@ def both_cores(kernel_sigs: dict) -> Iterator[list]:
     on a cold cache, start the other process and yield what this process
     compiles first (``[(dispatcher, types)]``); else yield ``[]`` and do nothing."""
     global _STARTED
-    from . import one_pass
 
     run_sig = kernel_sigs.get(one_pass.run_chunk_nb)
     with _ONCE:
@@ -291,7 +289,6 @@ def link(run_sig: tuple) -> np.ndarray:
     types the grid kernel ``run_chunk_nb`` (signature ``run_sig``) passes,
     and the fingerprint of that signature.  On a first start with the other
     process, waits for it to have compiled ``_decide_request`` into the cache."""
-    from . import one_pass
 
     dispatcher = one_pass._decide_request
     if numba.config.DISABLE_JIT:

@@ -35,9 +35,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from ..errors import ReplayError
-from .fleet import DEFAULT_PUBLISH_INTERVAL_MS, FleetSpec
-from .tracelog import RecordedTrace
+from replay.config import RouterConfig
+from replay.errors import ReplayError
+from replay.simulate.fidelity import FLEET_MARKER
+from replay.simulate.fleet import DEFAULT_PUBLISH_INTERVAL_MS, FleetSpec, build_fleet
+from replay.simulate.sim import simulate
+from replay.simulate.tracelog import RecordedTrace
 
 NS_PER_MS = 1_000_000
 # REPLAY CHOICE: a counter value "at" time x is the rank's latest sample stamped
@@ -93,7 +96,6 @@ class Calibration:
 
     def to_fleet(self, scale: dict[int, float] | None = None):
         """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``)."""
-        from .fleet import build_fleet
 
         spec = FleetSpec(workers=len(self.per_worker), dp_size=self.per_worker[0]["dp_size"],
                          decode_peers=self.decode_peers, model=self.model, **self.publish)
@@ -113,7 +115,6 @@ class Calibration:
             vals = [w[k] for w in self.per_worker]
             top[k] = sorted(vals)[len(vals) // 2]
         notes = {(f.worker, f.name): f for f in self.fitted}
-        from .fidelity import FLEET_MARKER
 
         out = [FLEET_MARKER + (f" from {source}" if source else ""),
                "# (docs/calibration.md). Edit freely; every key is documented in docs/simulator.md.",
@@ -474,8 +475,6 @@ def refine_decode(rec: RecordedTrace, cal: Calibration, *, seed: int = 0,
     smallest mean absolute latency error on that worker's requests wins, first on a coarse
     grid of +-3%, then +-0.5% around it.  Returns one line per worker (before -> after).
     """
-    from ..config import RouterConfig
-    from .sim import simulate
 
     ok = (rec.placement >= 0) & np.isfinite(rec.latency_ms)
     if not ok.any():

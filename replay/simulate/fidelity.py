@@ -44,11 +44,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from ..config import RouterConfig
-from ..errors import ReplayError
-from .fleet import Fleet
-from .sim import START_NS, SimResult, _json, simulate
-from .tracelog import RecordedTrace
+from replay.config import RouterConfig
+from replay.errors import ReplayError
+from replay.simulate.fleet import Fleet
+from replay.simulate.sim import START_NS, SimResult, _json, simulate
+from replay.simulate.tracelog import RecordedTrace
+from replay.sweep.run import run_sweep
 
 GRID_NS = 100_000_000
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
@@ -293,13 +294,12 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
     # (sweep's agreement).  Below 1 the flags, seed or matches in the trace do not reproduce
     # production's decisions, and no fleet model can make up for that.
     if has["selected_worker"]:
-        from ..sweep import run_sweep
 
         texts = {k: "none" if v is None else str(v).lower() for k, v in cfg.given_flags().items()}
         why = "no agreement from the open-loop replay"
         try:
             sw = run_sweep(rec.path, texts, seed=seed, freshness_ms=freshness_ms, decisions=False,
-                           report=False)
+                           report=None)
             oa = sw.summary.row(0, named=True).get("agreement")
         except ReplayError as err:
             oa, why = None, f"open-loop replay not possible: {err}"

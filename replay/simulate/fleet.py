@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 
 class FleetError(ReplayError):
@@ -190,7 +190,7 @@ def load_fleet(path: str | os.PathLike | None = None, *, resize: bool = False,
                **overrides: Any) -> Fleet:
     """Read a fleet file (TOML, or JSON by suffix) and apply non-None ``overrides``.
 
-    ``resize`` (capacity planning, ``replay.plan``): a ``workers`` override
+    ``resize`` (capacity planning, ``replay.simulate.plan``): a ``workers`` override
     gives worker ``i`` the file's ``[[worker]]`` entry ``i mod n`` (n: the
     file's workers), and a ``dp_size`` override applies to every worker; the
     per-rank rates and capacities are kept."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 NS_PER_MS = 1_000_000
 DEFAULT_BLOCK_SIZE = 512

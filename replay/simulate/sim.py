@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -26,17 +27,21 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from numba import types
+from numba.typed import List
 
-from .. import __version__
-from .. import labels as L_
-from ..config import Grid, RouterConfig
-from ..engine import encode_configs
-from ..errors import ReplayError
-from ..outdir import move_into_place, partial_beside, refuse_existing
-from ..rundir import building
-from . import nb
-from .fleet import Fleet
-from .logs import RequestLog
+from replay import __version__
+from replay import labels as L_
+from replay.config import Grid, RouterConfig
+from replay.errors import ReplayError
+from replay.kernels import sim as nb
+from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
+from replay.simulate.fleet import Fleet
+from replay.simulate.logs import RequestLog
+from replay.simulate.seeds import aggregate
+from replay.sweep.engine import encode_configs
+from replay.sweep.shards import require_ray
+from replay.trace.files import log_identity
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = "closed_loop_summary.parquet"
@@ -432,8 +437,6 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
         raise ReplayError(f"{log.source}: the log has no request")
     log_list = None
     if cache_log:
-        from numba import types
-        from numba.typed import List
 
         log_list = List.empty_list(types.int64)
     kout = _run_kernel(inputs, config, seed, freshness_ms, index_lag_ms, forced, log_list)
@@ -588,7 +591,6 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
         if seeds is None:
             table = pl.DataFrame(rows)
         else:
-            from .seeds import aggregate
             knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
             table = aggregate(rows, knob_cols)
         if tmp is not None and out is not None:
@@ -602,7 +604,6 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
             if seeds is not None:
                 meta["seeds"] = [int(s) for s in run_seeds]
             if log.source and Path(log.source).is_dir():
-                from ..closed_loop import log_identity  # how `report` finds this grid for a run of the trace
                 meta["log_identity"] = log_identity(log.source)
             (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, default=_json) + "\n")
             move_into_place(tmp, out)
@@ -633,9 +634,6 @@ def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | No
 def ray_session(address: str | None, cpus: int | None):
     """Ray, initialised for the block (joining ``address``, else a local Ray with ``cpus``
     CPUs) unless it already is; shut down at the end only if it was started here."""
-    import logging
-
-    from ..shards import require_ray
 
     ray = require_ray()
     started = False

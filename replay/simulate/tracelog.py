@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from .logs import LogError, RequestLog
+from replay.simulate.logs import LogError, RequestLog
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 

@@ -25,7 +25,7 @@ order data flows through them (each imports only those before it):
 
 from __future__ import annotations
 
-from .base import (
+from replay.trace.base import (
                    DEFAULT_MODEL,
                    FRESHNESS_NS,
                    LOAD_FIELDS,
@@ -37,15 +37,15 @@ from .base import (
                    WORKERS,
                    TraceError,
 )
-from .core import Trace
-from .facts import TraceFacts
-from .files import Frames, read_frames, row_counts
-from .info import TraceInfo, read_trace_info
-from .load import build_trace, load_trace
-from .log import request_log, trace_request_log
-from .sets import TraceSet, Window
-from .validate import fresh_fleet_sample_mask, validate_trace, validate_windows
-from .windows import auto_window, format_window, parse_window
+from replay.trace.core import Trace
+from replay.trace.facts import TraceFacts
+from replay.trace.files import Frames, read_frames, row_counts
+from replay.trace.info import TraceInfo, read_trace_info
+from replay.trace.load import build_trace, load_trace
+from replay.trace.log import request_log, trace_request_log
+from replay.trace.sets import TraceSet, Window
+from replay.trace.validate import fresh_fleet_sample_mask, validate_trace, validate_windows
+from replay.trace.windows import auto_window, format_window, parse_window
 
 __all__ = [
     "DEFAULT_MODEL", "FRESHNESS_NS", "LOADS", "LOAD_FIELDS", "MAX_DP_SIZE", "NS", "REQUESTS", "TRACE_JSON",

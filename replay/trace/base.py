@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import ReplayError
+from replay.errors import ReplayError
 
 A = TypeVar("A")
 B = TypeVar("B")

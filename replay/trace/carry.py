@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.snapshot import carry_mask_nb
-from .base import LOAD_FIELDS
-from .core import Trace
+from replay.kernels.snapshot import carry_mask_nb
+from replay.trace.base import LOAD_FIELDS
+from replay.trace.core import Trace
 
 
 def carry_of_columns(cols: dict | None) -> dict | None:

@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from .base import MAX_VALUE, TraceError
+from replay.trace.base import MAX_VALUE, TraceError
 
 # row of a frame -> (file name, row in that file)
 Locate = Callable[[int], tuple[str, int]]

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .facts import TraceFacts
-from .info import TraceInfo
-from .workers import fleet_dp_sizes, fleet_members
+from replay.trace.facts import TraceFacts
+from replay.trace.info import TraceInfo
+from replay.trace.workers import fleet_dp_sizes, fleet_members
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from .base import (
+from replay.trace.base import (
     DEFAULT_MODEL,
     LOAD_REQUIRED,
     MAX_DP_SIZE,
@@ -25,8 +25,8 @@ from .base import (
     TAIL_COLUMNS,
     run_both,
 )
-from .columns import Coded, Columns, IntSpec, first_out_of_range, map_names
-from .workers import Universe
+from replay.trace.columns import Coded, Columns, IntSpec, first_out_of_range, map_names
+from replay.trace.workers import Universe
 
 MATCH_SHAPE = "list<struct{worker: string, blocks: integer}>"
 

@@ -30,10 +30,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from .columns import Coded, Columns, int_dtype, pool_empty
-from .core import Trace
-from .encode import (
+from replay.trace.assemble import RankTable, finish_trace
+from replay.trace.base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
+from replay.trace.columns import Coded, Columns, int_dtype, pool_empty
+from replay.trace.core import Trace
+from replay.trace.encode import (
     ClosedLoopColumns,
     MatchColumns,
     RequestColumns,
@@ -45,9 +46,9 @@ from .encode import (
     request_id_column,
     tail_flags,
 )
-from .files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
-from .info import TraceInfo
-from .workers import Universe, make_universe, parse_workers_table
+from replay.trace.files import Frames, Part, file_info, finish_frame, list_parts, read_table_file, require_dir
+from replay.trace.info import TraceInfo
+from replay.trace.workers import Universe, make_universe, parse_workers_table
 
 
 class Fallback(Exception):
@@ -384,7 +385,6 @@ def _ints_by_group(part: Part, columns: list[str], meta,
 
 
 def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
-    from .load import finish_trace  # load imports this module
 
     require_dir(dirpath)
     req_part, load_part = _single(dirpath, "requests"), _single(dirpath, "loads")
@@ -432,7 +432,6 @@ def _follow_loads(groups: _Groups, load_worker: np.ndarray, n_workers: int):
     """The loads' steps that need no other row group, each group's as it comes in (in the
     requests' thread, while the loads' thread reads the next): the ranks per worker (facts)
     and the tails and their flags (:func:`~replay.trace.encode.tail_flags`)."""
-    from .load import RankTable  # load imports this module
 
     ranks = RankTable(n_workers)
     rows = load_worker.shape[0]

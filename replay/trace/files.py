@@ -13,14 +13,16 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from .base import KINDS, LOADS, REQUESTS, WORKERS, TraceError, one_line, run_both
-from .columns import Locate
+from replay.trace.base import KINDS, LOADS, REQUESTS, WORKERS, TraceError, one_line, run_both
+from replay.trace.columns import Locate
 
 
 @dataclass
@@ -333,3 +335,19 @@ def read_frames(path: str | os.PathLike) -> Frames:
     (req_df, req_name, req_loc), (load_df, load_name, load_loc) = req, loads
     return Frames(os.path.abspath(dirpath), req_df, load_df, wk_df, files, req_name, load_name,
                   req_loc, load_loc)
+
+
+def log_identity(source: str | os.PathLike) -> dict[str, Any]:
+    """What ``sim.json`` records about a trace-directory log so a run of the same trace finds
+    the grid: its absolute path and each trace file's sha256 (run.json's ``trace.files``)."""
+    p = Path(source)
+    out: dict[str, Any] = {"path": str(p.resolve())}
+    if p.is_dir():
+
+        files = {}
+        for f in sorted(p.iterdir()):
+            if f.is_file() and f.suffix == ".parquet":
+                info = file_info(str(f), digest=True)
+                files[f.name] = {"bytes": info.get("bytes"), "sha256": info.get("sha256")}
+        out["files"] = files
+    return out

@@ -17,9 +17,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..config import KNOBS, RouterConfig, validate_router_flags
-from ..errors import ConfigError
-from .base import MAX_INT32, TRACE_JSON, TraceError, one_line
+from replay.config import KNOBS, RouterConfig, validate_router_flags
+from replay.errors import ConfigError
+from replay.trace.base import MAX_INT32, TRACE_JSON, TraceError, one_line
 
 KEYS = ("router", "page_size", "source", "per_dp_rank", "extra")
 

@@ -9,8 +9,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from .core import Trace
-from .load import load_trace
+from replay.trace.core import Trace
+from replay.trace.load import load_trace
 
 LOG_SCHEMA = {
     "ts": pl.Int64, "request_id": None, "model": pl.String, "input_tokens": pl.Int64,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from .base import (
+from replay.trace.base import (
     DEFAULT_MODEL,
     LOAD_FIELDS,
     MAX_DP_SIZE,
@@ -29,10 +29,10 @@ from .base import (
     WORKERS,
     TraceError,
 )
-from .carry import carry_of, carry_of_columns, concat_columns, with_carry
-from .columns import Columns
-from .core import Trace
-from .files import (
+from replay.trace.carry import carry_of, carry_of_columns, concat_columns, with_carry
+from replay.trace.columns import Columns
+from replay.trace.core import Trace
+from replay.trace.files import (
     Frames,
     Group,
     Part,
@@ -46,9 +46,9 @@ from .files import (
     require_dir,
     to_frame,
 )
-from .info import TraceInfo, read_trace_info
-from .load import build_trace
-from .workers import (
+from replay.trace.info import TraceInfo, read_trace_info
+from replay.trace.load import build_trace
+from replay.trace.workers import (
     Universe,
     fleet_dp_sizes,
     fleet_members,

@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import labels
-from .base import FRESHNESS_NS, NS
-from .core import Trace
-from .facts import TraceFacts
-from .load import load_trace
-from .sets import TraceSet, sorted_on_disk
-from .windows import auto_window
+from replay import labels
+from replay.trace.base import FRESHNESS_NS, NS
+from replay.trace.core import Trace
+from replay.trace.facts import TraceFacts
+from replay.trace.load import load_trace
+from replay.trace.sets import TraceSet, sorted_on_disk
+from replay.trace.windows import auto_window
 
 
 def fresh_fleet_sample_mask(trace: Trace, freshness_ns: int = FRESHNESS_NS) -> np.ndarray:

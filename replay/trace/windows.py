@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from .base import NS
+from replay.trace.base import NS
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # auto: replay in memory up to these sizes, else windows of about this many rows

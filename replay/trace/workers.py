@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from .. import labels
-from .base import DEFAULT_MODEL, MAX_DP_SIZE, MAX_INT32, TRACE_JSON, WORKERS, TraceError
-from .columns import Columns
+from replay import labels
+from replay.trace.base import DEFAULT_MODEL, MAX_DP_SIZE, MAX_INT32, TRACE_JSON, WORKERS, TraceError
+from replay.trace.columns import Columns
 
 
 @dataclass

@@ -1,0 +1,439 @@
+"""Closed-loop answers: a simulator grid read back, found for a run, and ranked (issue 11, section 2).
+
+A *closed-loop grid* is a directory ``router-replay simulate`` wrote for a grid
+of configs (``closed_loop_summary.parquet`` + ``sim.json``; with ``--seeds``
+the summary has per-metric means, ``<metric>_lo`` / ``<metric>_hi`` 95%
+intervals and a ``stable`` verdict).  ``calibrate --validate DIR`` writes one
+as ``DIR/prediction/`` beside ``DIR/fidelity.json``, the model's fidelity
+score against the recording.
+
+* :func:`load_grid` reads one (a validation directory is accepted for its
+  ``prediction/``), with its fidelity when present;
+* :func:`find_for_run` looks for the grid of a run's trace next to the run and
+  next to the trace, matched by the trace files' sha256 (or, for grids written
+  before the simulator recorded them, by the trace's path);
+* :func:`recommend` ranks stable configs by mean served (true) hit rate under
+  an upper-95%-bound on TTFT p99 or queue wait p99, and says when the best two
+  cannot be told apart;
+* :data:`OPEN_LOOP_NOTE` / :func:`open_loop_line` is the one line every
+  open-loop ranking carries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from replay.analysis.runs import Recommendation
+from replay.config import KNOB_NAMES
+from replay.errors import ReplayError
+
+SUMMARY = "closed_loop_summary.parquet"
+SIM_JSON = "sim.json"
+FIDELITY_JSON = "fidelity.json"
+PREDICTION = "prediction"
+SIM_TOOL = "router-replay simulate"
+
+BOUNDS = {"ttft": ("ttft_ms_p99", "TTFT p99"), "queue_wait": ("queue_wait_ms_p99", "queue wait p99")}
+"""The closed-loop metrics a recommendation can bound: option key -> (summary column, label)."""
+
+OPEN_LOOP_NOTE = ("open-loop estimate (hit_rate is decision-time): the recorded loads do not react to the "
+                  "replayed decisions, so a "
+                  "config that diverts more can only look worse than the recording, and the no-gate "
+                  "config ranks first by construction")
+"""What an open-loop ranking is, in one line (shown wherever one ranks configs)."""
+
+HIT_NAMES = ("hit_rate is the decision-time hit rate (blocks the chosen worker held when the router "
+             "decided / query blocks); true_hit_rate is the served hit rate (tokens the engine found "
+             "cached when it ran the request / input tokens)")
+"""The two hit rates, named once (docs/closed-loop.md explains why they differ)."""
+
+
+def closed_loop_command(trace_path: str | os.PathLike | None) -> str:
+    """The commands that give the closed-loop answer for a trace."""
+    t = str(trace_path) if trace_path else "TRACE"
+    return (f"router-replay calibrate {t} --out fleet.toml --validate fit --seeds 5 <knobs>, then "
+            f"router-replay recommend fit/prediction --max-ttft-p99-ms MS")
+
+
+def open_loop_line(trace_path: str | os.PathLike | None) -> str:
+    """:data:`OPEN_LOOP_NOTE` with the command that yields the closed-loop answer."""
+    return f"{OPEN_LOOP_NOTE}; closed-loop answer: {closed_loop_command(trace_path)}"
+
+
+# ---------------------------------------------------------------------------
+# reading a grid
+
+
+@dataclass
+class ClosedLoopGrid:
+    """A simulator grid directory read back: the summary, ``sim.json`` and the fidelity record."""
+
+    path: Path
+    summary: pl.DataFrame
+    meta: dict
+    fidelity: dict | None = None
+    fidelity_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether every config ran under several seeds (intervals and a stable verdict exist)."""
+        return "stable" in self.summary.columns and "true_hit_rate_hi" in self.summary.columns
+
+    @property
+    def n_seeds(self) -> int:
+        seeds = self.meta.get("seeds")
+        return len(seeds) if isinstance(seeds, list) else 1
+
+    @property
+    def knobs(self) -> list[str]:
+        return [k for k in KNOB_NAMES if k in self.summary.columns]
+
+    @property
+    def fidelity_good(self) -> bool | None:
+        return None if self.fidelity is None else bool(self.fidelity.get("good"))
+
+    def fidelity_line(self) -> str:
+        """The model's fidelity in one line: POOR first and loud, GOOD, or not validated."""
+        f = self.fidelity
+        if f is None:
+            return ("model fidelity: not validated (no fidelity.json beside this grid; "
+                    "router-replay calibrate TRACE --out fleet.toml --validate DIR checks the model "
+                    "against the recording)")
+        score = f.get("score")
+        score_t = f"{score:.2f}" if isinstance(score, (int, float)) else "?"
+        if not f.get("good"):
+            failing = ", ".join(map(str, f.get("failing") or [])) or "?"
+            return (f"WARNING: model fidelity POOR (score {score_t}, failing: {failing}; "
+                    f"{self.fidelity_path}): the closed-loop predictions below come from a model that "
+                    "does not reproduce the recording")
+        return f"model fidelity GOOD: score {score_t}, every part passes ({self.fidelity_path})"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ReplayError(f"{path}: unreadable ({' '.join(str(err).split())[:120]})") from None
+    if not isinstance(rec, dict):
+        raise ReplayError(f"{path}: not a JSON object")
+    return rec
+
+
+def is_grid(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a closed-loop grid directory (or a validation directory holding one)."""
+    p = Path(path)
+    return (p / SUMMARY).is_file() or (p / PREDICTION / SUMMARY).is_file()
+
+
+def load_grid(path: str | os.PathLike) -> ClosedLoopGrid:
+    """Read a closed-loop grid directory (one-line :class:`ReplayError` when it is not one)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ReplayError(f"{p}: no such closed-loop grid directory")
+    if not (p / SUMMARY).is_file() and (p / PREDICTION / SUMMARY).is_file():
+        p = p / PREDICTION          # a calibrate --validate directory: its prediction grid
+    sm = p / SUMMARY
+    if not sm.is_file():
+        raise ReplayError(f"{p}: not a closed-loop grid (no {SUMMARY}; write one with "
+                          "router-replay simulate ... --out DIR and a grid of knobs)")
+    try:
+        summary = pl.read_parquet(sm)
+    except Exception as err:  # noqa: BLE001 - polars / arrow raise many kinds
+        raise ReplayError(f"{sm}: unreadable Parquet ({type(err).__name__})") from None
+    for col in ("config_id", "true_hit_rate"):
+        if col not in summary.columns:
+            raise ReplayError(f"{sm}: column '{col}': missing (not a closed-loop summary)")
+    if summary.height == 0:
+        raise ReplayError(f"{sm}: no configs")
+    meta = _read_json(p / SIM_JSON) if (p / SIM_JSON).is_file() else {}
+    fid_path = next((q for q in (p / FIDELITY_JSON, p.parent / FIDELITY_JSON) if q.is_file()), None)
+    fidelity = _read_json(fid_path) if fid_path is not None else None
+    return ClosedLoopGrid(p, summary, meta, fidelity, fid_path)
+
+
+# ---------------------------------------------------------------------------
+# finding the grid of a run's trace
+
+
+def _obj(v: Any) -> dict:
+    """``v`` when it is a JSON object, else an empty one (records read from disk)."""
+    return v if isinstance(v, dict) else {}
+
+
+def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
+    """How ``grid`` was produced from the run's trace ("sha256" / "path"), or None."""
+    tr = _obj(run_meta.get("trace"))
+    run_files = {n: (i.get("sha256") if isinstance(i, dict) else i) for n, i in (tr.get("files") or {}).items()}
+    ident = _obj(grid.meta.get("log_identity"))
+    grid_files = {n: i.get("sha256") for n, i in (ident.get("files") or {}).items() if isinstance(i, dict)}
+    if run_files and grid_files:
+        common = set(run_files) & set(grid_files)
+        if "requests.parquet" in common and all(run_files[n] == grid_files[n] for n in common):
+            return "sha256"
+        return None
+    run_path = tr.get("path")
+    src = ident.get("path") or grid.meta.get("log")
+    if run_path and src:
+        try:
+            if Path(src).resolve() == Path(run_path).resolve():
+                return "path"
+        except OSError:
+            return None
+    return None
+
+
+def _candidates(root: Path) -> list[Path]:
+    out: list[Path] = []
+    if not root.is_dir():
+        return out
+    try:
+        kids = sorted(c for c in root.iterdir() if c.is_dir() and not c.name.startswith("."))
+    except OSError:
+        return out
+    for c in kids:
+        if (c / SUMMARY).is_file():
+            out.append(c)
+        elif (c / PREDICTION / SUMMARY).is_file():
+            out.append(c / PREDICTION)
+    return out
+
+
+def find_for_run(run_path: str | os.PathLike, run_meta: dict) -> tuple[ClosedLoopGrid | None, list[str]]:
+    """The closed-loop grid of this run's trace, looked for inside and beside the run directory
+    and inside and beside the trace directory; with notes naming what was found (or why not)."""
+    run_p = Path(run_path)
+    tr = _obj(run_meta.get("trace"))
+    places = [run_p, run_p.parent]
+    if tr.get("path"):
+        t = Path(tr["path"])
+        places += [t, t.parent]
+    seen: set[Path] = set()
+    found: list[tuple[ClosedLoopGrid, str]] = []
+    for place in places:
+        for c in ([place] if (place / SUMMARY).is_file() and place == run_p else []) + _candidates(place):
+            try:
+                key = c.resolve()
+            except OSError:
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                g = load_grid(c)
+            except ReplayError:
+                continue
+            how = grid_matches_run(g, run_meta)
+            if how is None and c == run_p and not g.meta:
+                how = "placed in the run directory"
+            if how is not None:
+                found.append((g, how))
+    if not found:
+        return None, []
+    # REPLAY CHOICE: several matching grids - the validated one with most seeds, then the path order
+    found.sort(key=lambda gh: (gh[0].fidelity is None, -gh[0].n_seeds, str(gh[0].path)))
+    g, how = found[0]
+    notes = [f"closed-loop grid {g.path} (matched to this run's trace by {how})"]
+    if len(found) > 1:
+        notes.append("other matching grids: " + ", ".join(str(x.path) for x, _ in found[1:]))
+    return g, notes
+
+
+# ---------------------------------------------------------------------------
+# ranking
+
+
+def num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class ClosedLoopRecommendation:
+    """The closed-loop answer: the best config, the runner-up, whether they can be told apart."""
+
+    grid: ClosedLoopGrid
+    bound_col: str
+    bound_ms: float | None
+    ranked: list[dict]          # eligible configs, best first
+    excluded: dict[str, list[dict]]   # unstable / over_bound / unknown
+    knobs: list[str]
+
+    @property
+    def best(self) -> dict | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def runner_up(self) -> dict | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    @property
+    def distinguishable(self) -> bool | None:
+        """Whether the best's 95% interval of mean true hit rate lies above the runner-up's
+        (None without a runner-up or without intervals)."""
+        b, r = self.best, self.runner_up
+        if b is None or r is None or not self.grid.seeded:
+            return None
+        lo, hi = num(b.get("true_hit_rate_lo")), num(r.get("true_hit_rate_hi"))
+        if lo is None or hi is None:
+            return None
+        return lo > hi
+
+    def flags(self, row: dict | None = None) -> str:
+        row = row if row is not None else self.best
+        if row is None:
+            return ""
+        return router_flags(row)
+
+
+def router_flags(row: dict) -> str:
+    """The router command-line flags of a config row (the knobs that differ from the defaults),
+    as ``recommend`` prints them for an open-loop run."""
+
+    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).flags()
+
+
+def config_text(row: dict, knobs: Sequence[str]) -> str:
+    short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+    return " ".join(f"{short.get(k, k)}={'none' if row.get(k) is None else row.get(k)}" for k in knobs)
+
+
+def varying(grid: ClosedLoopGrid) -> list[str]:
+    s = grid.summary
+    ks = [k for k in grid.knobs if s.get_column(k).n_unique() > 1]
+    return ks or [k for k in ("worker_queue_limit", "saturation_queue_floor") if k in s.columns]
+
+
+def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft") -> ClosedLoopRecommendation:
+    """Best mean true hit rate among the stable configs whose upper 95% bound of ``on``'s
+    metric (TTFT p99 or queue wait p99, ms) is at most ``bound_ms`` (no bound: None).
+
+    A one-seed grid has no interval and no verdict: its point values are used and
+    :func:`format_recommendation` says so.  Ties go to the lower bounded metric, then
+    the lower config id.
+    """
+    if on not in BOUNDS:
+        raise ReplayError(f"bound on {on!r}: expected one of {', '.join(BOUNDS)}")
+    if bound_ms is not None and (not math.isfinite(float(bound_ms)) or bound_ms < 0):
+        raise ReplayError(f"the bound must be a finite number of ms >= 0, got {bound_ms!r}")
+    col = BOUNDS[on][0]
+    if col not in grid.summary.columns:
+        raise ReplayError(f"{grid.path / SUMMARY}: column '{col}': missing (cannot bound {BOUNDS[on][1]})")
+    knobs = varying(grid)
+    excluded: dict[str, list[dict]] = {"unstable": [], "over_bound": [], "unknown": []}
+    ok = []
+    for r in grid.summary.iter_rows(named=True):
+        r = dict(r)
+        r["config"] = config_text(r, knobs)
+        hit = num(r.get("true_hit_rate"))
+        upper = num(r.get(f"{col}_hi")) if grid.seeded else num(r.get(col))
+        if hit is None or upper is None:
+            excluded["unknown"].append(r)
+        elif grid.seeded and r.get("stable") is not True:
+            excluded["unstable"].append(r)
+        elif bound_ms is not None and upper > bound_ms:
+            excluded["over_bound"].append(r)
+        else:
+            ok.append(r)
+    ok.sort(key=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
+    return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs)
+
+
+def pct(v: Any) -> str:
+    x = num(v)
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def seconds(v: Any) -> str:
+    x = num(v)
+    return "-" if x is None else f"{x / 1000:.2f} s"
+
+
+def interval(row: dict, col: str, fmt=pct) -> str:
+    """``mean [lo..hi]`` of a summary column (just the value without an interval)."""
+    lo, hi = row.get(f"{col}_lo"), row.get(f"{col}_hi")
+    if num(lo) is None or num(hi) is None:
+        return fmt(row.get(col))
+    return f"{fmt(row.get(col))} [{fmt(lo)}..{fmt(hi)}]"
+
+
+def dp_sizes(grid: ClosedLoopGrid) -> dict[int, int]:
+    """``{dp_size: workers}`` of the simulated fleet's prefill workers (sim.json)."""
+    ws = _obj(grid.meta.get("fleet")).get("workers") or []
+    out: dict[int, int] = {}
+    for w in ws:
+        if isinstance(w, dict) and w.get("role", "prefill") != "decode" and isinstance(w.get("dp_size"), int):
+            out[w["dp_size"]] = out.get(w["dp_size"], 0) + 1
+    return dict(sorted(out.items()))
+
+
+def format_recommendation(rec: ClosedLoopRecommendation) -> str:
+    """The terminal answer; the model's fidelity comes first, before any prediction."""
+    g = rec.grid
+    label = BOUNDS["ttft" if rec.bound_col == "ttft_ms_p99" else "queue_wait"][1]
+    lines = [g.fidelity_line()]
+    bound_t = "no bound" if rec.bound_ms is None else f"upper 95% bound of {label} <= {rec.bound_ms / 1000:g} s"
+    lines.append(f"recommend (closed loop, {g.path}, {g.summary.height} configs x {g.n_seeds} seed"
+                 f"{'s' if g.n_seeds != 1 else ''}): best mean true (served) hit rate among stable configs "
+                 f"with {bound_t}")
+    if not g.seeded:
+        lines.append("  one seed per config: no 95% interval and no stability verdict; the point values are "
+                     "used (re-run simulate with --seeds 5 for an answer that holds across seeds)")
+    ex = rec.excluded
+    b = rec.best
+    if b is None:
+        lines.append(f"NO CONFIG QUALIFIES: {len(ex['unstable'])} unstable, {len(ex['over_bound'])} above the "
+                     f"bound, {len(ex['unknown'])} without a value")
+        if ex["unstable"]:
+            u = max(ex["unstable"], key=lambda r: (num(r["true_hit_rate"]) or 0.0, -r["config_id"]))
+            lines.append(f"  best unstable config: {u['config']} (config {u['config_id']}), true hit rate "
+                         f"{interval(u, 'true_hit_rate')}, seeds that disagree: "
+                         f"{','.join(map(str, u.get('unstable_seeds') or []))}; run more seeds or a lighter load")
+        cands = list(ex["over_bound"])
+        if cands:
+            lo = min(cands, key=lambda r: num(r.get(f"{rec.bound_col}_hi")) or num(r[rec.bound_col]) or math.inf)
+            lines.append(f"  lowest {label} among stable configs: {interval(lo, rec.bound_col, seconds)} "
+                         f"({lo['config']}); "
+                         "raise the bound or simulate tighter limits")
+        return "\n".join(lines)
+    lines.append(f"recommended: {b['config']} (config {b['config_id']})")
+    lines.append(f"  router flags: {rec.flags()}")
+    sizes = dp_sizes(g)
+    if sizes:
+        lines.append("  deploy per dp_size: " + "; ".join(
+            f"dp_size {d} ({n} worker{'s' if n != 1 else ''}): {rec.flags()}" for d, n in sizes.items())
+            + " (one router config for the whole simulated fleet)")
+    lines.append(f"  true hit rate {interval(b, 'true_hit_rate')}, {label} {interval(b, rec.bound_col, seconds)}, "
+                 f"TTFT p50 {interval(b, 'ttft_ms_p50', seconds)}"
+                 + (f", stable over seeds {','.join(map(str, b.get('seeds') or []))}" if g.seeded else ""))
+    r = rec.runner_up
+    if r is not None:
+        d = rec.distinguishable
+        head = ("NOT DISTINGUISHABLE from the next best within their 95% intervals" if d is False
+                else "next best" if d is None else "better than the next best beyond their 95% intervals")
+        lines.append(f"  {head}: {r['config']} (config {r['config_id']}), true hit rate "
+                     f"{interval(r, 'true_hit_rate')}, {label} {interval(r, rec.bound_col, seconds)}")
+        if d is False:
+            lines.append(f"    either is as good on this evidence; its flags: {rec.flags(r)}; more seeds "
+                         "(simulate --seeds N) narrow the intervals")
+    else:
+        lines.append("  the only config that qualifies")
+    lines.append(f"  {len(rec.ranked)} of {g.summary.height} configs qualify ({len(ex['unstable'])} unstable"
+                 + (", seeds failing: " + "; ".join(f"config {u['config_id']}: "
+                                                   f"{','.join(map(str, u.get('unstable_seeds') or []))}"
+                                                   for u in ex["unstable"][:5]) if ex["unstable"] else "")
+                 + f", {len(ex['over_bound'])} above the bound, {len(ex['unknown'])} without a value)")
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""The ``router-replay`` command line: thin click commands over the library.
+
+Every command turns a :class:`replay.errors.ReplayError` into one line on
+stderr and exit code 2; nothing a user gave us is modified.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import signal
+import sys
+import threading
+
+import click
+
+from replay import __version__
+from replay.errors import ParamError, ReplayError
+
+
+class InputError(click.ClickException):
+    """One-line error for bad input; exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:  # one line, no "Usage:" block
+        click.echo(f"error: {self.format_message()}", err=True, file=file or sys.stderr)
+
+
+def user_errors(fn):
+    """Decorator: library ReplayErrors become one-line InputErrors (exit 2)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ParamError as err:           # the library names the parameter, the CLI its flag
+            raise InputError(f"{err.flag} {err.text}") from None
+        except ReplayError as err:
+            raise InputError(str(err)) from None
+        except OSError as err:              # a full disk, a read-only file system, a permission
+            from replay.runs.rundir import write_error  # lazy: rundir pulls in polars and pyarrow
+
+            written = next((kwargs[k] for k in ("validate_dir", "out") if kwargs.get(k)), None)
+            mapped = write_error(err, err.filename or written or "the output")
+            if mapped is err:
+                raise
+            raise InputError(str(mapped)) from None
+
+    return wrapper
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so every ``finally`` cleans up on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signum)
+
+
+def _handle_signals() -> None:
+    """SIGTERM and SIGHUP end a command the way SIGINT does (clean up, exit 128 + signal)."""
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _raise_interrupted)
+
+
+def _interrupted_exit(err: BaseException) -> int:
+    """128 + the signal that stopped the command (SIGINT 130, SIGTERM 143, SIGHUP 129):
+    distinct from ``check``'s regression code 1 and the bad-input code 2."""
+
+    found = [e for e in (err, err.__cause__, err.__context__) if isinstance(e, Interrupted)]
+    signum = found[0].signum if found else int(signal.SIGINT)
+    click.echo(f"interrupted ({signal.Signals(signum).name}): nothing of this run was kept", err=True)
+    return 128 + signum
+
+
+_DONE = False
+
+
+def outputs_closed() -> None:
+    """Called by a command once everything it wrote is closed and on disk (its run directory
+    swapped into place, its report renamed): the process may then end without the
+    interpreter's teardown.  See :func:`_exit_now`."""
+    global _DONE
+    _DONE = True
+
+
+def _exit_now(code: int):
+    """End the process without tearing the interpreter down.
+
+    After a sweep, Python's finalization (freeing numba's compiled code and every module's
+    objects) cost about 0.5 CPU s, a sixth of the cached start (issue 13).  Only a command that
+    said :func:`outputs_closed` and returned normally, in a real process (``main()`` reading
+    ``sys.argv``, not click's CliRunner or a caller passing ``args``), with no other thread
+    running, ends this way: stdout and stderr are flushed and every ``atexit`` handler runs
+    (logging, weakref finalizers, Ray's shutdown) exactly as at a normal exit; only the
+    teardown after them is skipped."""
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+class _OneLineErrors(click.Group):
+    """A group whose usage errors (bad option values, unknown flags) print one line, exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        _handle_signals()
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            hint = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
+            click.echo(f"error: {err.format_message()}{hint}", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.exceptions.Abort as err:
+            if isinstance(err.__cause__ or err.__context__, KeyboardInterrupt):
+                sys.exit(_interrupted_exit(err))
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt as err:     # raised outside click's own handler
+            sys.exit(_interrupted_exit(err))
+        code = rv if isinstance(rv, int) else 0
+        if args is None and _DONE:
+
+            if "replay.sweep.engine" in sys.modules:
+                sys.modules["replay.sweep.engine"].close_block_pool()
+
+            if threading.active_count() == 1:
+                _exit_now(code)
+        sys.exit(code)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="router-replay")
+def main() -> None:
+    """Replay request and load traces through SGLang's cache-aware routing logic."""

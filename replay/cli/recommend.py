@@ -1,0 +1,112 @@
+"""``router-replay recommend DIR``: the capacity-planning answer, closed loop or open loop."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import click
+
+from replay.cli.app import user_errors
+
+_EPILOG = """
+DIR is a closed-loop grid (a `simulate` grid directory, or a `calibrate
+--validate` directory holding prediction/) or an open-loop run directory
+(`sweep`).
+
+\b
+Closed loop (the answer): among the configs that are stable over the seeds
+and whose upper 95% bound of TTFT p99 (--max-ttft-p99-ms) or queue wait p99
+(--max-queue-wait-p99-ms) meets the bound, the best mean true (served) hit
+rate; says when the best two cannot be told apart within their intervals,
+and the model's fidelity (fidelity.json) before any prediction.
+
+\b
+Open loop (an estimate): among the configs whose p99 of num_waiting_reqs at
+the chosen worker (selected_waiting_p99) is at most --max-p99-waiting, the
+best decision-time hit rate (ties: lower p99, then lower mean waiting), one
+answer per dp_size with --per-dp-rank runs. The recorded loads do not react to
+the replayed decisions, so this ranking favours the no-gate config by
+construction; the output says so and names the closed-loop command.
+
+\b
+Exit codes:
+  0  a config meets the bound (for every dp_size)
+  1  no config meets the bound (for at least one dp_size)
+  2  unusable input (missing or corrupt directory, bad or missing bound)
+
+\b
+Example:
+  router-replay recommend runs/fit/prediction --max-ttft-p99-ms 2000
+  router-replay recommend reports/sample --max-p99-waiting 8
+
+--plan reads a capacity plan (simulate with --workers/--dp-size/--load-scale
+lists) and prints, per traffic level, the smallest fleet with its limit and
+floor meeting --max-ttft-p99-ms or --max-queue-wait-p99-ms (exit 1 if a
+level has none); a directory with plan_summary.parquet is read so without
+--plan too; docs/capacity.md.
+"""
+
+
+@click.command(epilog=_EPILOG)
+@click.argument("run_dir", type=click.Path(path_type=str))
+@click.option("--max-p99-waiting", "bound", default=None, type=click.FloatRange(min=0), metavar="N",
+              help="Open-loop run: bound on selected_waiting_p99 (queued requests at the chosen worker).")
+@click.option("--max-ttft-p99-ms", "ttft_ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+              help="Closed-loop grid: bound on the upper 95% bound of TTFT p99 (ms).")
+@click.option("--max-queue-wait-p99-ms", "wait_ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+              help="Closed-loop grid: bound on the upper 95% bound of queue wait p99 (ms).")
+@click.option("--plan", "plan_mode", is_flag=True,
+              help="RUN_DIR is a capacity plan (simulate with fleet lists): the smallest fleet per "
+                   "traffic level meeting --max-ttft-p99-ms or --max-queue-wait-p99-ms "
+                   "(docs/capacity.md).")
+@user_errors
+def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode):
+    """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
+
+    from replay.analysis import closed_loop  # lazy: loaded when the command runs
+    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.simulate.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
+
+    if plan_mode or (Path(run_dir) / PLAN_TABLE).is_file():  # a capacity plan (docs/capacity.md)
+        if bound is not None:
+            raise ReplayError("--plan bounds TTFT p99 (--max-ttft-p99-ms) or queue wait p99 "
+                              "(--max-queue-wait-p99-ms), not --max-p99-waiting")
+        sys.exit(recommend_plan(run_dir, ttft_ms, wait_ms, click.echo))
+    if closed_loop.is_grid(run_dir) and not (Path(run_dir) / analysis.rundir.RUN_JSON).is_file():
+        if bound is not None:
+            raise ReplayError(f"{run_dir}: a closed-loop grid: bound TTFT p99 (--max-ttft-p99-ms) or queue "
+                              "wait p99 (--max-queue-wait-p99-ms), not --max-p99-waiting (an open-loop metric)")
+        if ttft_ms is not None and wait_ms is not None:
+            raise ReplayError("give one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
+        if ttft_ms is None and wait_ms is None:
+            raise ReplayError(f"{run_dir}: a closed-loop grid needs a bound: --max-ttft-p99-ms MS or "
+                              "--max-queue-wait-p99-ms MS")
+        grid = closed_loop.load_grid(run_dir)
+        rec = closed_loop.recommend(grid, bound_ms=ttft_ms if ttft_ms is not None else wait_ms,
+                                    on="ttft" if ttft_ms is not None else "queue_wait")
+        click.echo(closed_loop.format_recommendation(rec))
+        sys.exit(0 if rec.best is not None else 1)
+    if ttft_ms is not None or wait_ms is not None:
+        raise ReplayError(f"{run_dir}: an open-loop run has no TTFT or queue wait; bound it with "
+                          "--max-p99-waiting N, or give a closed-loop grid (simulate / calibrate --validate)")
+    if bound is None:
+        raise ReplayError("an open-loop run needs --max-p99-waiting N")
+    run = analysis.load_run(run_dir)
+    recs = analysis.recommend(run, bound)
+
+    trace = (run.meta.get("trace") or {}).get("path")
+    click.echo(analysis.format_recommendations(recs, run))
+    notes = [closed_loop.open_loop_line(trace)]
+    found, _notes = closed_loop.find_for_run(run.path, run.meta)
+    if found is not None:
+        notes.append(f"a closed-loop grid of this trace exists: router-replay recommend {found.path} "
+                     "--max-ttft-p99-ms MS")
+    for n in notes:
+        click.echo(textwrap.fill(f"note: {n}", width=100, subsequent_indent="  ", break_on_hyphens=False))
+    sys.exit(0 if all(r.best is not None for r in recs) else 1)
+
+
+COMMANDS = [recommend]

@@ -1,0 +1,278 @@
+"""``router-replay simulate LOG --fleet FLEET --out DIR [knobs]``: the fleet simulator."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from pathlib import Path
+
+import click
+
+from replay.cli.app import user_errors
+from replay.cli.sweep import _knob_options
+from replay.config import KNOBS, Grid
+
+_EXAMPLE = """
+LOG is a Mooncake request log (JSONL or Parquet: timestamp ms, input_length,
+output_length, hash_ids), an Azure LLM CSV (synthetic prefixes, seeded), or a
+trace directory with requests.parquet hash_ids and output_tokens (arrivals,
+lengths and block hashes; the block size is the trace's page_size).
+--forced-placement sends each request of a trace directory to the worker that
+production chose (selected_worker) instead of asking the router.
+Router knobs take the values `sweep` takes; one config writes the trace into
+DIR, a grid writes DIR/config-<id>/ per config and DIR/closed_loop_summary.parquet.
+
+\b
+Example:
+  router-replay simulate traces/sample-log/requests.jsonl \\
+      --fleet traces/sample-fleet.toml --out traces/sample --force \\
+      --worker-queue-limit 8
+"""
+
+
+BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
+
+
+@click.command(epilog=_EXAMPLE)
+@click.argument("log", type=click.Path(path_type=str))
+@click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Fleet file (TOML, or JSON by suffix); flags below override it.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=str),
+              help="Directory to write (trace, outcomes, or one directory per config).")
+@_knob_options
+@click.option("--workers", "workers_text", default=None, metavar="N[,N...]",
+              help="Prefill workers; a list runs a capacity plan over fleets (docs/capacity.md).")
+@click.option("--dp-size", "dp_text", default=None, metavar="N[,N...]",
+              help="Data-parallel ranks per worker (per-rank rates kept); a list plans over it.")
+@click.option("--load-scale", "scale_text", default=None, metavar="X[,X...]",
+              help="Traffic levels, x the log (replicated with fresh prefix namespaces).")
+@click.option("--per-dp-rank", is_flag=True,
+              help="--worker-queue-limit / --saturation-queue-floor values are per rank (x dp_size).")
+@click.option("--prefill-tokens-per-s", type=float, default=None, help="Per rank.")
+@click.option("--decode-tokens-per-s", type=float, default=None, help="Per rank (decode steps/s).")
+@click.option("--max-running-requests", type=int, default=None, help="Per rank.")
+@click.option("--max-total-num-tokens", type=int, default=None, help="Per rank KV capacity.")
+@click.option("--decode-peers", type=int, default=None, help="Decode workers listed in workers.parquet.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "azure"]), default="auto",
+              show_default=True, help="Log format (auto: .csv is azure, else mooncake).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per hash_ids block (default 512; a trace directory's page_size).")
+@click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
+              help="Simulate only the first N requests of the log.")
+@click.option("--publish-interval-ms", type=int, default=None,
+              help="Interval publishing: ms between samples (default: the fleet's, else 100).")
+@click.option("--forced-placement", is_flag=True,
+              help="Trace directory LOG only: place requests where production did.")
+@click.option("--index-lag-ms", type=int, default=0, show_default=True)
+@click.option("--freshness-ms", type=int, default=5000, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--seeds", "seeds_text", default=None, metavar="N|S1,S2,...",
+              help="Run every config under N seeds (--seed, --seed+1, ...) or the listed ones: "
+                   "means, 95% intervals and a stable verdict per config.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Parallel simulations for a grid.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run a grid's simulations in local threads or as Ray tasks (same results).")
+@click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
+@click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
+              help="CPUs of the local Ray (default: all).")
+@click.option("--capture-out", "capture_out", type=click.Path(path_type=str), default=None,
+              help="Also write the run as a live fleet would have left it (KV events, LoadStat rows, a router "
+                   "token export, engine request exports: docs/capture.md), for `router-replay import`. "
+                   "One config only.")
+@click.option("--force", is_flag=True, help="Replace a non-empty DIR.")
+@click.option("--quiet", "-q", is_flag=True)
+@user_errors
+def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_rank,
+             prefill_tokens_per_s, decode_tokens_per_s,
+             max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
+             publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
+             threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
+    """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
+
+    import numpy as np  # lazy: loaded when the command runs
+
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay.simulate import load_fleet, read_log, simulate_grid  # lazy: loaded when the command runs
+    from replay.simulate import simulate as run_one  # lazy: loaded when the command runs
+    from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
+    from replay.simulate.sim import _check_out, interval_rows  # lazy: loaded when the command runs
+    from replay.simulate.tracelog import is_trace_dir, read_trace_log  # lazy: loaded when the command runs
+
+    workers_l = parse_list(workers_text, "--workers", int, -math.inf)
+    dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
+    scales = parse_list(scale_text, "--load-scale", float, 1e-9)
+    planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
+    rundir.guard([(out, "plan" if planning else "sim"),
+                  *([(capture_out, "capture")] if capture_out else [])],
+                 inputs=[log, fleet_path], force=force)
+    _check_out(Path(out), force)
+    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
+    try:
+        seeds = parse_seeds(seeds_text, seed)
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
+    texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
+    grid = Grid.from_texts(texts)
+    if grid.warning_line() and not quiet:
+        click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
+        for line in grid.skipped_lines():
+            click.echo(line, err=True)
+    workers = workers_l[0] if workers_l else None
+    dp_size = dp_l[0] if dp_l else None
+    fleet_kw = dict(prefill_tokens_per_s=prefill_tokens_per_s,
+                    decode_tokens_per_s=decode_tokens_per_s,
+                    max_running_requests=max_running_requests,
+                    max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
+    fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size, resize=planning, **fleet_kw)
+    if per_dp_rank and not planning:
+        from replay.config import fleet_dp_size  # lazy: loaded when the command runs
+
+        grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers
+                                                      if w.role != "decode"]))
+    placement = None
+    if is_trace_dir(log):
+        rec = read_trace_log(log, block_size=block_size, limit=limit)
+        req_log = rec.log
+        if forced_placement:
+            if len(rec.urls) != len(fleet.prefill):
+                raise ReplayError(f"--forced-placement: the trace has {len(rec.urls)} prefill "
+                                  f"workers, the fleet {len(fleet.prefill)}")
+            if not (rec.placement >= 0).any():
+                raise ReplayError(f"{log}: no selected_worker recorded; --forced-placement needs it")
+            placement = np.where(rec.placement >= 0, np.array(fleet.prefill)[rec.placement], -1)
+    elif forced_placement:
+        raise ReplayError("--forced-placement needs a trace directory as LOG")
+    else:
+        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
+    rows = interval_rows(req_log, fleet, publish_interval_ms)
+    if rows > BIG_INTERVAL_ROWS and not quiet:
+        click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
+                   f"{rows * 104 / 2**30:.1f} GiB before compression, streamed to loads.parquet "
+                   "in bounded memory) for a log spanning "
+                   f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
+                   "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
+                   err=True)
+    kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
+              freshness_ms=freshness_ms, force=force)
+    if planning:
+        if placement is not None:
+            raise ReplayError("--forced-placement runs the recorded fleet, not a capacity plan")
+        if capture_out:
+            raise ReplayError("--capture-out writes one simulated run, not a capacity plan")
+        _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
+                  per_dp_rank=per_dp_rank, seeds=seeds, quiet=quiet, threads=threads,
+                  executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+        return
+    if capture_out and (len(grid.configs) != 1 or seeds is not None):
+        raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
+    if len(grid.configs) == 1 and seeds is None:
+        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
+                    cache_log=capture_out is not None, **kw)
+        if capture_out:
+            from replay.capture import outguard  # noqa: F401 - registers the capture output kinds; lazy: loaded when the command runs
+            from replay.capture.from_sim import write_capture  # lazy: loaded when the command runs
+
+            with rundir.writing(capture_out):
+                write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
+            if not quiet:
+                click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
+                           "docs/capture.md)")
+        if not quiet:
+            s = r.summary
+            click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
+                       f"{r.seconds:.2f} s -> {out}")
+            click.echo(f"true hit rate (served) {100 * s['true_hit_rate']:.2f}%, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
+                       f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
+        return
+    if placement is not None:
+        raise ReplayError("--forced-placement runs one config, not a grid")
+    n_jobs = len(grid.configs) * (len(seeds) if seeds else 1)
+    with grid_progress(n_jobs, quiet) as progress:
+        table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
+                              progress=progress, executor=executor, ray_address=ray_address,
+                              ray_cpus=ray_cpus, **kw)
+    if not quiet:
+        n_seeds = f" x {len(seeds)} seeds" if seeds else ""
+        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "
+                   f"-> {out}")
+        for line in grid_table(table, grid):
+            click.echo(line)
+
+
+def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out, *,
+              per_dp_rank, seeds, quiet, **kw):
+    """--workers / --dp-size / --load-scale lists: the capacity-plan grid (replay.simulate.plan)."""
+    from replay.simulate import load_fleet  # lazy: loaded when the command runs
+    from replay.simulate.plan import fleet_points, plan_grid  # lazy: loaded when the command runs
+
+    base_dp = sorted({w.dp_size for w in fleet.workers if w.role != "decode"})
+    points = fleet_points(workers_l or [len(fleet.prefill)], dp_l or base_dp[:1], scales or [1.0])
+
+    def make_fleet(w, d):
+        return load_fleet(fleet_path, workers=w, dp_size=d, resize=True, **fleet_kw)
+
+    for p in points:  # refuse a bad fleet before the first simulation
+        make_fleet(p.workers, p.dp_size)
+    n_jobs = len(points) * len(grid.configs) * (len(seeds) if seeds else 1)
+    with grid_progress(n_jobs, quiet, label="planning") as progress:
+        table = plan_grid(req_log, make_fleet, grid, points, out, per_dp_rank=per_dp_rank,
+                          seeds=seeds, progress=progress, **kw)
+    if not quiet:
+        click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
+                   + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
+        click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
+
+
+@contextlib.contextmanager
+def grid_progress(n: int, quiet: bool, label: str = "simulating"):
+    """A progress bar over ``n`` simulations on a terminal (stderr); nothing when piped."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    with click.progressbar(length=n, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+
+
+def grid_table(table, grid) -> list[str]:
+    """The closed-loop summary as a readable table (no wider than the knobs need): knobs, served
+    hit rate (true_hit_rate, %), TTFT and queue wait (s), with the 95% interval and the stable
+    verdict when several seeds ran."""
+    knobs = [k for k in KNOBS if k in table.columns and len(grid.values[k]) > 1]
+    seeded = "stable" in table.columns
+
+    def cell(v, scale=1.0, digits=1):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    def span(r, col, scale, digits):
+        return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
+
+    head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
+    head += ["served hit %" + (" [95%]" if seeded else ""), "TTFT p50 s",
+             "TTFT p99 s" + (" [95%]" if seeded else ""), "wait mean s"]
+    if seeded:
+        head += ["stable"]
+    rows = [head]
+    for r in table.iter_rows(named=True):
+        row = [str(r["config_id"])] + ["none" if r[k] is None else str(r[k]) for k in knobs]
+        hit, p99 = cell(r["true_hit_rate"], 100, 2), cell(r["ttft_ms_p99"], 1e-3, 2)
+        if seeded:
+            hit += f" [{span(r, 'true_hit_rate', 100, 1)}]"
+            p99 += f" [{span(r, 'ttft_ms_p99', 1e-3, 1)}]"
+        row += [hit, cell(r["ttft_ms_p50"], 1e-3, 2), p99, cell(r["queue_wait_ms_mean"], 1e-3, 2)]
+        if seeded:
+            row += ["yes" if r["stable"] else ("?" if r["stable"] is None else
+                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
+        rows.append(row)
+    widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) for row in rows]
+    return [*lines, "served hit % = true_hit_rate (tokens found cached when served); sweep's hit_rate is "
+                    "decision-time"]
+
+
+COMMANDS = [simulate]

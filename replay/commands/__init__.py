@@ -1,1 +1,0 @@
-"""CLI commands, one module each; every module exports ``COMMANDS`` (a list of click commands)."""

@@ -1,0 +1,17 @@
+"""The file names of what the commands write: one place for each (a run directory, a
+closed-loop grid)."""
+
+from __future__ import annotations
+
+SUMMARY = "summary.parquet"
+SUMMARY_CSV = "summary.csv"
+DECISIONS = "decisions.parquet"
+DECISIONS_DIR = "decisions"             # a sharded (Ray) sweep's decisions files
+FLEET_PARTS = "fleet-parts"             # Ray tasks' fleet readings, joined into FLEET
+RUN_JSON = "run.json"
+FLEET = "fleet.parquet"
+REPORT = "report.html"
+CLOSED_LOOP = "closed_loop_summary.parquet"
+SIM_JSON = "sim.json"
+TOOL = "router-replay"                  # run.json's and a baseline's "tool" marker
+SIM_TOOL = "router-replay simulate"     # sim.json's "tool" marker
