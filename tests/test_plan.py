@@ -18,10 +18,11 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from replay.analysis.plan import plan
 from replay.cli import main
 from replay.report.plan_page import fig_frontier
 from replay.simulate.logs import RequestLog, generate_log
-from replay.simulate.plan import parse_list, plan, scale_log, trunk_and_families
+from replay.simulate.plan import parse_list, scale_log, trunk_and_families
 
 L_TOKENS = 1024  # two 512-token blocks, none shared
 

@@ -67,8 +67,8 @@ def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode):
 
     from replay.analysis import closed_loop  # lazy: loaded when the command runs
     from replay.analysis import runs as analysis  # lazy: loaded when the command runs
+    from replay.analysis.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
     from replay.errors import ReplayError  # lazy: loaded when the command runs
-    from replay.simulate.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
 
     if plan_mode or (Path(run_dir) / PLAN_TABLE).is_file():  # a capacity plan (docs/capacity.md)
         if bound is not None:

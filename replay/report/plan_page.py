@@ -15,10 +15,10 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.offline import get_plotlyjs
 
+from replay.analysis.plan import bound_column, format_plan, plan, read_plan
 from replay.report.html import CSS as _CSS
 from replay.report.html import esc as _e
 from replay.report.html import fig_html as _fig_html
-from replay.simulate.plan import bound_column, format_plan, plan, read_plan
 
 
 def fig_frontier(t: pl.DataFrame, metric: str = "ttft", bound_ms: float | None = None):

@@ -57,9 +57,9 @@ from replay.runs import decisions as decision_store
 from replay.runs import metrics as metrics_mod
 from replay.runs import rundir
 from replay.runs.metrics import flag_text, knob_text
+from replay.runs.names import PLAN_TABLE
 from replay.runs.rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401 - names of the run's files, re-exported
 from replay.runs.rundir import unreadable as _unreadable
-from replay.simulate.plan import PLAN_TABLE
 
 LIMIT = "worker_queue_limit"
 FLOOR = "saturation_queue_floor"

@@ -15,3 +15,11 @@ CLOSED_LOOP = "closed_loop_summary.parquet"
 SIM_JSON = "sim.json"
 TOOL = "router-replay"                  # run.json's and a baseline's "tool" marker
 SIM_TOOL = "router-replay simulate"     # sim.json's "tool" marker
+
+# a capacity plan (simulate with --workers/--dp-size/--load-scale lists)
+PLAN_TABLE = "plan_summary.parquet"
+PLAN_JSON = "plan.json"
+PLAN_TOOL = "router-replay simulate (plan)"  # plan.json's "tool" marker
+# the bound a plan is asked under -> its column; the fleet columns of plan_summary
+BOUND_METRICS = {"ttft": "ttft_ms_p99", "queue_wait": "queue_wait_ms_p99"}
+FLEET_COLS = ("load_scale", "workers", "dp_size", "ranks")
