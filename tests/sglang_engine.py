@@ -253,7 +253,7 @@ class RealEngine:
     """One engine of ``dp_size`` x ``attn_dp_size`` publishing ranks, block size page x dcp."""
 
     def __init__(self, *, dp_size=1, attn_dp_size=1, page_size=4, dcp_size=1, topic="", model="real-model",
-                 max_total_num_tokens=4096, load_auto=False):
+                 max_total_num_tokens=4096, load_auto=False, buffer_steps=None):
         self.m = m = load()
         self.ranks = dp_size * attn_dp_size
         self.block = page_size * dcp_size
@@ -264,15 +264,19 @@ class RealEngine:
         self.load_base = free_block(self.ranks)
         cfg = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_base}", "bind": True,
                "replay_endpoint": f"tcp://127.0.0.1:{self.replay_base}", "topic": topic}
+        if buffer_steps is not None:
+            cfg["buffer_steps"] = buffer_steps
         self.cfg = json.dumps(cfg)
         # what /server_info describes: the same ports under the wildcard host production binds
         wild = {**cfg, "endpoint": f"tcp://*:{self.kv_base}", "replay_endpoint": f"tcp://*:{self.replay_base}"}
         wild.pop("bind")
+        wild.pop("buffer_steps", None)
         self.server_args = SimpleNamespace(
             kv_events_config=json.dumps(wild), page_size=page_size, dcp_size=dcp_size, dp_size=dp_size,
             attn_dp_size=attn_dp_size, load_publish_endpoint="auto" if load_auto else f"tcp://*:{self.load_base}")
         self.kv_events = m.runtime.describe_kv_events_publisher(self.server_args)
         self.recorders = []
+        self.published: list[list] = [[] for _ in range(self.ranks)]   # per rank: each flush's events
         self.kv_pubs = []
         self.load_pubs = []
         for r in range(self.ranks):
@@ -290,7 +294,13 @@ class RealEngine:
         m = self.m
         _stamp(m, attn_dp_size=attn_dp_size, rank=r, ranks=self.ranks)
         rec = m.events.KVCacheEventRecorder(enabled=True, page_size=self.block)
-        tree = SimpleNamespace(take_events=rec.take)
+
+        def take_events(rec=rec, r=r):
+            events = rec.take()
+            self.published[r].append(list(events))
+            return events
+
+        tree = SimpleNamespace(take_events=take_events)
         kv = m.kv_publisher.SchedulerKvEventsPublisher(
             kv_events_config=self.cfg, tree_cache=tree, send_metrics_from_scheduler=None,
             max_running_requests=64, max_total_num_tokens=self.cap, get_stats=lambda: None)

@@ -157,7 +157,8 @@ class Importer:
         self.facts = Facts(skip_bad_lines=spec.skip_bad_lines)
         self.kv_format = spec.kv_format
         self.router_flags = dict(spec.router_flags or {})
-        self.wide_events, self.wide_from = 0, None
+        self.wide_events = 0
+        self.wide_from: int | None = None
         self.salted = np.zeros(0, dtype=bool)
 
     # ------------------------------------------------------------ recorded set
