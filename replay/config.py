@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -282,6 +283,52 @@ def validate_router_flags(args: Mapping[str, Any], policy: str = "cache_aware") 
             "--cache-candidate-min-workers and --cache-candidate-max-workers "
             "must be positive and min must not exceed max"
         )
+
+
+def parse_router_command_line(text: str, option: str = "--router-flags") -> dict[str, Any]:
+    """The knob flags of a production router's command line, as ``{knob: value}`` (knob sense).
+
+    ``text`` is what was passed to the router, e.g. ``"--worker-queue-limit 8
+    --saturation-queue-floor 2 --disable-pressure-guard"``: each knob flag once,
+    ``--flag VALUE`` or ``--flag=VALUE``, one value (no lists, ranges or
+    ``none``: the router takes a plain value; leave a flag out for its default),
+    ``--disable-pressure-guard`` a switch; then the router's own checks
+    (:func:`validate_router_flags`).  A flag the replay does not model, or a
+    replay-only variant, is refused.  Raises :class:`ConfigError` with one line
+    starting with ``option``.
+    """
+    try:
+        words = shlex.split(text)
+    except ValueError as err:
+        raise ConfigError(f"{option}: cannot split {text!r} ({err})") from None
+    out: dict[str, Any] = {}
+    i = 0
+    known = ", ".join(s.flag for s in KNOBS.values() if s.router)
+    while i < len(words):
+        word = words[i]
+        flag, eq, value = word.partition("=")
+        spec = KNOBS.get(FLAG_TO_KNOB.get(flag, ""))
+        if spec is None or not spec.router:
+            raise ConfigError(f"{option}: {word!r} is not a router flag the replay models (known: {known})")
+        if spec.name in out:
+            raise ConfigError(f"{option}: {flag} given twice")
+        if spec.kind == "bool" and not eq:
+            v: Any = True
+            i += 1
+        else:
+            if not eq:
+                if i + 1 >= len(words) or words[i + 1].startswith("--"):
+                    raise ConfigError(f"{option}: {flag} needs a value")
+                value = words[i + 1]
+                i += 2
+            else:
+                i += 1
+            if "," in value or ".." in value or value.strip().lower() == "none":
+                raise ConfigError(f"{option}: {flag} {value!r}: the router takes one plain value")
+            v = parse_values(flag, value, spec.kind, False)[0]
+        out[spec.name] = (not v) if spec.inverted else v
+    validate_router_flags(out)
+    return {k: out[k] for k in KNOBS if k in out}
 
 
 # --------------------------------------------------------------------------------------

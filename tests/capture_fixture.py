@@ -192,8 +192,10 @@ def _write(fx: Fixture, rng: random.Random, kv_parts: int) -> None:
     write_atomic_table(rec / "workers.parquet", pa.table(
         {"worker": [u for u, _ in fx.workers], "model": ["/models/m1"] * 3, "role": ["plain"] * 3,
          "dp_size": [d for _, d in fx.workers], "page_size": [PAGE] * 3}, schema=WORKERS_SCHEMA))
+    # recorded with --kv-format default: salted requests' hashes are then reproducible exactly
     (rec / "record.json").write_text(json.dumps({"tool": "router-replay record", "complete": True, "gaps": 0,
-                                                 "restarts": 0, "malformed_frames": 0, "unreachable": {}}))
+                                                 "restarts": 0, "malformed_frames": 0, "unreachable": {},
+                                                 "kv_format": "default"}))
 
 
 def slow_matches(fx: Fixture, lag_ns: int = 0) -> dict[str, list[tuple[str, int]]]:

@@ -60,7 +60,8 @@ def free_block(n: int) -> int:
 
 
 def seq_frame(seq: int) -> bytes:
-    return struct.pack(">q", seq)
+    """8-byte big-endian unsigned; -1 is the all-0xFF marker."""
+    return struct.pack(">Q", seq % (1 << 64))
 
 
 def loadstat_payload(running, waiting, tokens, max_total, rank, tail=None, extra=()) -> bytes:
@@ -99,13 +100,44 @@ def batch_payload(ts: float, events: list, rank) -> bytes:
     return msgpack.packb([ts, events, rank])
 
 
+def serve_server_info(port: int, info) -> ThreadingHTTPServer:
+    """``GET /server_info`` on loopback ``port``, answering ``info()`` as JSON (a thread)."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/server_info":
+                self.send_error(404)
+                return
+            body = json.dumps(info()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), H)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 class FakeEngine:
     """One engine: HTTP /server_info plus dp_size ranks of (LoadStat XPUB, KV XPUB, replay ROUTER)."""
 
     def __init__(self, dp_size=2, page_size=4, model="fake-model", *, info_style="kv_events",
-                 kv_topic="", replay_keep=1000, answer_http=True):
+                 kv_topic="", replay_keep=1000, answer_http=True, attn_dp_size=1, dcp_size=1):
+        """``dp_size`` x ``attn_dp_size`` ranks publish; hashes use ``page_size`` x ``dcp_size``
+        tokens a block (the top-level keys of /server_info then read ``dp_size`` and
+        ``page_size``, as the released engine's do)."""
+        self.top_dp_size = dp_size
+        self.top_page_size = page_size
+        self.attn_dp_size = attn_dp_size
+        self.dcp_size = dcp_size
+        dp_size = dp_size * attn_dp_size
         self.dp_size = dp_size
-        self.page_size = page_size
+        self.page_size = page_size * dcp_size
         self.model = model
         self.replay_keep = replay_keep
         self.http_port, = free_ports(1)
@@ -145,38 +177,23 @@ class FakeEngine:
 
     # -- /server_info
     def server_info(self) -> dict:
-        kv = {"publisher": "zmq", "endpoint": f"tcp://*:{self.kv_base}",
-              "replay_endpoint": f"tcp://*:{self.replay_base}", "topic": self.kv_topic,
-              "load_endpoint_port_base": self.load_base}
-        info = {"model_path": self.model, "dp_size": self.dp_size, "page_size": self.page_size}
+        info = {"model_path": self.model, "dp_size": self.top_dp_size, "page_size": self.top_page_size,
+                "attn_dp_size": self.attn_dp_size, "dcp_size": self.dcp_size}
         if self.info_style == "kv_events":
-            info["kv_events"] = kv
-        else:  # the engine echoing its --kv-events-config JSON string, load endpoint apart
-            kv.pop("load_endpoint_port_base")
-            info["kv_events_config"] = json.dumps(kv)
+            # the released engine's kv_events block (CAPTURE.md section 1, its key names)
+            info["kv_events"] = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": self.kv_base,
+                                 "topic": self.kv_topic, "block_size": self.page_size, "dp_size": self.dp_size,
+                                 "load_endpoint_port_base": self.load_base, "load_topic": "load",
+                                 "replay_endpoint_port_base": self.replay_base}
+        else:  # an engine echoing its --kv-events-config JSON string, load endpoint apart
+            info["kv_events_config"] = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{self.kv_base}",
+                                                   "replay_endpoint": f"tcp://*:{self.replay_base}",
+                                                   "topic": self.kv_topic})
             info["load_publish_endpoint"] = f"tcp://*:{self.load_base}"
         return info
 
     def _start_http(self) -> None:
-        engine = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path != "/server_info":
-                    self.send_error(404)
-                    return
-                body = json.dumps(engine.server_info()).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self._http = ThreadingHTTPServer(("127.0.0.1", self.http_port), H)
-        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        self._http = serve_server_info(self.http_port, self.server_info)
 
     # -- waiting for the recorder
     def wait_subscribed(self, timeout=60.0) -> None:
@@ -248,12 +265,13 @@ class FakeEngine:
                 r = self.replay.index(sock)
                 with self.lock:
                     ident, empty, start = sock.recv_multipart()
-                    start_seq = struct.unpack(">q", start)[0]
+                    start_seq = int.from_bytes(start, "big")
                     self.replay_requests.append((r, start_seq))
+                    topic = self.kv_topic.encode()
                     for seq in sorted(self.buffer[r]):
                         if seq >= start_seq:
-                            sock.send_multipart([ident, b"", seq_frame(seq), self.buffer[r][seq]])
-                    sock.send_multipart([ident, b"", seq_frame(-1), b""])
+                            sock.send_multipart([ident, b"", topic, seq_frame(seq), self.buffer[r][seq]])
+                    sock.send_multipart([ident, b"", b"", seq_frame(-1), b""])
 
     def close(self) -> None:
         self._stop.set()

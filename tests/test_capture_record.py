@@ -180,6 +180,8 @@ def test_record_frame_by_frame(tmp_path, engines):
                     kind = ev["type"] if isinstance(ev, dict) else ev[0]
                     hashes = (ev.get("block_hashes") if isinstance(ev, dict) else (ev[1] if len(ev) > 1 else None))
                     expect.append((e.url, m["rank"], m["seq"], j, kind, hashes, not m["published"]))
+    # b's publisher restart: the recorder's AllBlocksCleared (seq -1, index -1) empties that rank
+    expect.append((b.url, 0, -1, -1, "AllBlocksCleared", None, False))
     got = [(r["worker"], r["dp_rank"], r["seq"], r["event_index"], r["type"], r["block_hashes"], r["replayed"])
            for r in kv.iter_rows(named=True)]
     assert sorted(got, key=str) == sorted(expect, key=str)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 import pytest
 from click.testing import CliRunner
@@ -115,3 +117,35 @@ def test_simulate_command_writes_capture_formats(tmp_path):
             root / "traces" / "sample-fleet.toml", "--requests", 50, "--out", tmp_path / "sim2",
             "--capture-out", tmp_path / "cap2", "--worker-queue-limit", "2,4")
     assert r.exit_code == 2 and "one config" in r.output
+
+
+def test_imported_trace_set_feeds_calibrate_and_simulate(capture):
+    """import writes loads/ as a folder of parts: calibrate reads every load row of it (the
+    capacity is fitted from them), and simulate uses the set as a log with forced placement."""
+    d, res, log, fleet = capture
+    imp = d / "imp-set"
+    r = import_cap(d, imp, LAG_MS, "--router-flags", "--worker-queue-limit 4")
+    assert r.exit_code == 0, r.output
+    assert (imp / "loads").is_dir() and not (imp / "loads.parquet").exists()
+    assert json.loads((imp / "trace.json").read_text())["router"] == {"worker_queue_limit": 4}
+    c = run("calibrate", imp, "--out", d / "fleet.toml", "--force")
+    assert c.exit_code == 0, c.output
+    assert "NOT FITTED (no samples)" not in c.output
+    assert "max_total_num_tokens" in (d / "fleet.toml").read_text()
+    s = run("simulate", imp, "--fleet", d / "fleet.toml", "--out", d / "sim-set", "--force")
+    assert s.exit_code == 0, s.output
+    assert pl.read_parquet(d / "sim-set" / "requests.parquet").height == res.requests.height
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    ("--worker-queue-limit 0", "--worker-queue-limit must be at least 1"),
+    ("--saturation-queue-floor 2", "requires --worker-queue-limit"),
+    ("--worker-queue-limit 2,4", "one plain value"),
+    ("--policy random", "not a router flag the replay models"),
+    ("--worker-queue-limit", "needs a value"),
+])
+def test_import_router_flags_are_checked_like_the_routers_cli(capture, tmp_path, flags, needle):
+    d, *_ = capture
+    r = import_cap(d, tmp_path / "imp", LAG_MS, "--router-flags", flags)
+    assert r.exit_code == 2 and needle in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "imp").exists()

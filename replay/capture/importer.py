@@ -45,6 +45,7 @@ from replay.capture.sources import (
     read_prometheus,
     read_v1_loads,
 )
+from replay.config import ConfigError, knob_spec, validate_router_flags
 from replay.runs import rundir
 
 NS = 1_000_000_000
@@ -73,6 +74,8 @@ class ImportSpec:
     mooncake_block_size: int = 512
     skip_bad_lines: bool = False
     router_inflight: str = "none"                           # none | derived
+    router_flags: dict | None = None                        # production router flags (knob -> value)
+    kv_format: str | None = None                            # default | dynamo (else: record.json's)
     force: bool = False
 
     def inputs(self) -> list[Path]:
@@ -152,12 +155,18 @@ class Importer:
         self.s = spec
         self.progress = progress
         self.facts = Facts(skip_bad_lines=spec.skip_bad_lines)
+        self.kv_format = spec.kv_format
+        self.router_flags = dict(spec.router_flags or {})
+        self.wide_events = 0
+        self.wide_from: int | None = None
+        self.salted = np.zeros(0, dtype=bool)
 
     # ------------------------------------------------------------ recorded set
     def _recorded(self):
         rec = Path(self.s.recorded) if self.s.recorded is not None else None
         self.rec_workers = None
         self.rec_facts = {}
+        self.kv_uncertain_from: int | None = None
         if rec is None:
             return
         if not rec.is_dir():
@@ -171,6 +180,10 @@ class Importer:
             self.rec_workers = pl.read_parquet(rec / "workers.parquet")
         f = self.facts.data
         rf = self.rec_facts
+        if self.s.kv_format is None and rf.get("kv_format") in ("default", "dynamo"):
+            self.kv_format = rf["kv_format"]
+        if not self.s.router_flags and isinstance(rf.get("router"), dict):
+            self.router_flags = _checked_flags(rf["router"], rec / "record.json")
         f["recorded"] = {"complete": rf.get("complete"), "gaps": rf.get("gaps"), "restarts": rf.get("restarts"),
                          "malformed_frames": rf.get("malformed_frames"), "unreachable": rf.get("unreachable"),
                          "silent_streams": rf.get("silent_streams")}
@@ -182,7 +195,11 @@ class Importer:
             g = pl.concat([pl.from_arrow(t) for _, t in gaps], how="vertical_relaxed")
             kinds = g.group_by("stream", "kind").len().sort("stream", "kind")
             f["recorded"]["gap_rows"] = {f"{r['stream']} {r['kind']}": r["len"] for r in kinds.iter_rows(named=True)}
-            lost = g.filter((pl.col("kind") == "gap") & (pl.col("stream") == "kv"))
+            lost = g.filter(pl.col("kind").is_in(["gap", "malformed"]) & (pl.col("stream") == "kv"))
+            if lost.height:
+                # from then on, some rank's KV state is unknown (until nothing: a later clear would
+                # settle it, but the importer does not claim that)
+                self.kv_uncertain_from = int(lost.select(pl.coalesce("from_ts", "ts").min()).item())
             if lost.height:
                 f["recorded"]["kv_gap_examples"] = [
                     {k: r[k] for k in ("worker", "dp_rank", "from_seq", "to_seq", "from_ts", "to_ts", "reason")}
@@ -226,7 +243,8 @@ class Importer:
                 hashes.append(_hash_requests(path, df, self.page))
                 frames.append(df.select("ts", "request_id", pl.col("model").fill_null("default"),
                                         pl.col("input_ids").list.len().cast(pl.Int64).alias("input_tokens"),
-                                        "output_tokens"))
+                                        "output_tokens",
+                                        (pl.col("cache_salt").fill_null("") != "").alias("_salted")))
                 if self.progress is not None:
                     self.progress("hashing token export files", k + 1, n_files)
             req = pl.concat(frames)
@@ -261,6 +279,11 @@ class Importer:
             off, hv = csr_take(off, hv, order)
             req = req[order]
         self.h_off, self.h_val = off, hv
+        if "_salted" in req.columns:
+            self.salted = req["_salted"].to_numpy()
+            req = req.drop("_salted")
+        else:
+            self.salted = np.zeros(req.height, dtype=bool)
         f["requests"] = req.height
         return req
 
@@ -501,11 +524,20 @@ class Importer:
     def _part_events(self, p: Path, wid: dict, rank_off: np.ndarray, uniq: np.ndarray) -> np.ndarray:
         """One part's events as a (8, n) int64 array: ts, worker, rank, seq, index (the sort
         keys), then global rank, kind, tier, dense block (-1: no request holds it)."""
+        names = set(pq.read_schema(p).names)
+        extra = [c for c in ("lora_name", "wide_tokens") if c in names]
         ev = self._read_part(p, ["ts", "worker", "dp_rank", "seq", "event_index", "type", "block_hashes", "medium",
-                                 "lora_id", "block_size"])
-        if ev["lora_id"].drop_nulls().len():
-            raise ImportError_(f"{p}: column 'lora_id': BlockStored events name a LoRA adapter: LoRA changes the "
-                               "block hash and is out of scope")
+                                 "lora_id", "block_size", *extra])
+        for col in ("lora_id", "lora_name"):
+            if col in ev.columns and ev[col].drop_nulls().len():
+                raise ImportError_(f"{p}: column {col!r}: BlockStored events name a LoRA adapter: LoRA changes the "
+                                   "block hash and is out of scope")
+        if "wide_tokens" in ev.columns:
+            wide = ev.filter(pl.col("wide_tokens").fill_null(False))
+            if wide.height:
+                self.wide_events += wide.height
+                t0 = int(wide["ts"].min())
+                self.wide_from = t0 if self.wide_from is None else min(self.wide_from, t0)
         sizes = ev.filter(pl.col("type") == "BlockStored")["block_size"].drop_nulls().unique().to_list()
         bad = [b for b in sizes if b != self.page]
         if bad:
@@ -532,6 +564,11 @@ class Importer:
         order, starts, rank_off, rows, wid = self._event_plan(parts, urls, dp)
         if rows == 0:
             return None
+        if self.kv_format == "dynamo":
+            raise ImportError_(f"{self.s.recorded}: the fleet publishes KV events in the dynamo format (hashes "
+                               "namespaced by extra_key and cache salt), which the importer does not rebuild; "
+                               "use --matches placement or none")
+        self.wide_events, self.wide_from = 0, None
         uniq, dense = np.unique(self.h_val, return_inverse=True)
         dense = dense.astype(np.int64).reshape(-1)
         lag = int(round(self.s.index_lag_ms * MS))
@@ -568,7 +605,7 @@ class Importer:
             m_off, m_w, m_b = res
             f["matches_source"] = MATCHES_EVENTS
             f["index_lag_ms"] = self.s.index_lag_ms
-            f["matches_exact"] = True
+            self._exactness(ts)
         elif mode in ("auto", "placement") and req["selected_worker"].drop_nulls().len():
             wid = {u: i for i, u in enumerate(urls)}
             worker = np.array([wid.get(x, -1) if x is not None else -1 for x in req["selected_worker"].to_list()],
@@ -602,6 +639,32 @@ class Importer:
                                               pa.array(urls, type=pa.string())).dictionary_decode()
         struct = pa.StructArray.from_arrays([wcol, pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
         return pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct), m_off, m_b
+
+    def _exactness(self, ts: np.ndarray) -> None:
+        """``matches_exact`` only when every KV gap was recovered and nothing made a hash
+        uncertain; otherwise what is approximate, and for how many requests."""
+        f = self.facts.data
+        reasons, hit = [], np.zeros(len(ts), dtype=bool)
+        if self.kv_uncertain_from is not None:
+            m = ts >= self.kv_uncertain_from
+            hit |= m
+            reasons.append(f"KV-event gaps the replay sockets no longer held: requests from the first one on "
+                           f"({int(m.sum()):,}) may be answered with blocks missing or kept")
+        if self.salted.any() and self.kv_format != "default":
+            hit |= self.salted
+            reasons.append(f"{int(self.salted.sum()):,} requests carry a cache salt and the fleet's KV-event "
+                           "format is unknown (--kv-format default|dynamo): under dynamo their published "
+                           "hashes are namespaced differently")
+        if self.wide_events:
+            m = ts >= self.wide_from
+            hit |= m
+            reasons.append(f"{self.wide_events:,} BlockStored events carry token ids above 2**32 - 1 or bigram "
+                           "pairs (hashed in another form): their blocks never match the requests' hashes")
+        f["matches_exact"] = not reasons
+        if reasons:
+            f["matches_approximate"] = {"requests": int(hit.sum()), "reasons": reasons}
+            self.facts.warnings.append(f"matches are approximate for {int(hit.sum()):,} requests: "
+                                       + "; ".join(reasons))
 
     # ------------------------------------------------------------ run
     def run(self) -> ImportResult:
@@ -648,6 +711,8 @@ class Importer:
                     "extra": {"capture": _jsonable(self.facts.data), "warnings": self.facts.warnings}}
             if self.page:
                 info["page_size"] = int(self.page)
+            if self.router_flags:
+                info["router"] = dict(self.router_flags)
             (tmp / "trace.json").write_text(json.dumps(info, indent=2) + "\n")
             rundir.move_into_place(tmp, out)
         except OSError as err:
@@ -657,6 +722,16 @@ class Importer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return ImportResult(out, self.facts.data, self.facts.warnings)
+
+
+def _checked_flags(flags: dict, where: Path) -> dict:
+    """Router flags as record.json keeps them (knob -> value), checked like the router's CLI."""
+    try:
+        out = {knob_spec(k).name: v for k, v in flags.items()}
+        validate_router_flags(out)
+    except ConfigError as err:
+        raise ImportError_(f"{where}: key 'router': {err}") from None
+    return out
 
 
 def _clip_cached() -> pl.Expr:

@@ -72,20 +72,23 @@ class Overrides:
     kv_port_base: int | None = None
     replay_port_base: int | None = None
     kv_topic: str | None = None
+    kv_format: str | None = None       # default | dynamo: not advertised, only a flag can say
 
 
 @dataclass
 class Engine:
     url: str
     host: str
-    dp_size: int = 1
-    page_size: int | None = None
+    dp_size: int = 1                   # publishing ranks
+    page_size: int | None = None       # the hashing block size
     model: str | None = None
     load_port_base: int | None = None
     kv_port_base: int | None = None
     replay_port_base: int | None = None
     kv_topic: str = ""
+    load_topic: str = "load"
     source: str = "server_info"
+    notes: list = field(default_factory=list)
 
 
 def _port(endpoint) -> int | None:
@@ -99,40 +102,77 @@ def _port(endpoint) -> int | None:
         return None
 
 
-def _kv_config(info: dict) -> dict:
-    cfg = info.get("kv_events") or info.get("kv_events_config") or {}
+def _kv_config(info: dict) -> tuple[dict, bool]:
+    """The ``kv_events`` block (advertised: True) or, from engines that only echo it,
+    the ``kv_events_config`` JSON string (False)."""
+    cfg = info.get("kv_events")
+    if isinstance(cfg, dict):
+        return cfg, True
+    cfg = info.get("kv_events_config") or {}
     if isinstance(cfg, str):
         try:
             cfg = json.loads(cfg)
         except ValueError:
             cfg = {}
-    return cfg if isinstance(cfg, dict) else {}
+    return (cfg if isinstance(cfg, dict) else {}), False
+
+
+def _positive(v, what: str, url: str) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise RecordError(f"worker {url}: /server_info {what} is {v!r}, expected an integer >= 1")
+    return v
 
 
 def engine_from_info(url: str, info: dict, ov: Overrides) -> Engine:
     """An :class:`Engine` from a ``/server_info`` answer and the override flags.
 
-    Accepted keys (REPLAY CHOICE: upstream names move; these are the ones
-    CAPTURE.md section 1 names plus the ``--kv-events-config`` JSON the engine
-    echoes): ``dp_size``, ``page_size``, ``served_model_name``/``model_path``,
-    and in ``kv_events`` (or the ``kv_events_config`` string) ``endpoint`` or
-    ``endpoint_port_base``, ``replay_endpoint`` or ``replay_endpoint_port_base``,
-    ``topic``, ``load_endpoint`` or ``load_endpoint_port_base``; also a
-    top-level ``load_publish_endpoint``.  Ranks bind ``base + rank``.
+    The ``kv_events`` block is the authority (CAPTURE.md section 1, key names
+    as sglang 0.5.23 writes them): ``dp_size`` is the number of publishing
+    ranks (dp_size x attention-DP size; the top-level ``dp_size`` reads 1
+    under attention DP), ``block_size`` the hashing size (page_size x DCP
+    size), ``endpoint_port_base`` / ``replay_endpoint_port_base`` /
+    ``load_endpoint_port_base`` the port bases (rank ``r`` binds ``base + r``;
+    the bases are read, never derived), ``topic`` the KV topic and
+    ``load_topic`` the load topic.  The load stream is subscribed only when
+    both ``load_endpoint_port_base`` and ``load_topic`` are advertised (or
+    ``--load-port-base`` is given).  ``endpoint_host`` may be a wildcard: the
+    worker URL's host is dialled.  Engines without a ``kv_events`` block
+    (their ``--kv-events-config`` echoed as a string, a top-level
+    ``load_publish_endpoint``) are read from the top-level ``dp_size`` x
+    ``attn_dp_size`` and ``page_size`` x ``dcp_size``; the facts say so.
     """
     host = urlparse(url).hostname
     if not host:
         raise RecordError(f"worker {url!r}: not a URL with a host")
-    kv = _kv_config(info)
+    kv, advertised = _kv_config(info)
     e = Engine(url=url, host=host)
-    e.dp_size = int(ov.dp_size or info.get("dp_size") or 1)
-    e.page_size = ov.page_size or info.get("page_size")
+    top_dp = (_positive(info.get("dp_size"), "dp_size", url) or 1) * \
+        (_positive(info.get("attn_dp_size"), "attn_dp_size", url) or 1)
+    kv_dp = _positive(kv.get("dp_size"), "kv_events.dp_size", url) if advertised else None
+    e.dp_size = int(ov.dp_size or kv_dp or top_dp)
+    top_page = _positive(info.get("page_size"), "page_size", url)
+    dcp = _positive(info.get("dcp_size"), "dcp_size", url) or 1
+    kv_block = _positive(kv.get("block_size"), "kv_events.block_size", url) if advertised else None
+    e.page_size = ov.page_size or kv_block or (top_page * dcp if top_page else None)
+    if not ov.dp_size and kv_dp is None:
+        e.notes.append("ranks from the top-level dp_size x attn_dp_size (no kv_events.dp_size advertised)")
+    if not ov.page_size and kv_block is None and e.page_size is not None:
+        e.notes.append("block size from the top-level page_size x dcp_size (no kv_events.block_size advertised)")
     e.model = info.get("served_model_name") or info.get("model_path")
     e.kv_port_base = ov.kv_port_base or kv.get("endpoint_port_base") or _port(kv.get("endpoint"))
     e.replay_port_base = (ov.replay_port_base or kv.get("replay_endpoint_port_base")
                           or _port(kv.get("replay_endpoint")))
-    e.load_port_base = (ov.load_port_base or kv.get("load_endpoint_port_base")
-                        or _port(kv.get("load_endpoint")) or _port(info.get("load_publish_endpoint")))
+    if ov.load_port_base:
+        e.load_port_base = ov.load_port_base
+    elif advertised:
+        # the router subscribes only when both are advertised; so does the recorder
+        if kv.get("load_endpoint_port_base") and kv.get("load_topic") is not None:
+            e.load_port_base = kv.get("load_endpoint_port_base")
+            e.load_topic = str(kv.get("load_topic"))
+    else:
+        e.load_port_base = _port(kv.get("load_endpoint")) or _port(info.get("load_publish_endpoint"))
     topic = ov.kv_topic if ov.kv_topic is not None else kv.get("topic", "")
     e.kv_topic = topic or ""
     if e.dp_size < 1:
@@ -179,15 +219,21 @@ class Stream:
         return f"{self.engine.url} rank {self.rank} {self.kind}"
 
 
+def _dial(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class Recorder:
     def __init__(self, urls: list[str], out: Path, *, overrides: Overrides | None = None,
                  flush_s: float = 10.0, rotate_s: int = 3600, retry_s: float = 10.0,
-                 replay_timeout_s: float = 5.0, status=None, now_ns=time.time_ns):
+                 replay_timeout_s: float = 5.0, status=None, now_ns=time.time_ns,
+                 router_flags: dict | None = None):
         if not urls:
             raise RecordError("no worker given (use --worker URL or --workers-file FILE)")
         self.urls = list(dict.fromkeys(urls))
         self.out = Path(out)
         self.ov = overrides or Overrides()
+        self.router_flags = dict(router_flags or {})
         self.flush_s = float(flush_s)
         self.retry_s = float(retry_s)
         self.replay_timeout_s = float(replay_timeout_s)
@@ -258,12 +304,14 @@ class Recorder:
                 continue
             self.engines[url] = e
             for rank in range(e.dp_size):
-                for kind, base, topic in ((LOAD, e.load_port_base, "load"), (KV, e.kv_port_base, e.kv_topic)):
+                for kind, base, topic in ((LOAD, e.load_port_base, e.load_topic), (KV, e.kv_port_base, e.kv_topic)):
                     if base is None:
                         continue
-                    ep = f"tcp://{e.host}:{base + rank}"
+                    ep = f"tcp://{_dial(e.host)}:{base + rank}"
                     s = Stream(e, rank, kind, ep)
                     sock = ctx.socket(zmq.SUB)
+                    if ":" in e.host:
+                        sock.setsockopt(zmq.IPV6, 1)
                     sock.setsockopt(zmq.RCVHWM, 1_000_000)
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -271,7 +319,7 @@ class Recorder:
                     self._sockets[sock] = s
                     poller.register(sock, zmq.POLLIN)
                     if kind == KV and e.replay_port_base is not None:
-                        s.replay_endpoint = f"tcp://{e.host}:{e.replay_port_base + rank}"
+                        s.replay_endpoint = f"tcp://{_dial(e.host)}:{e.replay_port_base + rank}"
                         self._open_replay(s)
                     self.streams.append(s)
             self._write_workers()
@@ -287,6 +335,8 @@ class Recorder:
             s.replay.close(linger=0)
         rep = self._ctx.socket(zmq.DEALER)
         rep.setsockopt(zmq.LINGER, 0)
+        if ":" in s.engine.host:
+            rep.setsockopt(zmq.IPV6, 1)
         rep.connect(s.replay_endpoint)
         s.replay = rep
         self._sockets[rep] = s
@@ -305,36 +355,54 @@ class Recorder:
                                   "frame_bytes": [len(f) for f in frames[:4]]})
 
     def _gap(self, s: Stream, kind: str, a: int | None, b: int | None, t0, t1, reason: str, now: int) -> None:
-        self.gaps.append({"ts": now, "worker": s.engine.url, "dp_rank": s.rank, "stream": s.kind,
-                          "kind": kind, "from_seq": a, "to_seq": b, "from_ts": t0, "to_ts": t1,
-                          "reason": reason})
         if kind == "gap":
             s.gaps += 1
             if a is not None and b is not None:
                 s.lost += b - a + 1
+        self.gaps.append({"ts": now, "worker": s.engine.url, "dp_rank": s.rank, "stream": s.kind,
+                          "kind": kind, "from_seq": None if a is None else wire.stored_seq(a),
+                          "to_seq": None if b is None else wire.stored_seq(b), "from_ts": t0, "to_ts": t1,
+                          "reason": reason})
+
+    def _reset(self, s: Stream, now: int, why: str, old: int | None, new: int | None) -> None:
+        """A publisher reset: ranges still asked of the old publisher's replay buffer are lost
+        with it (the new one answers with its own, unrelated sequence numbers), a ``restart``
+        row says when, and on the KV stream an AllBlocksCleared row (seq -1, event_index -1)
+        empties the rank before the new publisher's first batch, as the router does."""
+        while s.pending:
+            self._finish_replay(s, now, "the publisher restarted before its replay socket answered",
+                                ask_next=False)
+        s.restarts += 1
+        self._gap(s, "restart", None if new is None else wire.stored_seq(new),
+                  None if old is None else wire.stored_seq(old), s.last_ts, now, why, now)
+        if s.kind == KV:
+            self.kv.append({"ts": now, "worker": s.engine.url, "dp_rank": s.rank, "seq": -1, "event_index": -1,
+                            "engine_ts": None, "replayed": False, "type": wire.ALL_BLOCKS_CLEARED})
+            self.rows_total += 1
 
     def _sequence(self, s: Stream, seq: int, now: int) -> None:
         """Bookkeeping of a live message's sequence number (restart, gap)."""
         last = s.last_seq
-        if last is not None:
-            if seq <= last:
-                # ranges still asked of the old publisher's replay buffer are lost with it (the new
-                # one would answer with its own, unrelated sequence numbers)
-                while s.pending:
-                    self._finish_replay(s, now, "the publisher restarted before its replay socket answered",
-                                        ask_next=False)
-                s.restarts += 1
-                self._gap(s, "restart", seq, last, s.last_ts, now,
-                          f"sequence went back from {last} to {seq} (publisher restart)", now)
-            elif seq > last + 1:
-                a, b = last + 1, seq - 1
-                if s.kind == KV and s.replay is not None:
-                    s.pending.append([a, b, s.last_ts, now, set(), None])
-                    if len(s.pending) == 1:
-                        self._ask_replay(s)
-                else:
-                    why = "LoadStat has no replay socket" if s.kind == LOAD else "no replay endpoint"
-                    self._gap(s, "gap", a, b, s.last_ts, now, why, now)
+        if last is not None and seq <= last:
+            # REPLAY CHOICE: any decrease is a restart (0.5.23 sends no reset frame; a
+            # subscriber that stays connected may first see seq 1 or 3 of the new publisher)
+            self._reset(s, now, f"sequence went back from {last} to {seq} (publisher restart)", last, seq)
+            # what the new publisher sent before this frame (its AllBlocksCleared at seq 0 among
+            # them) is asked of its replay buffer like any gap
+            last = -1
+            s.last_ts = now
+        if last is not None and seq > last + 1:
+            a, b = last + 1, seq - 1
+            if s.kind == KV and s.replay is not None:
+                s.pending.append([a, b, s.last_ts, now, set(), None])
+                if len(s.pending) == 1:
+                    self._ask_replay(s)
+            else:
+                # REPLAY CHOICE: LoadStat gaps are normal (the engine's PUB high-water mark is 8
+                # messages, each sample a gauge superseded by the next): reported, never chased
+                why = ("LoadStat has no replay socket (a gauge: the next sample supersedes it)"
+                       if s.kind == LOAD else "no replay endpoint")
+                self._gap(s, "gap", a, b, s.last_ts, now, why, now)
         s.last_seq = seq
         s.last_ts = now
 
@@ -359,19 +427,18 @@ class Recorder:
         if not s.pending:
             return  # a late answer after a timeout
         try:
-            if len(frames) != 3 or frames[0] != b"":
-                raise wire.FrameError(f"replay answer of {len(frames)} frames, expected 3")
-            seq = wire.unpack_seq(frames[1])
+            ans = wire.split_replay(frames)
         except wire.FrameError as err:
             s.malformed += 1
             self._example(s, f"replay: {err}", frames)
             return
         p = s.pending[0]
-        if seq == -1:
+        if ans is None:       # the end marker: what did not come is no longer in the buffer
             self._finish_replay(s, now, "not in the replay buffer any more")
             return
+        seq, payload = ans
         if p[0] <= seq <= p[1] and seq not in p[4]:
-            if self._kv_rows(s, seq, frames[2], now, replayed=True, lo=p[2], hi=p[3]):
+            if self._kv_rows(s, seq, payload, now, replayed=True, lo=p[2], hi=p[3]):
                 p[4].add(seq)
                 s.replayed += 1
 
@@ -392,7 +459,7 @@ class Recorder:
             # range, estimates when the router saw it.
             ts = hi if engine_ns is None else min(max(engine_ns, lo if lo is not None else engine_ns), hi)
         for j, ev in enumerate(events):
-            ev.update(ts=ts, worker=s.engine.url, dp_rank=s.rank, seq=seq, event_index=j,
+            ev.update(ts=ts, worker=s.engine.url, dp_rank=s.rank, seq=wire.stored_seq(seq), event_index=j,
                       engine_ts=engine_ns, replayed=replayed)
             self.kv.append(ev)
         self.rows_total += len(events)
@@ -406,6 +473,12 @@ class Recorder:
             self._example(s, str(err), frames)
             return
         s.messages += 1
+        if seq == wire.RESET_SEQ and s.kind == KV:
+            # a newer engine's reset frame: that rank is cleared, its next batches start at 0
+            self._reset(s, now, "reset frame (sequence -1) on the live KV topic", s.last_seq, None)
+            s.last_seq = None
+            s.last_ts = now
+            return
         self._sequence(s, seq, now)
         if s.kind == LOAD:
             try:
@@ -414,7 +487,7 @@ class Recorder:
                 s.malformed += 1
                 self._example(s, str(err), frames)
                 return
-            row.update(ts=now, worker=s.engine.url, dp_rank=s.rank, seq=seq)
+            row.update(ts=now, worker=s.engine.url, dp_rank=s.rank, seq=wire.stored_seq(seq))
             self.loads.append(row)
             self.rows_total += 1
         else:
@@ -437,8 +510,13 @@ class Recorder:
             "flush_interval_s": self.flush_s, "rotate_s": self.loads.rotate_s,
             "workers": {u: {"dp_size": e.dp_size, "page_size": e.page_size, "model": e.model,
                             "discovered_from": e.source, "load_port_base": e.load_port_base,
-                            "kv_port_base": e.kv_port_base, "replay_port_base": e.replay_port_base}
+                            "load_topic": e.load_topic if e.load_port_base is not None else None,
+                            "kv_port_base": e.kv_port_base, "kv_topic": e.kv_topic,
+                            "replay_port_base": e.replay_port_base, "notes": e.notes}
                         for u, e in sorted(self.engines.items())},
+            # the hash namespace ("format" of --kv-events-config) is not advertised: only --kv-format says
+            "kv_format": self.ov.kv_format or "unknown (not advertised by /server_info; give --kv-format)",
+            **({"router": self.router_flags} if self.router_flags else {}),
             "unreachable": dict(sorted(self.unreachable.items())),
             "streams": [{"stream": s.name, "worker": s.engine.url, "dp_rank": s.rank, "kind": s.kind,
                          "endpoint": s.endpoint, "messages": s.messages, "malformed": s.malformed,

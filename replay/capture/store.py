@@ -36,13 +36,19 @@ LOADS_SCHEMA = pa.schema([
 
 KV_SCHEMA = pa.schema([
     ("ts", pa.int64()),              # receive time (ns); for a replayed batch, see `replayed`
+    # the publisher's sequence (unsigned on the wire, the same 8 bytes signed here); -1 with
+    # event_index -1: an AllBlocksCleared the recorder wrote for a publisher reset (a live
+    # all-0xFF frame, or the sequence going back), ordered before the new publisher's batches
     ("worker", pa.string()), ("dp_rank", pa.int64()), ("seq", pa.int64()),
-    ("event_index", pa.int32()),     # position inside the batch
+    ("event_index", pa.int32()),     # position inside the batch (-1: the recorder's reset row)
     ("engine_ts", pa.int64()),       # the batch's own ts, ns (engine clock)
     ("replayed", pa.bool_()),        # recovered from the replay socket after a gap
     ("type", pa.string()), ("block_hashes", pa.list_(pa.int64())),
     ("parent_block_hash", pa.int64()), ("n_tokens", pa.int64()), ("block_size", pa.int64()),
     ("lora_id", pa.int64()), ("medium", pa.string()),
+    # BlockStored keys of sglang 0.5.23 (null when absent)
+    ("cache_salt", pa.string()), ("session_id", pa.string()), ("lora_name", pa.string()),
+    ("wide_tokens", pa.bool_()),     # token ids above 2**32 - 1 or bigram pairs: hashed in another form
 ])
 
 GAPS_SCHEMA = pa.schema([
@@ -54,6 +60,8 @@ GAPS_SCHEMA = pa.schema([
     ("reason", pa.string()),
 ])
 
+# dp_size: the publishing ranks (kv_events.dp_size = dp_size x attention-DP size); page_size: the
+# size the block hashes are computed with (kv_events.block_size = page_size x DCP size)
 WORKERS_SCHEMA = pa.schema([
     ("worker", pa.string()), ("model", pa.string()), ("role", pa.string()),
     ("dp_size", pa.int64()), ("page_size", pa.int64()),

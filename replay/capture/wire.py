@@ -3,7 +3,7 @@
 Accepted shapes, and nothing else (anything else is a :class:`FrameError`,
 which the recorder counts and skips):
 
-* LoadStat: ``[topic, seq (8-byte big-endian signed), msgpack]`` where the
+* LoadStat: ``[topic, seq (8-byte big-endian unsigned), msgpack]`` where the
   payload is the array ``["LoadStat", running, waiting, num_tokens,
   max_total_num_tokens, attn_dp_rank | nil, <native tail of five>, ...]``;
   six elements (no tail) or eleven and more (extras ignored).  Between six and
@@ -14,6 +14,15 @@ which the recorder counts and skips):
   block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
   ``["AllBlocksCleared"]``; trailing optional fields may be absent) or a map
   with a ``"type"`` key and the same field names (optional keys omitted).
+  ``BlockStored`` maps may carry ``cache_salt``, ``session_id`` and
+  ``lora_name`` (sglang 0.5.23): kept.
+* KV replay answers (the DEALER side of the replay ROUTER): ``[b"", topic,
+  seq, payload]`` per buffered batch (three frames ``[b"", seq, payload]``
+  from engines without the topic frame), then the end marker whose sequence
+  frame is all ``0xFF`` (the topic frame is empty then, but so is every
+  topic frame under the default empty topic: only the sequence tells).
+* A live KV frame whose sequence is all ``0xFF`` (``-1`` signed) is a
+  publisher reset (newer engines): :data:`RESET_SEQ`.
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ ALL_BLOCKS_CLEARED = "AllBlocksCleared"
 EVENT_TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
 MEDIA = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
 
-_SEQ = struct.Struct(">q")
+_SEQ = struct.Struct(">Q")
+ALL_FF = b"\xff" * 8
+RESET_SEQ = (1 << 64) - 1       # the all-0xFF sequence: replay end marker, or a live reset frame
+U32_MAX = 0xFFFFFFFF
 I64_MIN = -(1 << 63)
 U64 = 1 << 64
 
@@ -43,13 +55,21 @@ class FrameError(ValueError):
 
 
 def pack_seq(seq: int) -> bytes:
-    return _SEQ.pack(seq)
+    """8-byte big-endian unsigned (``-1`` packs as the all-0xFF marker)."""
+    return _SEQ.pack(seq % (1 << 64))
 
 
 def unpack_seq(frame: bytes) -> int:
+    """The sequence as an unsigned integer (CAPTURE.md: read unsigned; the same
+    bytes as signed below 2**63)."""
     if len(frame) != 8:
         raise FrameError(f"sequence frame of {len(frame)} bytes, expected 8")
     return _SEQ.unpack(frame)[0]
+
+
+def stored_seq(seq: int) -> int:
+    """A sequence number as the int64 Parquet column holds it (the same 8 bytes, signed)."""
+    return seq - (1 << 64) if seq >= 1 << 63 else seq
 
 
 def _unpack(payload: bytes):
@@ -72,6 +92,20 @@ def split(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     if len(frames) != 3:
         raise FrameError(f"{len(frames)} frames, expected 3 (topic, sequence, payload)")
     return frames[0], unpack_seq(frames[1]), frames[2]
+
+
+def split_replay(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``(seq, payload)`` of one replay answer, None for the end marker.
+
+    Four frames ``[b"", topic, seq, payload]`` (sglang 0.5.23) or three
+    ``[b"", seq, payload]``; the end marker is recognised by its all-0xFF
+    sequence frame alone."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise FrameError(f"replay answer of {len(frames)} frames, expected [b'', topic, seq, payload]")
+    seq_frame, payload = frames[-2], frames[-1]
+    if seq_frame == ALL_FF:
+        return None
+    return unpack_seq(seq_frame), payload
 
 
 def decode_loadstat(payload: bytes) -> dict:
@@ -133,6 +167,15 @@ def _medium(v) -> str | None:
     return v
 
 
+def _wide(toks) -> bool:
+    if not toks:
+        return False
+    try:
+        return bool(max(toks) > U32_MAX or min(toks) < 0)
+    except TypeError:      # bigram pairs (lists) or something that is not a number
+        return True
+
+
 _STORED_KEYS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 
 
@@ -152,7 +195,8 @@ def decode_event(ev) -> dict:
     else:
         raise FrameError(f"event is {type(ev).__name__}, expected a tagged array or a map")
     row = {"type": kind, "block_hashes": None, "parent_block_hash": None, "n_tokens": None,
-           "block_size": None, "lora_id": None, "medium": None}
+           "block_size": None, "lora_id": None, "medium": None, "cache_salt": None, "session_id": None,
+           "lora_name": None, "wide_tokens": None}
     if kind == BLOCK_STORED:
         row["block_hashes"] = _hashes(fields.get("block_hashes"))
         parent = fields.get("parent_block_hash")
@@ -161,6 +205,15 @@ def decode_event(ev) -> dict:
         if toks is not None and not isinstance(toks, (list, tuple)):
             raise FrameError("token_ids is not a list")
         row["n_tokens"] = None if toks is None else len(toks)
+        # token ids the engine hashes in another form than u32 little-endian: ids above
+        # 2**32 - 1 (its per-page wide form) or bigram pairs (EAGLE workers); flagged, for
+        # the importer to refuse to call its matches exact
+        row["wide_tokens"] = _wide(toks)
+        for k in ("cache_salt", "session_id", "lora_name"):
+            v = fields.get(k)
+            if v is not None and not isinstance(v, str):
+                raise FrameError(f"{k} is {type(v).__name__}, expected a string")
+            row[k] = v or None
         bs = fields.get("block_size")
         row["block_size"] = None if bs is None else _count(bs, "block_size")
         lora = fields.get("lora_id")

@@ -46,11 +46,17 @@ def _pairs(values, flag: str) -> list[tuple[str, str]]:
 @click.option("--dynamo-worker", multiple=True, metavar="ID=URL", help="Map a Dynamo prefill_worker_id to a URL.")
 @click.option("--router-inflight", type=click.Choice(["none", "derived"]), default="none", show_default=True,
               help="derived: loads carry each worker's in-flight count from the served requests (one router).")
+@click.option("--router-flags", default=None, metavar="'FLAGS'",
+              help="The production router's knob flags, e.g. '--worker-queue-limit 8 --saturation-queue-floor 2': "
+                   "checked like the router's CLI, written to trace.json's router (default: record's).")
+@click.option("--kv-format", type=click.Choice(["default", "dynamo"]), default=None,
+              help="The engines' KV-event hash format (default: what record was told, else unknown).")
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip malformed JSON lines instead of refusing.")
 @click.option("--force", is_flag=True, help="Replace an existing output of this tool.")
 @user_errors
 def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, v1_loads, prometheus, page_size,
-            index_lag_ms, matches, kv_capacity_tokens, dynamo_worker, router_inflight, skip_bad_lines, force):
+            index_lag_ms, matches, kv_capacity_tokens, dynamo_worker, router_inflight, router_flags, kv_format,
+            skip_bad_lines, force):
     """Build a replayable trace from what a fleet left on disk.
 
     \b
@@ -64,6 +70,7 @@ def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, 
     trace.json (what was joined, what was missing: extra.capture).
     """
     from replay.capture.importer import ImportSpec, import_capture  # lazy: loaded when the command runs
+    from replay.config import parse_router_command_line  # lazy: loaded when the command runs
 
     dyn = {}
     for v in dynamo_worker:
@@ -77,7 +84,8 @@ def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, 
                       prometheus=_pairs(prometheus, "--prometheus"), page_size=page_size,
                       index_lag_ms=index_lag_ms, matches=matches, kv_capacity_tokens=kv_capacity_tokens,
                       dynamo_workers=dyn, skip_bad_lines=skip_bad_lines,
-                      router_inflight=router_inflight, force=force)
+                      router_inflight=router_inflight, force=force, kv_format=kv_format,
+                      router_flags=parse_router_command_line(router_flags) if router_flags is not None else None)
     bar = {}
 
     def progress(label, i, n):

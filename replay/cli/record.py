@@ -48,8 +48,10 @@ def _urls(workers, workers_file) -> list[str]:
               help="Buffered rows are written every this long: the most a kill -9 can lose.")
 @click.option("--rotate", type=click.Choice(["hour", "day"]), default="hour", show_default=True,
               help="Partition (date=/hour=) of the written parts.")
-@click.option("--dp-size", type=click.IntRange(1), help="Override the engines' advertised dp_size.")
-@click.option("--page-size", type=click.IntRange(1), help="Override the engines' advertised page_size.")
+@click.option("--dp-size", type=click.IntRange(1),
+              help="Override the publishing ranks (advertised: kv_events.dp_size).")
+@click.option("--page-size", type=click.IntRange(1),
+              help="Override the hashing block size (advertised: kv_events.block_size).")
 @click.option("--load-port-base", type=click.IntRange(1, 65535), help="LoadStat PUB port of rank 0.")
 @click.option("--kv-port-base", type=click.IntRange(1, 65535), help="KV-event PUB port of rank 0.")
 @click.option("--replay-port-base", type=click.IntRange(1, 65535), help="KV-event replay port of rank 0.")
@@ -58,10 +60,15 @@ def _urls(workers, workers_file) -> list[str]:
               help="Ask an engine that did not answer /server_info again after this long.")
 @click.option("--replay-timeout", default="5s", show_default=True,
               help="How long to wait for a replay socket's answer before the range is a gap.")
+@click.option("--kv-format", type=click.Choice(["default", "dynamo"]), default=None,
+              help="The engines' --kv-events-config \"format\" (not advertised by /server_info; "
+                   "default: unknown, and salted requests' matches are then not called exact).")
+@click.option("--router-flags", default=None, metavar="'FLAGS'",
+              help="The production router's knob flags, e.g. '--worker-queue-limit 8' (kept for import).")
 @click.option("--force", is_flag=True, help="Replace an existing output of this tool.")
 @user_errors
 def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size, page_size, load_port_base,
-           kv_port_base, replay_port_base, kv_topic, retry, replay_timeout, force):
+           kv_port_base, replay_port_base, kv_topic, retry, replay_timeout, kv_format, router_flags, force):
     """Record every rank's LoadStat and KV-event streams of a live fleet into a trace set.
 
     \b
@@ -80,9 +87,11 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
         StatusLine,
         install_signal_handlers,
     )
+    from replay.config import parse_router_command_line  # lazy: loaded when the command runs
     from replay.runs import rundir  # lazy: loaded when the command runs
 
     urls = _urls(workers, workers_file)
+    flags = parse_router_command_line(router_flags) if router_flags is not None else None
     dur = parse_seconds(duration, "--duration") if duration is not None else None
     flush = parse_seconds(flush_interval, "--flush-interval")
     retry_s = parse_seconds(retry, "--retry")
@@ -90,10 +99,11 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     rundir.guard([(out, "recording")], force=force)
     outguard.clear(Path(out))
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,
-                   kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic)
+                   kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic,
+                   kv_format=kv_format)
     status = StatusLine() if sys.stderr.isatty() else None
     rec = Recorder(urls, Path(out), overrides=ov, flush_s=flush, rotate_s=3600 if rotate == "hour" else 86400,
-                   retry_s=retry_s, replay_timeout_s=replay_timeout_s, status=status)
+                   retry_s=retry_s, replay_timeout_s=replay_timeout_s, status=status, router_flags=flags)
     install_signal_handlers(rec)
     facts = rec.run(dur)
     click.echo(f"recorded {facts['rows']['loads']:,} load rows and {facts['rows']['kv_events']:,} KV events "

@@ -105,6 +105,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
     planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
+    if capture_out:
+        from replay.capture import outguard  # noqa: F401  lazy: registers the 'capture' output kind
     rundir.guard([(out, "plan" if planning else "sim"),
                   *([(capture_out, "capture")] if capture_out else [])],
                  inputs=[log, fleet_path], force=force)

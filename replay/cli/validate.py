@@ -73,6 +73,14 @@ def format_report(facts: TraceFacts) -> str:
                      + (", ".join(f"{k}={v}" for k, v in router.items()) if router else "defaults")
                      + (" (per dp rank)" if f.trace_json["per_dp_rank"] else "")
                      + (f"; source: {f.trace_json['source']}" if f.trace_json["source"] else ""))
+        cm = f.trace_json.get("capture_matches") or {}
+        if cm.get("matches_source"):
+            approx = cm.get("matches_approximate") or {}
+            lines.append(f"matches (import): {cm['matches_source']}, "
+                         + ("exact" if cm.get("matches_exact") else
+                            f"approximate for {approx.get('requests', 'all'):,} requests"
+                            if approx else "approximate")
+                         + (f" ({'; '.join(approx['reasons'])})" if approx.get("reasons") else ""))
     unsorted = [name for name, ok in (("requests", f.requests_sorted_on_disk), ("loads", f.loads_sorted_on_disk))
                 if not ok]
     if unsorted:

@@ -1,8 +1,10 @@
-"""A recorded trace directory as the simulator's input (issue 10).
+"""A recorded trace directory as the simulator's input.
 
-:func:`read_trace_log` reads ``requests.parquet`` / ``workers.parquet`` /
-``loads.parquet`` / ``trace.json`` of a router-replay trace with polars (this
-module does not depend on the trace loader's internals) and returns a
+:func:`read_trace_log` reads ``requests.parquet`` (or a ``requests/`` folder of
+parts) / ``workers.parquet`` / ``loads.parquet`` (or ``loads/``, the trace set
+``record`` and ``import`` write) / ``trace.json`` of a router-replay trace with
+polars (the parts are listed by :func:`replay.trace.files.list_parts`, the one
+owner of which files make a table) and returns a
 :class:`RecordedTrace`: the :class:`RequestLog` the simulator consumes
 (arrivals, ``input_tokens``, ``output_tokens``, ``hash_ids`` with the trace's
 page size as block size), where production placed every request, what it
@@ -25,6 +27,8 @@ import numpy as np
 import polars as pl
 
 from replay.simulate.logs import LogError, RequestLog
+from replay.trace.base import TraceError
+from replay.trace.files import list_parts
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 
@@ -68,7 +72,30 @@ class RecordedTrace:
 
 def is_trace_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / "requests.parquet").is_file()
+    return p.is_dir() and ((p / "requests.parquet").is_file() or (p / "requests").is_dir())
+
+
+def _table(d: Path, kind: str) -> tuple[pl.DataFrame | None, Path]:
+    """Table ``kind`` of trace directory ``d``, one file or a folder of parts (concatenated in
+    path order; rows are numbered through the concatenation), and the path errors name."""
+    try:
+        parts = list_parts(str(d), kind)
+    except TraceError as err:
+        raise LogError(str(err)) from None
+    if not parts:
+        return None, d / f"{kind}.parquet"
+    if len(parts) == 1 and parts[0].name == f"{kind}.parquet":
+        return _read(Path(parts[0].path)), Path(parts[0].path)
+    frames = []
+    for part in parts:
+        try:
+            frames.append(pl.read_parquet(part.path, hive_partitioning=False))
+        except Exception as err:  # noqa: BLE001 - polars/pyarrow raise many kinds; one line for the user
+            raise LogError(f"{part.path}: cannot read: {str(err).splitlines()[0]}") from None
+    try:
+        return pl.concat(frames, how="diagonal_relaxed"), d / kind
+    except Exception as err:  # noqa: BLE001 - parts whose columns cannot be put together
+        raise LogError(f"{d / kind}: parts do not fit together: {str(err).splitlines()[0]}") from None
 
 
 def _read(p: Path) -> pl.DataFrame:
@@ -131,9 +158,11 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     ``page_size``, else ``block_size``; with none of them the trace is refused.
     """
     d = Path(path)
-    rq_path, wk_path, ld_path = d / "requests.parquet", d / "workers.parquet", d / "loads.parquet"
+    wk_path = d / "workers.parquet"
     info = read_trace_info(d)
-    req = _read(rq_path)
+    req, rq_path = _table(d, "requests")
+    if req is None:
+        raise LogError(f"{rq_path}: file not found (nor a requests/ folder)")
     for c in REQUIRED:
         if c not in req.columns:
             raise LogError(f"{rq_path}: missing column {c!r} (a trace used as a request log needs "
@@ -216,7 +245,7 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
               if "cached_tokens" in req.columns else np.full(req.height, -1, dtype=np.int64))
     ttft = _float_column(req, "ttft_ms", rq_path)[order]
     lat = _float_column(req, "latency_ms", rq_path)[order]
-    loads = _read(ld_path) if ld_path.is_file() else None
+    loads, _ld_path = _table(d, "loads")
     model = None
     if "model" in req.columns and req["model"].drop_nulls().len():
         model = str(req["model"].drop_nulls()[0])

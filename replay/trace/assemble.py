@@ -123,7 +123,9 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
         page_sizes={m: int(p) for m, p in zip(models, universe.model_page, strict=False) if p > 0} or None,
         trace_json=None if info.path is None else {
             "router": dict(info.router), "page_size": info.page_size, "source": info.source,
-            "per_dp_rank": info.per_dp_rank},
+            "per_dp_rank": info.per_dp_rank,
+            "capture_matches": {k: v for k, v in ((info.extra or {}).get("capture") or {}).items()
+                                if k in ("matches_source", "matches_exact", "matches_approximate")}},
     )
     if n:
         tf.span_start_ns = int(rq.ts.min())
