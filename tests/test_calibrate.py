@@ -234,9 +234,10 @@ def test_calibrate_bad_trace_one_line(tmp_path, prod):
     r = _run(["calibrate", bad, "--out", tmp_path / "f.toml"])
     assert r.exit_code == 2 and "requests.parquet: missing column 'hash_ids'" in r.output
     assert len(r.output.strip().splitlines()) == 1
-    short = req.with_columns(pl.when(pl.int_range(pl.len()) == 5).then(pl.col("hash_ids").list.head(1))
-                             .otherwise(pl.col("hash_ids")).alias("hash_ids"))
-    short.write_parquet(bad / "requests.parquet")
+    twice = pl.col("hash_ids").list.concat(pl.col("hash_ids"))    # neither ceil nor floor of row 5
+    doubled = req.with_columns(pl.when(pl.int_range(pl.len()) == 5).then(twice)
+                               .otherwise(pl.col("hash_ids")).alias("hash_ids"))
+    doubled.write_parquet(bad / "requests.parquet")
     r = _run(["calibrate", bad, "--out", tmp_path / "f.toml"])
     assert r.exit_code == 2 and "column 'hash_ids' row 5" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 
 from replay.simulate.logs import LogError, RequestLog
+from replay.trace.blocks import check_block_counts
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 
@@ -178,17 +179,14 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         raise LogError(f"{rq_path}: column 'hash_ids' row {int(hashes.is_null().arg_max())}: null "
                        "(a request log needs every request's block hashes)")
     hashes = hashes.cast(pl.List(pl.Int64))
-    sizes = hashes.list.len().to_numpy().astype(np.int64)
-    want = -(-L // page)
-    bad = np.nonzero(sizes != want)[0]
-    if bad.size:
-        i = int(bad[0])
-        raise LogError(f"{rq_path}: column 'hash_ids' row {i}: has {int(sizes[i])} hashes, expected "
-                       f"ceil(input_tokens {int(L[i])} / page_size {page}) = {int(want[i])}")
     inner_null = hashes.list.eval(pl.element().is_null().any()).list.first().fill_null(False)
     if inner_null.any():
         raise LogError(f"{rq_path}: column 'hash_ids' row {int(inner_null.arg_max())}: "
                        "null entry inside the list")
+    sizes = hashes.list.len().to_numpy().astype(np.int64)
+    counts = check_block_counts(sizes, L, page)
+    if counts.bad is not None:
+        raise LogError(f"{rq_path}: column 'hash_ids' row {counts.bad}: {counts.message}")
     flat = (hashes.explode().drop_nulls().to_numpy().astype(np.int64) if sizes.sum()
             else np.zeros(0, np.int64))
     off = np.zeros(req.height + 1, dtype=np.int64)

@@ -120,6 +120,7 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
         has_workers_table=universe.has_table,
         non_fleet_load_workers=universe.non_fleet_load,
         closed_loop_columns=cl.counts(),
+        hash_ids_full_blocks_only=None if cl.hash_offsets is None else cl.partial_blocks_added,
         page_sizes={m: int(p) for m, p in zip(models, universe.model_page, strict=False) if p > 0} or None,
         trace_json=None if info.path is None else {
             "router": dict(info.router), "page_size": info.page_size, "source": info.source,
