@@ -305,20 +305,25 @@ def synthetic_prefixes(input_tokens: np.ndarray, ts_ns: np.ndarray, *, seed: int
     return stream_blocks(prompt, session, input_tokens.astype(np.int64), prompt_tokens, block_size)
 
 
+def read_csv_log(p: Path, need: tuple[str, ...]) -> pl.DataFrame:
+    """A CSV request log with the columns ``need``; one line on a missing file or column."""
+    if not p.is_file():
+        raise LogError(f"{p}: no such file")
+    try:
+        df = pl.read_csv(p, infer_schema_length=10000)
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
+        raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
+    for c in need:
+        if c not in df.columns:
+            raise LogError(f"{p}: missing column {c!r} (need {', '.join(need)})")
+    return df
+
+
 def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
                limit: int | None = None, **model) -> RequestLog:
     """Read an Azure LLM inference CSV; prefix ids from :func:`synthetic_prefixes` (seeded)."""
     p = Path(path)
-    if not p.is_file():
-        raise LogError(f"{p}: no such file")
-    try:
-        df = pl.read_csv(p)
-    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
-        raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
-    need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-    for c in need:
-        if c not in df.columns:
-            raise LogError(f"{p}: missing column {c!r} (need {', '.join(need)})")
+    df = read_csv_log(p, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     if limit is not None:
         df = df.head(int(limit))
     try:
@@ -335,19 +340,6 @@ def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFA
     ts, L, out = ts[order], L[order], out[order]
     off, ids = synthetic_prefixes(L, ts, seed=seed, block_size=block_size, **model)
     return RequestLog(ts, L, out, off, ids, order.astype(np.int64), block_size, str(p))
-
-
-def read_log(path: str | os.PathLike, *, fmt: str = "auto", seed: int = 0,
-             block_size: int = DEFAULT_BLOCK_SIZE, limit: int | None = None) -> RequestLog:
-    """Read a log by format: ``mooncake`` (JSONL or Parquet), ``azure`` (CSV) or ``auto`` (by suffix)."""
-    p = Path(path)
-    if fmt == "auto":
-        fmt = "azure" if p.suffix.lower() == ".csv" else "mooncake"
-    if fmt == "mooncake":
-        return read_mooncake(p, block_size=block_size, limit=limit)
-    if fmt == "azure":
-        return read_azure(p, seed=seed, block_size=block_size, limit=limit)
-    raise LogError(f"unknown log format {fmt!r}; expected auto, mooncake or azure")
 
 
 # ---------------------------------------------------------------------------
