@@ -108,6 +108,10 @@ def _file_format(p: Path) -> str:
     try:
         if name.endswith(".json"):   # one JSON document (a session file), else JSONL
             with _open_text(p) as f:
+                head = f.read(1 << 16)
+            if '"hash_id_scope"' in head and '"block_size"' in head:   # a session file, without parsing it
+                return "kv-cache-tester"
+            with _open_text(p) as f:
                 try:
                     doc = json.load(f)
                 except ValueError:
@@ -188,8 +192,10 @@ def _session_requests(doc: dict, where: Path) -> list[tuple[float, dict]]:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise LogError(f"{where}: {at}: field {key!r} must be an integer >= 0, got {v!r}")
             h = r.get("hash_ids")
-            if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
+            a = np.asarray(h) if isinstance(h, list) else None
+            if a is None or (a.size and (a.ndim != 1 or a.dtype.kind not in "iu")):
                 raise LogError(f"{where}: {at}: field 'hash_ids' must be a list of integers")
+            r = dict(r, hash_ids=a.astype(np.int64))
             out.append((base + float(t), r))
 
     walk(doc.get("requests"), 0.0, "requests")
@@ -246,7 +252,7 @@ def read_kv_cache_tester(path: str | os.PathLike, *, sessions: int | None = None
             raise LogError(f"{f}: field 'hash_id_scope' must be \"local\" or \"global\", got {scope!r}")
         shared = (int(doc.get("tool_tokens") or 0) + int(doc.get("system_tokens") or 0)) // b
         reqs = _session_requests(doc, f)
-        c = check_block_counts(np.array([len(r["hash_ids"]) for _, r in reqs], dtype=np.int64),
+        c = check_block_counts(np.array([r["hash_ids"].size for _, r in reqs], dtype=np.int64),
                                np.array([r["in"] for _, r in reqs], dtype=np.int64), b, length_name="in",
                                block_name="block_size")
         if c.bad is not None:
@@ -261,7 +267,7 @@ def read_kv_cache_tester(path: str | os.PathLike, *, sessions: int | None = None
     for k in range(n_inst):
         f, scope, shared, reqs = docs[int(order[k])]
         for t, r in reqs:
-            h = np.asarray(r["hash_ids"], dtype=np.int64)
+            h = r["hash_ids"]
             if scope == "local":
                 own = h > shared
                 h = np.where(own, ((k + 1) << SHARED_SCOPE_BITS) | h, h)
