@@ -25,6 +25,7 @@ from replay.trace import load_trace, request_log
 from replay.trace.blocks import INT64_MIN, check_block_counts, complete_partial_blocks, fresh_ids
 
 S = 10**9
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
@@ -217,3 +218,35 @@ def test_import_of_a_full_blocks_only_mooncake_log_validates(tmp_path):
     assert r.exit_code == 0, r.output
     rl = request_log(tmp_path / "imp")
     assert rl["hash_ids"].list.len().to_list() == [2, 2, 1, 0, 5]
+
+
+def test_trace_dir_with_full_blocks_only_simulates_like_the_complete_one(tmp_path):
+    """A simulated trace rewritten with full-blocks-only hash_ids: simulate TRACE_DIR and calibrate
+    accept it, and since a partial block never matches, the re-simulation places every request
+    exactly as the one from the complete lists does."""
+    fleet = ROOT / "traces" / "sample-fleet.toml"
+    r = run("simulate", ROOT / "traces" / "sample-log" / "requests.jsonl", "--fleet", fleet, "--requests", 400,
+            "--out", tmp_path / "t", "--worker-queue-limit", 4, "-q")
+    assert r.exit_code == 0, r.output
+    full = tmp_path / "full"
+    full.mkdir()
+    for f in (tmp_path / "t").iterdir():
+        if f.suffix in (".parquet", ".json") and f.name not in ("requests.parquet", "sim.json"):
+            (full / f.name).write_bytes(f.read_bytes())
+    req = pl.read_parquet(tmp_path / "t" / "requests.parquet")
+    B = json.loads((tmp_path / "t" / "trace.json").read_text())["page_size"]
+    cut = pl.col("input_tokens") // B
+    req.with_columns(pl.col("hash_ids").list.head(cut)).write_parquet(full / "requests.parquet")
+    n_partial = int((req["input_tokens"] % B != 0).sum())
+    assert n_partial > 100
+    assert load_trace(full).facts.hash_ids_full_blocks_only == n_partial
+    for src, out in ((tmp_path / "t", "a"), (full, "b")):
+        r = run("simulate", src, "--fleet", fleet, "--out", tmp_path / out, "--worker-queue-limit", 4, "-q")
+        assert r.exit_code == 0, r.output
+    a = pl.read_parquet(tmp_path / "a" / "requests.parquet")
+    b = pl.read_parquet(tmp_path / "b" / "requests.parquet")
+    assert a["selected_worker"].to_list() == b["selected_worker"].to_list()
+    assert a["matches"].to_list() == b["matches"].to_list()
+    assert a["ttft_ms"].to_list() == b["ttft_ms"].to_list()
+    r = run("calibrate", full, "--out", tmp_path / "fit.toml")
+    assert r.exit_code == 0, r.output
