@@ -121,6 +121,13 @@ def test_kv_cache_tester_simulates_and_sweeps_back(tmp_path):
             "--worker-queue-limit", 2)
     assert r.exit_code == 0, r.output
     assert "list their full blocks only" in r.output
+    # the written trace holds complete lists, and its facts say how many the log lacked
+    want = read_log(d, sessions=6, session_rate=0.2, seed=0).partial_blocks_added
+    assert want >= 6 * 1                # every instance's first request has a partial block
+    v = run("validate", out, "--json")
+    facts = json.loads(v.output)
+    assert facts["log_hash_ids_full_blocks_only"] == want and facts["hash_ids_full_blocks_only"] == 0
+    assert f"full blocks only for {want:,} requests" in run("validate", out).output
     s = run("sweep", out, "--out", tmp_path / "run", "--worker-queue-limit", 2, "--no-report", "-q")
     assert s.exit_code == 0, s.output
     assert pl.read_parquet(tmp_path / "run" / "summary.parquet")["agreement"][0] == 1.0

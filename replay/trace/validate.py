@@ -125,6 +125,7 @@ def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress
         has_selected_worker=tset.has_selected,
         closed_loop_columns=closed or None,
         hash_ids_full_blocks_only=full_only,
+        log_hash_ids_full_blocks_only=None if last is None else last.log_hash_ids_full_blocks_only,
         page_sizes=None if last is None else last.page_sizes,
         trace_json=None if last is None else last.trace_json,
         freshness_ms=int(freshness_ns) // 1_000_000,
