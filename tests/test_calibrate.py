@@ -234,9 +234,10 @@ def test_calibrate_bad_trace_one_line(tmp_path, prod):
     r = _run(["calibrate", bad, "--out", tmp_path / "f.toml"])
     assert r.exit_code == 2 and "requests.parquet: missing column 'hash_ids'" in r.output
     assert len(r.output.strip().splitlines()) == 1
-    short = req.with_columns(pl.when(pl.int_range(pl.len()) == 5).then(pl.col("hash_ids").list.head(1))
-                             .otherwise(pl.col("hash_ids")).alias("hash_ids"))
-    short.write_parquet(bad / "requests.parquet")
+    twice = pl.col("hash_ids").list.concat(pl.col("hash_ids"))    # neither ceil nor floor of row 5
+    doubled = req.with_columns(pl.when(pl.int_range(pl.len()) == 5).then(twice)
+                               .otherwise(pl.col("hash_ids")).alias("hash_ids"))
+    doubled.write_parquet(bad / "requests.parquet")
     r = _run(["calibrate", bad, "--out", tmp_path / "f.toml"])
     assert r.exit_code == 2 and "column 'hash_ids' row 5" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
@@ -351,7 +352,7 @@ def test_page_size_disagreement_refused(prod, tmp_path):
     info["page_size"] = 16
     (d / "trace.json").write_text(json.dumps(info))
     r = _run(["simulate", d, "--out", tmp_path / "o"])
-    assert r.exit_code == 2 and "key 'page_size': 16 disagrees with workers.parquet page_size 512" \
+    assert r.exit_code == 2 and "trace.json: key 'page_size': 16 differs from workers.parquet page_size 512" \
         in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
 

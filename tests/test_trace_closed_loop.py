@@ -124,12 +124,13 @@ def test_a_trace_without_the_columns(tmp_path):
 def test_page_size_from_the_workers_table_alone_is_checked(tmp_path):
     d = write_closed(tmp_path / "t", trace_json=None)
     assert load_trace(d).req_page_size.tolist() == [PAGE] * 4
-    bad = closed_req(input_tokens=[40, 16, 0, 33])       # row 3: 33 tokens want 3 hashes, has 2
+    bad = closed_req(input_tokens=[40, 16, 0, 49])       # row 3: 49 tokens want 4 hashes (or 3), has 2
     d2 = write_closed(tmp_path / "t2", requests=bad, trace_json=None)
     res = CliRunner().invoke(main, ["validate", str(d2)])
     assert res.exit_code == 2
     assert res.output.strip() == ("error: requests.parquet: column 'hash_ids' row 3: has 2 hashes, "
-                                  "expected ceil(input_tokens 33 / page_size 16) = 3")
+                                  "expected ceil(input_tokens 49 / page_size 16) = 4 (or 3, its full "
+                                  "blocks only)")
 
 
 def test_unknown_page_size_leaves_lengths_unchecked(tmp_path):
@@ -199,9 +200,9 @@ def test_narrow_hash_ids_widen(tmp_path):
 def _bad_closed_cases():
     """(name, writer, the exact error line) for each check of the closed-loop columns."""
     return [
-        ("hash length", lambda d: write_closed(d, requests=closed_req(input_tokens=[40, 17, 0, 17])),
+        ("hash length", lambda d: write_closed(d, requests=closed_req(input_tokens=[40, 33, 0, 17])),
          "requests.parquet: column 'hash_ids' row 1: has 1 hashes, expected "
-         "ceil(input_tokens 17 / page_size 16) = 2"),
+         "ceil(input_tokens 33 / page_size 16) = 3 (or 2, its full blocks only)"),
         ("null hash entry", lambda d: write_closed(d, requests=closed_req(
             hash_ids=pl.Series([[1, 2, 3], [5], [], [5, None]], dtype=pl.List(pl.Int64)))),
          "requests.parquet: column 'hash_ids' row 3: entry 1 is null"),

@@ -46,6 +46,7 @@ from replay.capture.store import (
 )
 from replay.errors import ReplayError
 from replay.runs import rundir
+from replay.trace.blocks import check_block_counts
 
 NS = 1_000_000_000
 
@@ -93,12 +94,11 @@ def _chain_hashes(log) -> np.ndarray:
 def _check_exportable(log) -> None:
     sizes = np.diff(log.hash_off)
     L = log.input_tokens.astype(np.int64)
-    want = -(-L // log.block_size)
-    bad = np.nonzero(sizes != want)[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ReplayError(f"request {i}: {int(sizes[i])} block ids for {int(L[i])} tokens (ceil(L / "
-                          f"{log.block_size}) = {int(want[i])}): its token ids cannot be made to hash to them")
+    counts = check_block_counts(sizes, L, log.block_size, full_only_ok=False, length_name="input_length",
+                                block_name="block_size")
+    if counts.bad is not None:
+        raise ReplayError(f"request {counts.bad}: hash_ids {counts.message}: its token ids cannot be made "
+                          "to hash to them")
     pos = np.arange(log.hash_ids.size) - np.repeat(log.hash_off[:-1], sizes)
     tok = np.minimum(np.repeat(L, sizes) - pos * log.block_size, log.block_size)
     off = np.nonzero(log.block_tokens[log.hash_ids] != tok)[0]

@@ -47,6 +47,7 @@ from replay.capture.sources import (
 )
 from replay.config import ConfigError, knob_spec, validate_router_flags
 from replay.runs import rundir
+from replay.trace.blocks import conform_blocks
 
 NS = 1_000_000_000
 MS = 1_000_000
@@ -255,7 +256,7 @@ class Importer:
         elif s.dynamo:
             df, block = read_dynamo(s.dynamo, self.facts, s.dynamo_workers)
             self.page = int(s.page_size or block or 0) or None
-            off, hv = _csr(df["hash_ids"])
+            off, hv = self._block_rule(df, *_csr(df["hash_ids"]), "Dynamo request trace: request_end record")
             df, off, hv = self._dedupe(df, off, hv)
             self.hash_kind = "dynamo"
             over = (df["cached_tokens"] > df["input_tokens"]).fill_null(False)
@@ -268,7 +269,7 @@ class Importer:
         else:
             df = read_mooncake_requests(s.mooncake, self.facts, s.mooncake_start_ns)
             self.page = int(s.page_size or s.mooncake_block_size)
-            off, hv = _csr(df["hash_ids"])
+            off, hv = self._block_rule(df, *_csr(df["hash_ids"]), "Mooncake log: record")
             df, off, hv = self._dedupe(df, off, hv)
             self.hash_kind = "mooncake"
             req = df.select("ts", "request_id", pl.lit("default").alias("model"), "input_tokens", "output_tokens")
@@ -286,6 +287,19 @@ class Importer:
             self.salted = np.zeros(req.height, dtype=bool)
         f["requests"] = req.height
         return req
+
+    def _block_rule(self, df: pl.DataFrame, off: np.ndarray, hv: np.ndarray, what: str):
+        """The block-count rule (replay.trace.blocks) on a log's own hash_ids, where the page is known:
+        full-blocks-only lists get a fresh partial-block id, any other length is refused here."""
+        if not self.page:
+            return off, hv
+        off, hv, counts = conform_blocks(off, hv, df["input_tokens"].to_numpy(), self.page,
+                                         known=df["hash_ids"].is_not_null().to_numpy())
+        if counts.bad is not None:
+            raise ImportError_(f"{what} {counts.bad}: hash_ids {counts.message}")
+        if counts.n_full_only:
+            self.facts.add("hash_ids_full_blocks_only", counts.n_full_only)
+        return off, hv
 
     def _dedupe(self, df: pl.DataFrame, off: np.ndarray, hv: np.ndarray):
         dup = df["request_id"].is_duplicated() & ~df["request_id"].is_first_distinct()

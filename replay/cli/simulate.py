@@ -14,10 +14,13 @@ from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
 
 _EXAMPLE = """
-LOG is a Mooncake request log (JSONL or Parquet: timestamp ms, input_length,
-output_length, hash_ids), an Azure LLM CSV (synthetic prefixes, seeded), or a
-trace directory with requests.parquet hash_ids and output_tokens (arrivals,
-lengths and block hashes; the block size is the trace's page_size).
+LOG is a request log: Mooncake (JSONL or Parquet: timestamp ms, input_length,
+output_length, hash_ids), kv-cache-tester session files (a folder or one file;
+sessions start at --session-rate, --sessions N), Azure LLM 2023/2024 or BurstGPT
+CSV and SGLang bench_serving --output-details output (synthetic prefixes,
+seeded), a Dynamo request trace; or a trace directory with requests.parquet
+hash_ids and output_tokens (the block size is the trace's page_size). The
+format is detected (--format names it); traces/README.md shows each.
 --forced-placement sends each request of a trace directory to the worker that
 production chose (selected_worker) instead of asking the router.
 Router knobs take the values `sweep` takes; one config writes the trace into
@@ -54,10 +57,17 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
 @click.option("--max-running-requests", type=int, default=None, help="Per rank.")
 @click.option("--max-total-num-tokens", type=int, default=None, help="Per rank KV capacity.")
 @click.option("--decode-peers", type=int, default=None, help="Decode workers listed in workers.parquet.")
-@click.option("--format", "fmt", type=click.Choice(["auto", "mooncake", "azure"]), default="auto",
-              show_default=True, help="Log format (auto: .csv is azure, else mooncake).")
+@click.option("--format", "fmt", default="auto", show_default=True,
+              type=click.Choice(["auto", "mooncake", "kv-cache-tester", "azure", "burstgpt", "bench-serving",
+                                 "dynamo"]),
+              help="Log format (auto: detected from the file; traces/README.md lists each with an example).")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="Tokens per hash_ids block (default 512; a trace directory's page_size).")
+              help="Tokens per hash_ids block (default: the log's own where it says, else 512; a trace "
+                   "directory's page_size).")
+@click.option("--sessions", type=click.IntRange(min=1), default=None,
+              help="kv-cache-tester: session instances to start (default: one per session file).")
+@click.option("--session-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="kv-cache-tester: sessions started per second (Poisson, seeded by --seed; default 0.05).")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Simulate only the first N requests of the log.")
 @click.option("--publish-interval-ms", type=int, default=None,
@@ -86,7 +96,8 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
 @user_errors
 def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_rank,
              prefill_tokens_per_s, decode_tokens_per_s,
-             max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, limit,
+             max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, sessions,
+             session_rate, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
@@ -148,7 +159,11 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     elif forced_placement:
         raise ReplayError("--forced-placement needs a trace directory as LOG")
     else:
-        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size or 512, limit=limit)
+        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size, limit=limit, sessions=sessions,
+                           session_rate=session_rate)
+    if req_log.partial_blocks_added and not quiet:
+        click.echo(f"{req_log.partial_blocks_added:,} of {req_log.n_requests:,} requests list their full blocks "
+                   "only: each partial last block got a fresh id that matches nothing", err=True)
     rows = interval_rows(req_log, fleet, publish_interval_ms)
     if rows > BIG_INTERVAL_ROWS and not quiet:
         click.echo(f"warning: interval publishing will write {rows:,} load rows (about "

@@ -64,6 +64,12 @@ def format_report(facts: TraceFacts) -> str:
     if f.closed_loop_columns:
         lines.append("closed-loop columns (rows with a value): " + ", ".join(
             f"{c} {k:,}" for c, k in f.closed_loop_columns.items()))
+    if f.hash_ids_full_blocks_only:
+        lines.append(f"hash_ids with full blocks only: {f.hash_ids_full_blocks_only:,} requests (their "
+                     "partial last block read as a fresh id that matches nothing)")
+    if f.log_hash_ids_full_blocks_only:
+        lines.append(f"simulated from a log whose hash_ids held full blocks only for "
+                     f"{f.log_hash_ids_full_blocks_only:,} requests (each partial last block got a fresh id)")
     if f.page_sizes:
         lines.append("page size (block size of hash_ids): " + ", ".join(
             f"{m} {p}" for m, p in f.page_sizes.items()))

@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from replay.errors import ReplayError
+from replay.trace.blocks import conform_blocks
 
 NS_PER_MS = 1_000_000
 DEFAULT_BLOCK_SIZE = 512
@@ -66,6 +67,9 @@ class RequestLog:
     block_parent: np.ndarray = field(default=None)  # type: ignore[assignment]
     block_tokens: np.ndarray = field(default=None)  # type: ignore[assignment]
     block_key: np.ndarray = field(default=None)  # type: ignore[assignment]
+    partial_blocks_added: int = 0   # full-blocks-only lists given a fresh partial-block id
+    observed_ttft_ms: np.ndarray | None = None     # what the log's own source measured (NaN: none)
+    observed_latency_ms: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = self.ts_ns.shape[0]
@@ -74,6 +78,13 @@ class RequestLog:
                 raise LogError(f"{self.source}: column {name} has a different length")
         if self.hash_off.shape[0] != n + 1:
             raise LogError(f"{self.source}: hash offsets do not match the request count")
+        # the block-count rule, in the rows as given (before the sort by time)
+        self.hash_off, self.hash_ids, counts = conform_blocks(
+            self.hash_off, self.hash_ids, self.input_tokens, self.block_size,
+            length_name="input_length", block_name="block_size")
+        if counts.bad is not None:
+            raise LogError(f"{self.source}: row {counts.bad}: hash_ids {counts.message}")
+        self.partial_blocks_added += counts.n_full_only
         order = np.argsort(self.ts_ns, kind="stable")
         if n and np.any(order != np.arange(n)):
             self._permute(order)
@@ -103,6 +114,10 @@ class RequestLog:
         self.input_tokens = self.input_tokens[order]
         self.output_tokens = self.output_tokens[order]
         self.request_id = self.request_id[order]
+        if self.observed_ttft_ms is not None:
+            self.observed_ttft_ms = self.observed_ttft_ms[order]
+        if self.observed_latency_ms is not None:
+            self.observed_latency_ms = self.observed_latency_ms[order]
 
     def _dense_blocks(self) -> None:
         ids = np.asarray(self.hash_ids, dtype=np.int64)
@@ -134,10 +149,11 @@ class RequestLog:
     def head(self, n: int) -> RequestLog:
         """The first ``n`` requests (arrival order)."""
         n = min(int(n), self.n_requests)
+        obs = [None if a is None else a[:n].copy() for a in (self.observed_ttft_ms, self.observed_latency_ms)]
         return RequestLog(self.ts_ns[:n].copy(), self.input_tokens[:n].copy(),
                           self.output_tokens[:n].copy(), self.hash_off[:n + 1].copy(),
                           self.block_key[self.hash_ids[:self.hash_off[n]]], self.request_id[:n].copy(),
-                          self.block_size, self.source)
+                          self.block_size, self.source, observed_ttft_ms=obs[0], observed_latency_ms=obs[1])
 
 
 def _from_frame(df: pl.DataFrame, source: str, block_size: int) -> RequestLog:
@@ -289,24 +305,31 @@ def synthetic_prefixes(input_tokens: np.ndarray, ts_ns: np.ndarray, *, seed: int
     return stream_blocks(prompt, session, input_tokens.astype(np.int64), prompt_tokens, block_size)
 
 
+def read_csv_log(p: Path, need: tuple[str, ...]) -> pl.DataFrame:
+    """A CSV request log with the columns ``need``; one line on a missing file or column."""
+    if not p.is_file():
+        raise LogError(f"{p}: no such file")
+    try:
+        df = pl.read_csv(p, infer_schema_length=10000)
+    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
+        raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
+    for c in need:
+        if c not in df.columns:
+            raise LogError(f"{p}: missing column {c!r} (need {', '.join(need)})")
+    return df
+
+
 def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
                limit: int | None = None, **model) -> RequestLog:
     """Read an Azure LLM inference CSV; prefix ids from :func:`synthetic_prefixes` (seeded)."""
     p = Path(path)
-    if not p.is_file():
-        raise LogError(f"{p}: no such file")
-    try:
-        df = pl.read_csv(p)
-    except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
-        raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
-    need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-    for c in need:
-        if c not in df.columns:
-            raise LogError(f"{p}: missing column {c!r} (need {', '.join(need)})")
+    df = read_csv_log(p, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     if limit is not None:
         df = df.head(int(limit))
     try:
-        t = df["TIMESTAMP"].str.to_datetime("%Y-%m-%d %H:%M:%S%.f", time_unit="ns").dt.epoch("ns")
+        # 2023: "2023-11-16 18:17:03.9799600"; 2024 adds a zone ("+00:00") on some exports
+        stamp = df["TIMESTAMP"].cast(pl.String).str.replace(r"(Z|[+-]\d\d:?\d\d)$", "")
+        t = stamp.str.to_datetime("%Y-%m-%d %H:%M:%S%.f", time_unit="ns").dt.epoch("ns")
     except Exception as err:  # noqa: BLE001 - polars raises many kinds; one line for the user
         raise LogError(f"{p}: column 'TIMESTAMP': {str(err).splitlines()[0]}") from None
     ts = t.to_numpy().astype(np.int64)
@@ -317,19 +340,6 @@ def read_azure(path: str | os.PathLike, *, seed: int = 0, block_size: int = DEFA
     ts, L, out = ts[order], L[order], out[order]
     off, ids = synthetic_prefixes(L, ts, seed=seed, block_size=block_size, **model)
     return RequestLog(ts, L, out, off, ids, order.astype(np.int64), block_size, str(p))
-
-
-def read_log(path: str | os.PathLike, *, fmt: str = "auto", seed: int = 0,
-             block_size: int = DEFAULT_BLOCK_SIZE, limit: int | None = None) -> RequestLog:
-    """Read a log by format: ``mooncake`` (JSONL or Parquet), ``azure`` (CSV) or ``auto`` (by suffix)."""
-    p = Path(path)
-    if fmt == "auto":
-        fmt = "azure" if p.suffix.lower() == ".csv" else "mooncake"
-    if fmt == "mooncake":
-        return read_mooncake(p, block_size=block_size, limit=limit)
-    if fmt == "azure":
-        return read_azure(p, seed=seed, block_size=block_size, limit=limit)
-    raise LogError(f"unknown log format {fmt!r}; expected auto, mooncake or azure")
 
 
 # ---------------------------------------------------------------------------

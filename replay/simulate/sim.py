@@ -462,12 +462,14 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                 "fleet": fleet.describe(), "summary": summary, "stats": stat}
         if grid is not None:
             meta["grid"] = grid.describe()
+        extra: dict = {"seed": int(seed), "freshness_ms": int(freshness_ms),
+                       "publish_policy": fleet.spec.publish_policy,
+                       "publish_interval_ms": int(publish_interval_ms),
+                       "forced_placement": forced is not None}
+        if log.partial_blocks_added:   # the log's full-blocks-only lists (replay.trace.blocks), for validate
+            extra["log_hash_ids_full_blocks_only"] = int(log.partial_blocks_added)
         trace_info = {"source": f"router-replay simulate {log.source}", "page_size": int(log.block_size),
-                      "router": config.given_flags(),
-                      "extra": {"seed": int(seed), "freshness_ms": int(freshness_ms),
-                                "publish_policy": fleet.spec.publish_policy,
-                                "publish_interval_ms": int(publish_interval_ms),
-                                "forced_placement": forced is not None}}
+                      "router": config.given_flags(), "extra": extra}
         _write_dir(out, {"requests.parquet": req_t, "loads.parquet": load_rows,
                          "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
                    {TRACE_JSON: trace_info})

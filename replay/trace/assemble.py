@@ -84,6 +84,10 @@ def keep_model(req: Requests, universe: Universe, model: str, tf: TraceFacts, st
     return req.take(keep), keep.astype(np.int64) + int(index_offset)
 
 
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: ClosedLoopColumns,
                 ld: LoadColumns, req_model: np.ndarray, load_worker: np.ndarray, match_worker: np.ndarray,
                 sel_null: int | None, sel_unknown: int | None, req_sorted: bool, loads_sorted: bool, *,
@@ -120,6 +124,8 @@ def trace_facts(universe: Universe, rq: RequestColumns, mt: MatchColumns, cl: Cl
         has_workers_table=universe.has_table,
         non_fleet_load_workers=universe.non_fleet_load,
         closed_loop_columns=cl.counts(),
+        hash_ids_full_blocks_only=None if cl.hash_offsets is None else cl.partial_blocks_added,
+        log_hash_ids_full_blocks_only=_int_or_none(info.extra.get("log_hash_ids_full_blocks_only")),
         page_sizes={m: int(p) for m, p in zip(models, universe.model_page, strict=False) if p > 0} or None,
         trace_json=None if info.path is None else {
             "router": dict(info.router), "page_size": info.page_size, "source": info.source,

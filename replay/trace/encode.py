@@ -25,6 +25,7 @@ from replay.trace.base import (
     TAIL_COLUMNS,
     run_both,
 )
+from replay.trace.blocks import conform_blocks
 from replay.trace.columns import Coded, Columns, IntSpec, first_out_of_range, map_names
 from replay.trace.workers import Universe
 
@@ -183,10 +184,12 @@ class ClosedLoopColumns:
     hash_offsets: np.ndarray | None = None
     hash_values: np.ndarray | None = None
     hash_known: np.ndarray | None = None
+    partial_blocks_added: int = 0       # full-blocks-only lists completed (replay.trace.blocks)
 
     def take(self, rows: np.ndarray) -> ClosedLoopColumns:
         out = ClosedLoopColumns(*(None if v is None else v[rows] for v in
                                   (self.output_tokens, self.cached_tokens, self.ttft_ms, self.latency_ms)))
+        out.partial_blocks_added = self.partial_blocks_added
         if self.hash_offsets is not None:
             out.hash_offsets, (out.hash_values,) = take_csr(self.hash_offsets, rows, self.hash_values)
             out.hash_known = self.hash_known[rows]
@@ -281,8 +284,11 @@ def read_closed_loop(R: Columns, input_tokens: np.ndarray) -> ClosedLoopColumns:
 
 def check_hash_lengths(R: Columns, cl: ClosedLoopColumns, input_tokens: np.ndarray,
                        page: np.ndarray) -> None:
-    """``len(hash_ids) == ceil(input_tokens / page)`` wherever both are known
-    (``page`` per request, -1 = unknown).
+    """The block-count rule (:mod:`replay.trace.blocks`) wherever the request's
+    page size is known (``page`` per request, -1 = unknown): a list with a
+    partial last block is kept, a full-blocks-only list gets a fresh id for its
+    partial block (counted in ``cl.partial_blocks_added``), any other length is
+    an error naming the row.
 
     REPLAY CHOICE: CAPTURE.md section 3 gives ``query_blocks = ceil(len / B)``
     for the router's own query; ``query_blocks`` is not tied to
@@ -291,14 +297,12 @@ def check_hash_lengths(R: Columns, cl: ClosedLoopColumns, input_tokens: np.ndarr
     """
     if cl.hash_offsets is None:
         return
-    lens = np.diff(cl.hash_offsets)
-    ok_page = page > 0
-    want = np.where(ok_page, -(-input_tokens // np.where(ok_page, page, 1)), 0)
-    bad = cl.hash_known & ok_page & (lens != want)
-    if bad.any():
-        row = int(np.argmax(bad))
-        R.fail("hash_ids", f"has {lens[row]} hashes, expected ceil(input_tokens {input_tokens[row]} / "
-               f"page_size {page[row]}) = {want[row]}", row)
+    off, vals, counts = conform_blocks(cl.hash_offsets, cl.hash_values, input_tokens, page,
+                                       known=cl.hash_known)
+    if counts.bad is not None:
+        R.fail("hash_ids", counts.message, counts.bad)
+    cl.hash_offsets, cl.hash_values = off, vals
+    cl.partial_blocks_added = counts.n_full_only
 
 
 # ---------------------------------------------------------------------------

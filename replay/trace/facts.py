@@ -52,6 +52,8 @@ class TraceFacts:
     # --- closed-loop columns (only when the trace has them) -----------------------
     closed_loop_columns: dict[str, int] | None = None   # column -> rows with a value
     page_sizes: dict[str, int] | None = None            # model -> block size of hash_ids, where known
+    hash_ids_full_blocks_only: int | None = None        # lists given a fresh id for their partial block
+    log_hash_ids_full_blocks_only: int | None = None    # the same, done by the simulate that wrote the trace
     trace_json: dict | None = None                      # trace.json as read, when present
     # --- validate -----------------------------------------------------------------
     freshness_ms: int | None = None

@@ -90,6 +90,7 @@ def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress
     span: list[int | None] = [None, None]
     windows = 0
     last: TraceFacts | None = None
+    full_only: int | None = None
     for win in tset.iter_windows(window_ns, facts=True):
         windows += 1
         tr = win.trace
@@ -100,6 +101,8 @@ def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress
         stale += int((~fresh_fleet_sample_mask(tr, freshness_ns)).sum())
         for k, v in (f.closed_loop_columns or {}).items():
             closed[k] = closed.get(k, 0) + v
+        if f.hash_ids_full_blocks_only is not None:
+            full_only = (full_only or 0) + f.hash_ids_full_blocks_only
         unknown.update(f.unknown_addresses)
         for w, rs in f.ranks_per_worker.items():
             ranks.setdefault(w, set()).update(rs)
@@ -121,6 +124,8 @@ def validate_windows(tset: TraceSet, window_ns: int, freshness_ns: int, progress
         ranks_per_worker={w: sorted(r) for w, r in sorted(ranks.items())},
         has_selected_worker=tset.has_selected,
         closed_loop_columns=closed or None,
+        hash_ids_full_blocks_only=full_only,
+        log_hash_ids_full_blocks_only=None if last is None else last.log_hash_ids_full_blocks_only,
         page_sizes=None if last is None else last.page_sizes,
         trace_json=None if last is None else last.trace_json,
         freshness_ms=int(freshness_ns) // 1_000_000,
