@@ -188,8 +188,10 @@ def test_closed_loop_simulator_runs_a_variant(tmp_path):
     # a saturating fleet (8 workers, 80 requests/s over 6 shared prompts) where pins happen
     # with owners of different depths
     log = generate_log(1500, seed=3, rate_per_s=80.0, n_prompts=6)
+    # (prefix_affinity, the simulator's old in-worker rule: each worker's load on one rank)
     fleet = build_fleet(FleetSpec(workers=8, dp_size=2, prefill_tokens_per_s=6000,
-                                  max_running_requests=8, max_total_num_tokens=40_000))
+                                  max_running_requests=8, max_total_num_tokens=40_000,
+                                  load_balance_method="prefix_affinity"))
     cfg = RouterConfig(worker_queue_limit=2, saturation_queue_floor=1, variant_pin_order="locality")
     res = simulate(log, fleet, cfg, tmp_path / "t", seed=5)
     knobs = {"worker_queue_limit": "2", "saturation_queue_floor": "1"}

@@ -27,6 +27,7 @@ import numpy as np
 from replay.kernels._jit import JIT, njit
 from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from replay.kernels.layout import LoadColumns
+from replay.kernels.rng import draw_nb
 from replay.kernels.snapshot import (
     R_AT,
     R_HAS,
@@ -91,7 +92,43 @@ RS_DUE_KIND = 31      # what RS_NEXT_SAMPLE is: DUE_CHANGE or DUE_HEARTBEAT
 RS_HB_PENDING = 32    # time of a heartbeat not yet written (-1: none; see _flush_heartbeats)
 RS_HB_INF = 33        # router_inflight when that heartbeat was due
 RS_LAST_ROW = 34      # index of the rank's latest written sample (-1: none)
-RS_NCOLS = 35
+RS_MAXPF = 35         # max_prefill_tokens: prompt tokens one prefill step may admit
+RS_DEC_COUNT = 36     # decode steps run so far (the engine's load snapshot: every 15th)
+RS_DS_TS = 37         # the engine's latest load snapshot for its DP controller: stamp,
+RS_DS_REQ = 38        # running + waiting requests,
+RS_DS_TOK = 39        # KV tokens in use + waiting requests' tokens
+RS_BUD_TS = 40        # the DP controller's view of the rank: stamp of the snapshot applied,
+RS_BUD_REQ = 41       # requests (+1 per dispatch since),
+RS_BUD_TOK = 42       # tokens (+prompt per dispatch since)
+RS_NO_DECAY = 43      # the current decode step retracted: the ratio does not decay
+RS_RATIO = 44         # new_token_ratio, in units of 1e-9 (integer: the same in jit and plain Python)
+RS_NR_INIT = 45       # its initial value, floor and decay per decode step (1e-9 units)
+RS_NR_MIN = 46
+RS_NR_DECAY = 47
+RS_MIXED = 48         # enable_mixed_chunk
+RS_STEP_MIX = 49      # the current prefill step carries the running decodes (mixed chunk)
+RS_NCOLS = 50
+
+# in-worker data-parallel dispatch (the fleet's load_balance_method)
+LB_ROUND_ROBIN = 0
+LB_TOTAL_REQUESTS = 1
+LB_TOTAL_TOKENS = 2
+LB_BOOTSTRAP_ROOM = 3   # a seeded draw per request
+LB_ROUTER = 4           # the router picks the rank from its own per-rank view
+LB_PREFIX_AFFINITY = 5  # the rank holding the longest cached prefix, then the least loaded
+DPC_REFRESH_NS = 20_000_000   # the controller re-reads the ranks' snapshots at most this often
+SNAPSHOT_DECODE_STEPS = 15    # a rank writes its snapshot after every 15th decode step
+CLIP_MAX_NEW = 4096           # the new-token reservation is clipped at this many tokens
+BOOTSTRAP_DRAW = 1 << 40      # the draw index of follow_bootstrap_room's per-request room
+RETRACT_DECODE_STEPS = 20     # the ratio after a retraction counts this many steps per request
+RATIO_ONE = 1_000_000_000     # new_token_ratio 1.0 in RS_RATIO units
+# columns of the per-rank engine options ``rank_eng``
+EN_MAXPF = 0
+EN_NR_INIT = 1
+EN_NR_MIN = 2
+EN_NR_DECAY = 3
+EN_MIXED = 4
+EN_NCOLS = 5
 
 POLICY_FCFS = 0
 POLICY_LPM = 1
@@ -107,7 +144,10 @@ ST_PRIVATE = 3        # tokens outside cacheable blocks (partial tail + output),
 ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
 ST_PF_LEFT = 5        # prompt tokens still to compute (chunked prefill)
 ST_FULL = 6           # leading blocks the cache may hold: the full ones (CAPTURE.md s.2: full pages only)
-ST_NCOLS = 7
+ST_OUT = 7            # output tokens produced so far (a retracted request recomputes them)
+ST_GENKV = 8          # KV tokens held for output (one per decode step; freed on retraction)
+ST_SEQ = 9            # tokens when queued (prompt + output so far: num_total_tokens' share)
+ST_NCOLS = 10
 
 # per-request outputs
 RQ_WORKER = 0
@@ -148,7 +188,10 @@ SS_REBUILDS = 3
 SS_KV_OVER = 4        # max(used - capacity) over ranks and time (<= 0 when the cap holds)
 SS_NEG_QUEUE = 5      # times a queue length went negative (must stay 0)
 SS_INDEX_EVENTS = 6
-SS_NCOLS = 7
+SS_RETRACTIONS = 7    # running requests retracted because decode ran out of KV
+SS_CHUNKED = 8        # prefill steps that cut a prompt (chunked prefill)
+SS_RECOMPUTED = 9     # tokens retracted requests computed again (prompt + output so far)
+SS_NCOLS = 10
 
 
 @inline
@@ -292,10 +335,23 @@ def _unlock(r, b, lock, rs, btok):
 
 
 @njit
-def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild, last_use,
-               hk, hb, ev, lag, stats):
-    """Admit waiting request ``i`` on rank ``r`` if its KV fits (evicting LRU leaves).
-    Only its full blocks are looked up and stored; a partial last block is private."""
+def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, present, lock,
+               nchild, last_use, hk, hb, ev, lag, stats, chunking, rem_chunk, rem_input, offset,
+               first):
+    """SGLang's prefill admission of waiting request ``i`` on rank ``r``.
+
+    Its longest cached run of full blocks is its prefix; ``extend`` = its
+    tokens (prompt, plus output so far after a retraction) beyond it.  With
+    ``chunking`` on, a request longer than the chunk budget
+    left is cut to it and reserves no output; otherwise it reserves
+    ``min(output left, 4096)`` tokens.  Without chunking, a request that is not
+    the first of the batch must fit the ``max_prefill_tokens`` budget left.  It
+    is admitted iff ``take + reserve + 1 < free + evictable - offset`` (offset:
+    the running decodes' reservation through new_token_ratio plus this
+    batch's admissions) and its KV can be allocated (evicting LRU leaves).
+    The whole prompt is allocated on admission (its blocks are stored, locked,
+    so a later request of the same step shares them).  Returns ``(take,
+    reserve)``; ``take`` < 0 when not admitted."""
     lo = h_off[i]
     n = st[i, ST_FULL]
     d = 0
@@ -306,16 +362,31 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
         b = h_ids[lo + j]
         _lock(r, b, lock, rs, btok)
         cached += btok[b]
+    extend = max(req_L[i] + st[i, ST_OUT] - cached, 1)
+    take = extend
+    reserve = min(req_out[i] - st[i, ST_OUT], CLIP_MAX_NEW)
+    ok = True
+    if chunking:
+        if extend > rem_chunk:
+            take = rem_chunk
+            reserve = 0
+    elif not first and extend >= rem_input:
+        ok = False
+    room = rs[r, RS_CAP] - rs[r, RS_USED] + rs[r, RS_EVICTABLE]
+    if ok and not float(take + reserve + 1) < float(room) - offset:
+        ok = False
     new_tok = 0
     for j in range(d, n):
         new_tok += btok[h_ids[lo + j]]
-    need = new_tok + st[i, ST_PRIVATE]
+    need = new_tok + st[i, ST_PRIVATE] + st[i, ST_OUT]
     w = rs[r, RS_WORKER]
-    while rs[r, RS_CAP] - rs[r, RS_USED] < need:
-        if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag,
-                          w, stats):
-            break
-    if rs[r, RS_CAP] - rs[r, RS_USED] < need:
+    if ok:
+        while rs[r, RS_CAP] - rs[r, RS_USED] < need:
+            if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t,
+                              lag, w, stats):
+                break
+        ok = rs[r, RS_CAP] - rs[r, RS_USED] >= need
+    if not ok:
         for j in range(d):
             b = h_ids[lo + j]
             _unlock(r, b, lock, rs, btok)
@@ -323,7 +394,7 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
             b = h_ids[lo + d - 1]
             if _evictable_leaf(present, lock, nchild, r, b):
                 _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
-        return False
+        return -1, 0
     for j in range(d):
         last_use[r, h_ids[lo + j]] = t
     for j in range(d, n):
@@ -336,15 +407,95 @@ def _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, n
         if j > 0:
             nchild[r, h_ids[lo + j - 1]] += 1
         _ev_push(ev, t + lag, w, b, 1 + rs[r, RS_LOCAL])  # sign: stored; magnitude: local rank + 1
-    rs[r, RS_USED] += st[i, ST_PRIVATE]
+    rs[r, RS_USED] += st[i, ST_PRIVATE] + st[i, ST_OUT]
+    st[i, ST_GENKV] = st[i, ST_OUT]
     if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
         rs[r, RS_MAX_USED] = rs[r, RS_USED]
     over = rs[r, RS_USED] - rs[r, RS_CAP]
     if over > stats[SS_KV_OVER]:
         stats[SS_KV_OVER] = over
-    rq[i, RQ_CACHED_TOKENS] = cached
-    rq[i, RQ_CACHED_BLOCKS] = d
-    return True
+    if rq[i, RQ_ADMIT] < 0:  # a retracted request keeps the prefix it was first served
+        rq[i, RQ_CACHED_TOKENS] = cached
+        rq[i, RQ_CACHED_BLOCKS] = d
+    else:
+        stats[SS_RECOMPUTED] += extend
+    st[i, ST_PF_LEFT] = extend - take
+    return take, reserve
+
+
+@inline
+def _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats):
+    """Request ``i`` leaves rank ``r``'s batch at ``t``: its blocks are unlocked (stamped
+    ``t``; the deepest offered to the LRU heap) and its private and output KV freed."""
+    lo = h_off[i]
+    n = st[i, ST_FULL]
+    for j in range(n):
+        b = h_ids[lo + j]
+        _unlock(r, b, lock, rs, btok)
+        last_use[r, b] = t
+    if n > 0:
+        b = h_ids[lo + n - 1]
+        if _evictable_leaf(present, lock, nchild, r, b):
+            _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
+    rs[r, RS_USED] -= st[i, ST_PRIVATE] + st[i, ST_GENKV]
+    st[i, ST_GENKV] = 0
+
+
+@inline
+def _cached_on(r, i, h_off, h_ids, btok, st, present):
+    """Tokens of request ``i``'s longest cached run of full blocks on rank ``r``."""
+    lo = h_off[i]
+    n = st[i, ST_FULL]
+    c = 0
+    d = 0
+    while d < n and present[r, h_ids[lo + d]] == 1:
+        c += btok[h_ids[lo + d]]
+        d += 1
+    return c
+
+
+@inline
+def _enqueue(r, i, st, rs):
+    """Append request ``i`` (``ST_SEQ`` and ``ST_UNC_ENQ`` set) to rank ``r``'s waiting queue."""
+    st[i, ST_STATUS] = 1
+    st[i, ST_QNEXT] = -1
+    if rs[r, RS_QTAIL] >= 0:
+        st[rs[r, RS_QTAIL], ST_QNEXT] = i
+    else:
+        rs[r, RS_QHEAD] = i
+    rs[r, RS_QTAIL] = i
+    rs[r, RS_QLEN] += 1
+    if rs[r, RS_QLEN] > rs[r, RS_MAX_QLEN]:
+        rs[r, RS_MAX_QLEN] = rs[r, RS_QLEN]
+    rs[r, RS_QWU] += st[i, ST_UNC_ENQ]
+    rs[r, RS_QTOK] += st[i, ST_SEQ]
+
+
+@njit
+def _retract(r, t, req_L, req_out, h_off, h_ids, btok, st, rs, run_ids, present, lock, nchild,
+             last_use, hk, hb, stats):
+    """Decode ran out of KV on rank ``r``: retract one running request (SGLang's
+    ``length`` order: the fewest output tokens, then the longest prompt, then
+    the latest arrival), free its private KV and unlock its prefix, and queue
+    it at the tail to recompute its prompt and output so far."""
+    best = -1
+    bx = -1
+    for x in range(rs[r, RS_RUN_N]):
+        i = run_ids[r, x]
+        if best < 0 or st[i, ST_OUT] < st[best, ST_OUT] or (
+                st[i, ST_OUT] == st[best, ST_OUT] and (req_L[i] > req_L[best] or (
+                    req_L[i] == req_L[best] and i > best))):
+            best = i
+            bx = x
+    i = best
+    last = rs[r, RS_RUN_N] - 1
+    run_ids[r, bx] = run_ids[r, last]
+    rs[r, RS_RUN_N] = last
+    _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats)
+    st[i, ST_SEQ] = req_L[i] + st[i, ST_OUT]
+    st[i, ST_UNC_ENQ] = max(st[i, ST_SEQ] - _cached_on(r, i, h_off, h_ids, btok, st, present), 0)
+    _enqueue(r, i, st, rs)
+    stats[SS_RETRACTIONS] += 1
 
 
 @inline
@@ -398,29 +549,52 @@ def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
 
 
 @njit
-def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
+def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
                 present, lock, nchild, last_use, hk, hb, ev, lag, stats):
-    """Start rank ``r``'s next step at ``t``: admit in queue order while running and KV allow;
-    a prefill step if any prompt tokens are to compute, else a decode step if anything runs,
-    else idle.  With ``chunked_prefill_size`` a step computes at most that many prompt
-    tokens: an unfinished prompt goes first in the next step, and no more is admitted."""
+    """Start rank ``r``'s next step at ``t``, SGLang's scheduler (docs/simulator.md):
+    a prefill step if any prompt tokens are to compute (an unfinished chunked
+    prompt first, then admissions in queue order while the chunk and
+    ``max_prefill_tokens`` budgets, the running cap and the KV reservation
+    allow), else a decode step if anything runs (retracting when its KV does
+    not fit), else idle (new_token_ratio back to its initial value)."""
     tokens = 0
     admitted = 0
-    budget = rs[r, RS_CHUNK] if rs[r, RS_CHUNK] > 0 else INF
+    chunking = rs[r, RS_CHUNK] > 0
+    rem_chunk = rs[r, RS_CHUNK] if chunking else INF
+    rem_input = rs[r, RS_MAXPF]
+    n_dec = 0
+    res = 0
+    for x in range(rs[r, RS_RUN_N]):
+        i = run_ids[r, x]
+        if st[i, ST_STATUS] == 3:
+            n_dec += 1
+            res += min(st[i, ST_REMAIN], CLIP_MAX_NEW)
+    mixed = rs[r, RS_MIXED] == 1 and chunking and n_dec > 0
+    if mixed:  # the running decodes ride in the prefill step, one token each
+        rem_chunk -= n_dec
+        rem_input -= n_dec
+    # the running decodes' KV reservation: min(output left, 4096) x new_token_ratio each
+    offset = float(res) * float(rs[r, RS_RATIO]) * 1e-9
+    if mixed:
+        offset += n_dec
     c = rs[r, RS_CHUNK_REQ]
     if c >= 0:
-        take = min(st[c, ST_PF_LEFT], budget)
+        take = min(st[c, ST_PF_LEFT], rem_chunk) if rem_chunk > 0 else min(st[c, ST_PF_LEFT], 1)
         st[c, ST_PF_LEFT] -= take
         tokens += take
-        budget -= take
+        rem_chunk -= take
+        rem_input -= take
         if st[c, ST_PF_LEFT] == 0:
             rs[r, RS_CHUNK_REQ] = -1
-    if rs[r, RS_POLICY] == POLICY_LPM and budget > 0:
+    if rs[r, RS_POLICY] == POLICY_LPM and rem_chunk > 0 and rem_input > 0:
         _lpm_order(r, h_off, h_ids, btok, st, rs, present)
-    while budget > 0 and rs[r, RS_QHEAD] >= 0 and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]:
+    while (rem_chunk > 0 and rem_input > 0 and rs[r, RS_QHEAD] >= 0
+           and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]):
         i = rs[r, RS_QHEAD]
-        if not _try_admit(r, i, t, h_off, h_ids, btok, parent, st, rq, rs, present, lock, nchild,
-                          last_use, hk, hb, ev, lag, stats):
+        take, reserve = _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs,
+                                   present, lock, nchild, last_use, hk, hb, ev, lag, stats,
+                                   chunking, rem_chunk, rem_input, offset, admitted == 0)
+        if take < 0:
             break
         rs[r, RS_QHEAD] = st[i, ST_QNEXT]
         if rs[r, RS_QHEAD] < 0:
@@ -429,22 +603,31 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
         if rs[r, RS_QLEN] < 0:
             stats[SS_NEG_QUEUE] += 1
         rs[r, RS_QWU] -= st[i, ST_UNC_ENQ]
-        rs[r, RS_QTOK] -= req_L[i]
+        rs[r, RS_QTOK] -= st[i, ST_SEQ]
         st[i, ST_STATUS] = 2
-        rq[i, RQ_ADMIT] = t
+        if rq[i, RQ_ADMIT] < 0:
+            rq[i, RQ_ADMIT] = t
         run_ids[r, rs[r, RS_RUN_N]] = i
         rs[r, RS_RUN_N] += 1
-        need = max(req_L[i] - rq[i, RQ_CACHED_TOKENS], 1)
-        take = min(need, budget)
-        st[i, ST_PF_LEFT] = need - take
-        if need > take:
+        offset += 1 + reserve
+        if st[i, ST_PF_LEFT] > 0:
             rs[r, RS_CHUNK_REQ] = i
+            stats[SS_CHUNKED] += 1
         tokens += take
-        budget -= take
+        rem_chunk -= take
+        rem_input -= take
         admitted += 1
     if admitted > 0:
         _changed(r, t, rs)
     if tokens > 0:
+        rs[r, RS_NO_DECAY] = 0
+        rs[r, RS_STEP_MIX] = 0
+        if mixed:
+            # REPLAY CHOICE: a mixed step costs its prompt tokens plus one token per decode at
+            # the prefill rate, and only when the decodes' next KV token fits without eviction
+            if rs[r, RS_CAP] - rs[r, RS_USED] >= n_dec:
+                tokens += n_dec
+                rs[r, RS_STEP_MIX] = 1
         dur = np.int64(np.ceil(tokens * 1e9 / prefill_tps[r]))
         dur = max(dur, np.int64(1))
         rs[r, RS_KIND] = 1
@@ -452,18 +635,47 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
         rs[r, RS_STEP_DUR] = dur
         rs[r, RS_END] = t + dur
     elif rs[r, RS_RUN_N] > 0:
-        # Decode.  With nothing waiting, the next steps up to the first
-        # completion change nothing anyone can see (running count, KV and the
-        # native counters stay put), so they run as one event of k steps; an
-        # arrival on this rank cuts it back to the step boundary after it
-        # (_cut_decode), so no admission is ever delayed.
+        # Decode.  Every step needs one KV token per running request: when they do
+        # not fit, LRU leaves are evicted, then requests retracted (SGLang's decode
+        # check).  With nothing waiting, the next steps up to the first completion
+        # (and while their KV fits without eviction) change nothing a decision can
+        # see but the KV in use (published as of the event's end, as SGLang
+        # publishes only every 15th decode step), so they run as one event of k
+        # steps; an arrival on this rank cuts it back to the step boundary after
+        # it (_cut_decode), so no admission is ever delayed.
+        rs[r, RS_NO_DECAY] = 0
+        n = rs[r, RS_RUN_N]
+        w = rs[r, RS_WORKER]
+        if rs[r, RS_CAP] - rs[r, RS_USED] < n:
+            while rs[r, RS_CAP] - rs[r, RS_USED] < n:
+                if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
+                                  t, lag, w, stats):
+                    break
+            retracted = False
+            while rs[r, RS_CAP] - rs[r, RS_USED] < rs[r, RS_RUN_N] and rs[r, RS_RUN_N] > 1:
+                _retract(r, t, req_L, req_out, h_off, h_ids, btok, st, rs, run_ids, present, lock,
+                         nchild, last_use, hk, hb, stats)
+                retracted = True
+            if retracted:
+                _changed(r, t, rs)
+                num = 0
+                den = 1
+                for x in range(rs[r, RS_RUN_N]):
+                    i = run_ids[r, x]
+                    num += st[i, ST_OUT]
+                    den += req_out[i]
+                num += RETRACT_DECODE_STEPS * rs[r, RS_RUN_N]
+                rs[r, RS_RATIO] = min(RATIO_ONE, (num * RATIO_ONE) // den)
+                rs[r, RS_NO_DECAY] = 1
         k = 1
+        n = rs[r, RS_RUN_N]
         if rs[r, RS_QHEAD] < 0:
             k = st[run_ids[r, 0], ST_REMAIN]
-            for x in range(1, rs[r, RS_RUN_N]):
+            for x in range(1, n):
                 k = min(k, st[run_ids[r, x], ST_REMAIN])
             k = max(k, 1)
-        dur = rs[r, RS_DECODE_NS] + rs[r, RS_DECODE_SLOPE] * (rs[r, RS_RUN_N] - 1)
+            k = max(min(k, (rs[r, RS_CAP] - rs[r, RS_USED]) // n), 1)
+        dur = rs[r, RS_DECODE_NS] + rs[r, RS_DECODE_SLOPE] * (n - 1)
         rs[r, RS_KIND] = 2
         rs[r, RS_STEP_DUR] = dur
         rs[r, RS_STEP_START] = t
@@ -472,6 +684,8 @@ def _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs
     else:
         rs[r, RS_KIND] = 0
         rs[r, RS_END] = INF
+        if rs[r, RS_QLEN] == 0:
+            rs[r, RS_RATIO] = rs[r, RS_NR_INIT]
     stats[SS_STEPS] += 1
 
 
@@ -491,43 +705,48 @@ def _cut_decode(r, t, rs):
 @inline
 def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
               rinf, stats):
-    lo = h_off[i]
-    n = st[i, ST_FULL]
-    for j in range(n):
-        b = h_ids[lo + j]
-        _unlock(r, b, lock, rs, btok)
-        last_use[r, b] = t
-    if n > 0:
-        b = h_ids[lo + n - 1]
-        if _evictable_leaf(present, lock, nchild, r, b):
-            _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
-    rs[r, RS_USED] -= st[i, ST_PRIVATE]
+    _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats)
     st[i, ST_STATUS] = 4
     rq[i, RQ_DONE] = t
     rq[i, RQ_COMPLETIONS] += 1
     rinf[rq[i, RQ_WORKER]] -= 1
 
 
+@inline
+def _snapshot(r, t, rs):
+    """Rank ``r`` writes its load snapshot for its worker's DP controller at ``t``."""
+    rs[r, RS_DS_TS] = t
+    rs[r, RS_DS_REQ] = rs[r, RS_RUN_N] + rs[r, RS_QLEN]
+    rs[r, RS_DS_TOK] = rs[r, RS_USED] - rs[r, RS_EVICTABLE] + rs[r, RS_QTOK]
+
+
 @njit
 def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
               present, lock, nchild, last_use, hk, hb, ev, lag, rinf, stats):
-    """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens, completions), start the next."""
+    """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens and their KV,
+    completions, the load snapshot), start the next."""
     kind = rs[r, RS_KIND]
     if kind == 1:
         rs[r, RS_PTOK] += rs[r, RS_STEP_TOK]
         rs[r, RS_PBUSY_NS] += rs[r, RS_STEP_DUR]
+    dec_k = rs[r, RS_STEP_K] if kind == 2 else (1 if rs[r, RS_STEP_MIX] == 1 else 0)
     done = 0
     k = 0
     while k < rs[r, RS_RUN_N]:
         i = run_ids[r, k]
         finished = False
         if kind == 1 and st[i, ST_STATUS] == 2 and st[i, ST_PF_LEFT] == 0:
-            rq[i, RQ_FIRST] = t
+            if st[i, ST_OUT] == 0:
+                rq[i, RQ_FIRST] = t
             st[i, ST_STATUS] = 3
-            st[i, ST_REMAIN] = req_out[i] - 1
+            st[i, ST_OUT] += 1
+            st[i, ST_REMAIN] = req_out[i] - st[i, ST_OUT]
             finished = st[i, ST_REMAIN] <= 0
-        elif kind == 2 and st[i, ST_STATUS] == 3:
-            st[i, ST_REMAIN] -= rs[r, RS_STEP_K]
+        elif dec_k > 0 and st[i, ST_STATUS] == 3:
+            st[i, ST_REMAIN] -= dec_k
+            st[i, ST_OUT] += dec_k
+            st[i, ST_GENKV] += dec_k
+            rs[r, RS_USED] += dec_k
             finished = st[i, ST_REMAIN] <= 0
         if finished:
             _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk,
@@ -538,10 +757,25 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
             rs[r, RS_RUN_N] = last
         else:
             k += 1
+    if dec_k > 0:
+        if rs[r, RS_USED] > rs[r, RS_MAX_USED]:
+            rs[r, RS_MAX_USED] = rs[r, RS_USED]
+        over = rs[r, RS_USED] - rs[r, RS_CAP]
+        if over > stats[SS_KV_OVER]:
+            stats[SS_KV_OVER] = over
+    if kind == 2:
+        if rs[r, RS_NO_DECAY] == 0:
+            rs[r, RS_RATIO] = max(rs[r, RS_RATIO] - dec_k * rs[r, RS_NR_DECAY], rs[r, RS_NR_MIN])
+        before = rs[r, RS_DEC_COUNT]
+        rs[r, RS_DEC_COUNT] = before + dec_k
+        if rs[r, RS_DEC_COUNT] // SNAPSHOT_DECODE_STEPS > before // SNAPSHOT_DECODE_STEPS:
+            _snapshot(r, t, rs)   # REPLAY CHOICE: stamped at the event's end (see _start_step)
     if kind == 1 or done > 0:
         _changed(r, t, rs)
-    _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids, present,
-                lock, nchild, last_use, hk, hb, ev, lag, stats)
+    if kind == 1:
+        _snapshot(r, t, rs)
+    _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
+                present, lock, nchild, last_use, hk, hb, ev, lag, stats)
     return done
 
 
@@ -701,11 +935,73 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
 
 
 @njit
+def _dispatch(method, w, i, t, n, lo, req_L, h_ids, rank_off, rs, present, rr, dpc_last, idxr,
+              table, seed):
+    """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
+    or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
+    r0 = rank_off[w]
+    nr = rank_off[w + 1] - r0
+    if nr <= 1:
+        return r0
+    if method == LB_ROUND_ROBIN:
+        r = r0 + rr[w] % nr
+        rr[w] += 1
+        return r
+    if method == LB_BOOTSTRAP_ROOM:
+        return r0 + np.int64(draw_nb(seed, i, BOOTSTRAP_DRAW) % np.uint64(nr))
+    if method == LB_TOTAL_REQUESTS or method == LB_TOTAL_TOKENS:
+        if t - dpc_last[w] >= DPC_REFRESH_NS:
+            dpc_last[w] = t
+            for r in range(r0, r0 + nr):
+                if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
+                    _snapshot(r, t, rs)   # an idle rank writes its snapshot on every idle loop
+                if rs[r, RS_DS_TS] != rs[r, RS_BUD_TS]:
+                    rs[r, RS_BUD_TS] = rs[r, RS_DS_TS]
+                    rs[r, RS_BUD_REQ] = rs[r, RS_DS_REQ]
+                    rs[r, RS_BUD_TOK] = rs[r, RS_DS_TOK]
+        best = r0
+        for r in range(r0 + 1, r0 + nr):
+            if method == LB_TOTAL_REQUESTS:
+                if rs[r, RS_BUD_REQ] < rs[best, RS_BUD_REQ]:
+                    best = r
+            elif rs[r, RS_BUD_TOK] < rs[best, RS_BUD_TOK] or (
+                    rs[r, RS_BUD_TOK] == rs[best, RS_BUD_TOK]
+                    and rs[r, RS_BUD_REQ] < rs[best, RS_BUD_REQ]):
+                best = r
+        rs[best, RS_BUD_REQ] += 1
+        if method == LB_TOTAL_TOKENS:
+            rs[best, RS_BUD_TOK] += req_L[i]
+        return best
+    # LB_ROUTER: the deepest prefix in the router's per-rank index, then the least
+    # waiting + running in its rank table (the published samples), then the lowest rank;
+    # LB_PREFIX_AFFINITY: the same on the ranks' true caches and queues
+    best = r0
+    bd = -1
+    bl = 0
+    for r in range(r0, r0 + nr):
+        d = 0
+        if method == LB_ROUTER:
+            while d < n and idxr[h_ids[lo + d], r] > 0:
+                d += 1
+            loc = r - r0
+            ld = table[w, loc, R_WAITING] + table[w, loc, R_RUNNING] if table[w, loc, R_HAS] == 1 else 0
+        else:
+            while d < n and present[r, h_ids[lo + d]] == 1:
+                d += 1
+            ld = rs[r, RS_QLEN] + rs[r, RS_RUN_N]
+        if d > bd or (d == bd and ld < bl):
+            best = r
+            bd = d
+            bl = ld
+    return best
+
+
+@njit
 def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, btok, parent,
                 n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
                 rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
                 lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
-                forced, cache_log=None):
+                forced, rank_eng, dispatch, cache_log=None):
     """Run one closed-loop simulation.
 
     Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
@@ -718,7 +1014,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
     ``kernels.layout.KnobArrays`` of one config (``replay.sweep.engine.encode_configs``).
     Engine options per rank:
     ``rank_decode_slope`` (ns per extra running request in a decode step),
-    ``rank_chunk`` (chunked_prefill_size, 0 off), ``rank_policy`` (POLICY_*).
+    ``rank_chunk`` (chunked_prefill_size, 0 off), ``rank_policy`` (POLICY_*),
+    ``rank_eng[r, EN_*]`` (max_prefill_tokens, new_token_ratio's initial value,
+    floor and decay per decode step in 1e-9 units, enable_mixed_chunk);
+    ``dispatch`` (LB_*) picks the rank inside a worker.
     ``pub_delay`` > 0 selects on-change publishing (a sample ``pub_delay`` after
     a change, a heartbeat after ``pub_idle`` without one) instead of one sample
     every ``publish_ns``.  ``forced[i] >= 0`` places request ``i`` on that
@@ -759,6 +1058,14 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
         rs[r, RS_PUB_IDLE] = pub_idle
         rs[r, RS_HB_PENDING] = -1
         rs[r, RS_LAST_ROW] = -1
+        rs[r, RS_MAXPF] = rank_eng[r, EN_MAXPF]
+        rs[r, RS_NR_INIT] = rank_eng[r, EN_NR_INIT]
+        rs[r, RS_RATIO] = rank_eng[r, EN_NR_INIT]
+        rs[r, RS_NR_MIN] = rank_eng[r, EN_NR_MIN]
+        rs[r, RS_NR_DECAY] = rank_eng[r, EN_NR_DECAY]
+        rs[r, RS_MIXED] = rank_eng[r, EN_MIXED]
+        rs[r, RS_DS_TS] = -1
+        rs[r, RS_BUD_TS] = -2
         max_run = max(max_run, rank_maxrun[r])
     st = np.zeros((N, ST_NCOLS), dtype=np.int64)
     rq = np.full((N, RQ_NCOLS), -1, dtype=np.int64)
@@ -767,7 +1074,13 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
         st[i, ST_PRIVATE] = req_private[i]
         st[i, ST_FULL] = req_full[i]
         st[i, ST_QNEXT] = -1
+        st[i, ST_SEQ] = req_L[i]
     run_ids = np.zeros((R, max_run), dtype=np.int64)
+    # the DP controllers: round-robin counters and last snapshot refresh, per worker
+    rr = np.zeros(n_workers, dtype=np.int64)
+    dpc_last = np.full(n_workers, -INF, dtype=np.int64)
+    # the router's per-rank KV index (dispatch "router" only)
+    idxr = np.zeros((B, R) if dispatch == LB_ROUTER else (1, 1), dtype=np.int32)
     present = np.zeros((R, B), dtype=np.int8)
     # lock, nchild and last_use are written when a block is stored on a rank and read only
     # while it is present there; the heaps only below their sizes: no zero fill (about
@@ -919,6 +1232,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
                 idx[ev[ev_head + 3], ev[ev_head + 2]] += 1 if ev[ev_head + 4] > 0 else -1
+                if dispatch == LB_ROUTER:
+                    sgn = ev[ev_head + 4]
+                    rr_ = rank_off[ev[ev_head + 2]] + (sgn if sgn > 0 else -sgn) - 1
+                    idxr[ev[ev_head + 3], rr_] += 1 if sgn > 0 else -1
                 if cache_log is not None:
                     for x in range(4):
                         cache_log.append(ev[ev_head + 1 + x])
@@ -994,41 +1311,17 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
                 n_done += 1
                 continue
             rinf[w] += 1
-            # inside the worker: the rank holding the deepest prefix, then the
-            # least loaded (waiting + running), then the lowest rank
-            best = -1
-            bd = -1
-            bl = 0
-            for r in range(rank_off[w], rank_off[w + 1]):
-                d = 0
-                while d < n and present[r, h_ids[lo + d]] == 1:
-                    d += 1
-                ld = rs[r, RS_QLEN] + rs[r, RS_RUN_N]
-                if d > bd or (d == bd and ld < bl):
-                    best = r
-                    bd = d
-                    bl = ld
-            r = best
-            cached = 0
-            for j in range(bd):
-                cached += btok[h_ids[lo + j]]
+            r = _dispatch(dispatch, w, i, t, n, lo, req_L, h_ids, rank_off, rs, present, rr,
+                          dpc_last, idxr, table, seed)
+            cached = _cached_on(r, i, h_off, h_ids, btok, st, present)
             rq[i, RQ_RANK] = r
-            st[i, ST_STATUS] = 1
             st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
-            st[i, ST_QNEXT] = -1
-            if rs[r, RS_QTAIL] >= 0:
-                st[rs[r, RS_QTAIL], ST_QNEXT] = i
-            else:
-                rs[r, RS_QHEAD] = i
-            rs[r, RS_QTAIL] = i
-            rs[r, RS_QLEN] += 1
-            if rs[r, RS_QLEN] > rs[r, RS_MAX_QLEN]:
-                rs[r, RS_MAX_QLEN] = rs[r, RS_QLEN]
-            rs[r, RS_QWU] += st[i, ST_UNC_ENQ]
-            rs[r, RS_QTOK] += req_L[i]
+            if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
+                _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
+            _enqueue(r, i, st, rs)
             _changed(r, t, rs)
             if rs[r, RS_KIND] == 0:
-                _start_step(r, t, req_L, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
+                _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
             else:
                 _cut_decode(r, t, rs)

@@ -17,11 +17,19 @@ ranks of one worker share their parameters):
   per request.  Without latencies, Little's law on the running counts
   (running-request time while decoding over generated tokens) gives a
   constant step time;
-* the publish policy and interval from the gaps between a rank's samples.
+* the publish policy and interval from the gaps between a rank's samples
+  while the rank is busy (an idle engine that publishes on change shows only
+  its regular heartbeat, which looks like interval publishing);
+* the in-worker dispatch (``load_balance_method``) from which rank served each
+  request, when the trace records it (a ``dp_rank`` column in
+  ``requests.parquet`` or ``outcomes.parquet``): a round-robin sequence, the
+  least-loaded rank by requests or by tokens, or neither;
+* ``chunked_prefill_size`` from the prefill counters when every prefill step
+  publishes (on-change publishing): the largest step, when many steps stop at it.
 
-``chunked_prefill_size`` and ``schedule_policy`` are not fitted (the engine
-flags are not in a trace): the defaults are used and validation shows whether
-that matters.  Every value carries its residual and sample count; a value that
+``max_prefill_tokens`` and ``schedule_policy`` are not fitted (the engine
+flags are not in a trace): SGLang's defaults are used and validation shows
+whether that matters.  Every value carries its residual and sample count; a value that
 could not be fitted says which default was used.  See docs/calibration.md.
 """
 
@@ -37,8 +45,13 @@ import polars as pl
 
 from replay.config import RouterConfig
 from replay.errors import ReplayError
-from replay.simulate.fidelity import FLEET_MARKER
-from replay.simulate.fleet import DEFAULT_PUBLISH_INTERVAL_MS, FleetSpec, build_fleet
+from replay.simulate.fidelity import FLEET_MARKER, recorded_dp_ranks
+from replay.simulate.fleet import (
+    DEFAULT_PUBLISH_INTERVAL_MS,
+    UNKNOWN_GPU_CHUNK,
+    FleetSpec,
+    build_fleet,
+)
 from replay.simulate.sim import simulate
 from replay.simulate.tracelog import RecordedTrace
 
@@ -47,6 +60,10 @@ NS_PER_MS = 1_000_000
 # <= x + 1 ms: an engine publishes a change about that soon after it happens.
 LOOKAHEAD_NS = 1_000_000
 MIN_DECODE_SAMPLES = 5
+MIN_BUSY_GAPS = 20        # fewer gaps while busy: classify publishing from every gap
+RR_MIN = 0.95             # share of consecutive requests on the next rank: round robin
+LEAST_LOADED_MIN = 0.8    # share of requests sent to the least-loaded rank: total_requests/_tokens
+CHUNK_MIN_STEPS = 3       # prefill steps that must stop at the largest size to call it the chunk
 SLOPE_MIN_EFFECT = 0.02   # a batch slope changing the step time by < 2% over the observed batches is 0
 
 
@@ -87,6 +104,7 @@ class Calibration:
     per_worker: list[dict[str, Any]]
     publish: dict[str, Any]
     fitted: list[Fitted] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)   # fleet-wide engine keys fitted
 
     def lines(self) -> list[str]:
         return [f.line(self.urls) for f in self.fitted]
@@ -98,7 +116,8 @@ class Calibration:
         """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``)."""
 
         spec = FleetSpec(workers=len(self.per_worker), dp_size=self.per_worker[0]["dp_size"],
-                         decode_peers=self.decode_peers, model=self.model, **self.publish)
+                         decode_peers=self.decode_peers, model=self.model, **self.publish,
+                         **self.engine)
         per = {}
         for k, w in enumerate(self.per_worker):
             per[k] = dict(w)
@@ -124,8 +143,14 @@ class Calibration:
                f"decode_peers = {self.decode_peers}"]
         for k in keys:
             out.append(f"{k} = {_toml(top[k])}")
-        out.append("chunked_prefill_size = 0         # not fitted: a trace does not record it")
-        out.append('schedule_policy = "fcfs"         # not fitted: a trace does not record it')
+        for k in ("load_balance_method", "chunked_prefill_size"):
+            f = notes.get((None, k))
+            if k in self.engine:
+                out.append(f"{k} = {_toml(self.engine[k])}" + (f"  # {f.how}" if f else ""))
+            elif f is not None:
+                out.append(f"# {k}: not fitted ({f.how}); SGLang's default used")
+        out.append("# max_prefill_tokens, schedule_policy: not fitted (a trace does not record "
+                   "them); SGLang's defaults used")
         for k, v in self.publish.items():
             f = notes.get((None, k))
             out.append(f"{k} = {_toml(v)}" + (f"  # {f.how}" if f else ""))
@@ -166,6 +191,7 @@ class _Rank:
     ptok: np.ndarray | None
     pbusy: np.ndarray | None
     cum_run: np.ndarray    # integral of running over time up to each sample (ns * requests)
+    busy: np.ndarray | None = None   # running + waiting > 0 at each sample
 
     def at(self, a: np.ndarray, x: np.ndarray, interpolate: bool = False) -> np.ndarray:
         """Counter ``a`` at times ``x``: the latest sample (on-change publishing: the value
@@ -203,7 +229,9 @@ def _ranks(loads: pl.DataFrame, urls: list[str], t0_ns: int) -> dict[tuple[int, 
             if not pt.null_count() and not pb.null_count():
                 ptok = pt.to_numpy().astype(np.int64)
                 pbusy = pb.to_numpy().astype(np.int64)
-        out[(int(w), int(r))] = _Rank(ts, run, ptok, pbusy, cum)
+        wait = (g["num_waiting_reqs"].fill_null(0).to_numpy() if "num_waiting_reqs" in cols
+                else np.zeros(ts.shape[0]))
+        out[(int(w), int(r))] = _Rank(ts, run, ptok, pbusy, cum, (run + wait) > 0)
     return out
 
 
@@ -236,7 +264,15 @@ def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[
     if not gaps:
         return ({"publish_policy": "interval", "publish_interval_ms": DEFAULT_PUBLISH_INTERVAL_MS},
                 [Fitted("publish_policy", None, "interval", 0, None, False, "no load samples")])
-    g = np.concatenate(gaps)
+    # the gaps that start while the rank is busy (running or waiting): an engine publishing
+    # on change re-sends an unchanged load on a regular heartbeat, so an idle recording's
+    # gaps are regular whatever the policy
+    busy = [np.diff(rk.ts)[rk.busy[:-1]] for rk in ranks.values()
+            if rk.ts.shape[0] > 2 and rk.busy is not None]
+    gb = np.concatenate(busy) if busy else np.zeros(0, dtype=np.int64)
+    g_all = np.concatenate(gaps)
+    g = gb if gb.shape[0] >= MIN_BUSY_GAPS else g_all
+    while_busy = "while busy" if g is gb else "(too few while busy: all gaps)"
     med = float(np.median(g))
     regular = float(np.mean(np.abs(g - med) <= 0.01 * med + 1000)) if med > 0 else 0.0
     n = int(g.shape[0])
@@ -244,9 +280,9 @@ def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[
         ms = max(1, int(round(med / NS_PER_MS)))
         return ({"publish_policy": "interval", "publish_interval_ms": ms},
                 [Fitted("publish_policy", None, "interval", n, 1 - regular, True,
-                        f"{regular:.1%} of sample gaps equal the median"),
+                        f"{regular:.1%} of sample gaps {while_busy} equal the median"),
                  Fitted("publish_interval_ms", None, ms, n, None, True, "median gap between samples")])
-    long = g[g >= 100 * NS_PER_MS]
+    long = g_all[g_all >= 100 * NS_PER_MS]
     if long.size:
         vals, counts = np.unique(np.round(long / NS_PER_MS).astype(np.int64), return_counts=True)
         idle = int(vals[np.argmax(counts)])
@@ -256,7 +292,8 @@ def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[
         idle, how, fitted = 1000, "no gap of 100 ms or more", False
     return ({"publish_policy": "on_change", "idle_publish_ms": idle},
             [Fitted("publish_policy", None, "on_change", n, regular, True,
-                    f"irregular sample gaps (only {regular:.1%} equal the median): on change"),
+                    f"irregular sample gaps {while_busy} (only {regular:.1%} equal the median): "
+                    "on change"),
              Fitted("idle_publish_ms", None, idle, int(long.size), None, fitted, how)])
 
 
@@ -335,9 +372,121 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
     publish, pf = _publish(ranks)
     _fit_decode(rec, ranks, per, fitted, decode_model, publish["publish_policy"] == "interval")
     fitted.extend(pf)
+    engine: dict[str, Any] = {}
+    method, f = infer_dispatch(rec)
+    fitted.append(f)
+    if f.fitted:
+        engine["load_balance_method"] = method
+    chunk, f = _chunk(ranks, publish["publish_policy"] == "on_change")
+    fitted.append(f)
+    if f.fitted:
+        engine["chunked_prefill_size"] = chunk
     model = rec.model or "default"
     return Calibration(list(rec.urls), list(rec.dp_sizes), rec.decode_peers, model, per, publish,
-                       fitted)
+                       fitted, engine)
+
+
+def _chunk(ranks: dict[tuple[int, int], _Rank], every_step: bool) -> tuple[int, Fitted]:
+    """``chunked_prefill_size`` from the prefill-token counter: with a sample after every
+    prefill step (on-change publishing) each increment is one step's computed tokens, and a
+    chunked engine's long prompts stop many steps at exactly the chunk size."""
+    how_default = f"4096 = {UNKNOWN_GPU_CHUNK}, SGLang's value when the device memory is unknown"
+    if not every_step:
+        return UNKNOWN_GPU_CHUNK, Fitted("chunked_prefill_size", None, UNKNOWN_GPU_CHUNK, 0, None,
+                                         False, "samples are not one per prefill step, so step "
+                                         f"sizes cannot be read; {how_default}")
+    inc = [np.diff(rk.ptok) for rk in ranks.values() if rk.ptok is not None and rk.ts.shape[0] > 1]
+    d = np.concatenate(inc) if inc else np.zeros(0, dtype=np.int64)
+    d = d[d > 0]
+    if d.shape[0] == 0:
+        return UNKNOWN_GPU_CHUNK, Fitted("chunked_prefill_size", None, UNKNOWN_GPU_CHUNK, 0, None,
+                                         False, f"no prefill counters; {how_default}")
+    m = int(d.max())
+    at = int((d == m).sum())
+    if at >= CHUNK_MIN_STEPS:
+        return m, Fitted("chunked_prefill_size", None, m, int(d.shape[0]), None, True,
+                         f"{at} prefill steps computed exactly {m} tokens, none more")
+    return UNKNOWN_GPU_CHUNK, Fitted("chunked_prefill_size", None, UNKNOWN_GPU_CHUNK,
+                                     int(d.shape[0]), None, False,
+                                     f"no step size repeats at the top (largest {m:,} tokens, "
+                                     f"{at} step(s)): no prompt was cut; {how_default}")
+
+
+def infer_dispatch(rec: RecordedTrace) -> tuple[str, Fitted]:
+    """Which ``load_balance_method`` the recording's engines used, from which rank served
+    each request: ``round_robin`` when nearly every request on a worker went to the rank
+    after the previous one's; else ``total_requests`` / ``total_tokens`` when nearly every
+    request went to the rank whose latest published load, plus the requests sent to it since,
+    was the least; else neither (the default is kept and the scores are reported)."""
+    default = "round_robin"
+    multi = [k for k, dp in enumerate(rec.dp_sizes) if dp > 1]
+    if not multi:
+        return default, Fitted("load_balance_method", None, default, 0, None, False,
+                               "every worker has one rank: nothing to dispatch")
+    ranks = recorded_dp_ranks(rec)
+    if ranks is None:
+        return default, Fitted("load_balance_method", None, default, 0, None, False,
+                               "the trace does not record which rank served each request")
+    rr_hit = rr_n = 0
+    ll = {"total_requests": [0, 0], "total_tokens": [0, 0]}
+    loads = rec.loads
+    ts = rec.log.ts_ns + rec.t0_ns
+    for k in multi:
+        dp = rec.dp_sizes[k]
+        on = np.nonzero((rec.placement == k) & (ranks >= 0) & (ranks < dp))[0]
+        if on.shape[0] < 2:
+            continue
+        seq = ranks[on]
+        rr_hit += int((seq[1:] == (seq[:-1] + 1) % dp).sum())
+        rr_n += int(on.shape[0] - 1)
+        if loads is None or not loads.height:
+            continue
+        lk = loads.filter(pl.col("worker") == rec.urls[k]).sort("ts", maintain_order=True)
+        arr = ts[on]
+        views = {}
+        for method, col in (("total_requests", None), ("total_tokens", "num_total_tokens")):
+            if col is not None and col not in lk.columns:
+                continue
+            v = np.zeros((dp, on.shape[0]))
+            for r in range(dp):
+                g = lk.filter(pl.col("dp_rank") == r)
+                sts = g["ts"].to_numpy().astype(np.int64)
+                if col is None:
+                    val = (g["num_running_reqs"].fill_null(0) + g["num_waiting_reqs"].fill_null(0)).to_numpy()
+                    add = np.ones(on.shape[0])
+                else:
+                    val = g[col].fill_null(0).to_numpy()
+                    add = rec.log.input_tokens[on].astype(np.float64)
+                j = np.searchsorted(sts, arr, side="right") - 1
+                base = np.where(j >= 0, val[np.maximum(j, 0)], 0).astype(np.float64)
+                since = np.where(j >= 0, sts[np.maximum(j, 0)], np.iinfo(np.int64).min)
+                mine = seq == r
+                csum = np.concatenate([[0.0], np.cumsum(np.where(mine, add, 0.0))])
+                # requests sent to r after its sample and before this one
+                first = np.searchsorted(arr, since, side="right")
+                idx = np.arange(on.shape[0])
+                v[r] = base + csum[idx] - csum[np.minimum(first, idx)]
+            views[method] = v
+        for method, v in views.items():
+            pick = np.argmin(v, axis=0)
+            ll[method][0] += int((pick == seq).sum())
+            ll[method][1] += int(on.shape[0])
+    if rr_n == 0:
+        return default, Fitted("load_balance_method", None, default, 0, None, False,
+                               "fewer than two requests with a recorded rank on any worker")
+    rr = rr_hit / rr_n
+    scores = {m: (h / n if n else 0.0) for m, (h, n) in ll.items()}
+    text = (f"{rr:.1%} of consecutive requests on the next rank; least loaded by requests "
+            f"{scores['total_requests']:.1%}, by tokens {scores['total_tokens']:.1%}")
+    if rr >= RR_MIN:
+        return "round_robin", Fitted("load_balance_method", None, "round_robin", rr_n, 1 - rr, True,
+                                     "a round-robin sequence: " + text)
+    best = max(scores, key=lambda m: (scores[m], m == "total_requests"))
+    if scores[best] >= LEAST_LOADED_MIN:
+        return best, Fitted("load_balance_method", None, best, ll[best][1], 1 - scores[best], True,
+                            "least-loaded choices: " + text)
+    return default, Fitted("load_balance_method", None, default, rr_n, None, False,
+                           "neither round robin nor least loaded: " + text)
 
 
 def _fit_decode(rec: RecordedTrace, ranks, per, fitted, decode_model: str, interpolate: bool) -> None:

@@ -16,7 +16,10 @@ Parts (see docs/calibration.md):
 ``waiting_mae``   largest per-rank mean absolute error of ``num_waiting_reqs``
                   (forced run against the recorded samples, both read as step
                   functions on a 100 ms grid) <= max(0.5, 10% of the mean
-                  recorded waiting count)
+                  recorded waiting count).  The three waiting parts are scored
+                  over each rank's busy grid points only (the recording or the
+                  model has a request running or waiting there): idle hours,
+                  where both are trivially zero, would let a wrong queue pass
 ``waiting_corr``  smallest per-rank correlation of those series >= 0.8 (ranks
                   whose recorded series has a standard deviation >= 0.5)
 ``waiting_p99``   per-rank p99 of the series within max(1 request, 25%) of the
@@ -30,6 +33,10 @@ Parts (see docs/calibration.md):
                   seed reproduce production's decisions given its state
 ``agreement``     router in the loop picks production's worker for >= 95% of
                   the requests
+``dispatch``      the share of each worker's requests each data-parallel rank
+                  served, forced run against the recording (``dp_rank`` in the
+                  trace), within 5 points on every rank: the fleet's
+                  ``load_balance_method`` spreads requests as production did
 """
 
 from __future__ import annotations
@@ -158,18 +165,38 @@ def _series(ts: np.ndarray, val: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.where(k >= 0, val[np.maximum(k, 0)], 0).astype(np.float64)
 
 
-def _rank_series(loads: pl.DataFrame, urls: list[str], zero_ns: int, grid: np.ndarray
-                 ) -> dict[tuple[int, int], np.ndarray]:
+def _rank_series(loads: pl.DataFrame, urls: list[str], zero_ns: int, grid: np.ndarray,
+                 col: str = "num_waiting_reqs") -> dict[tuple[int, int], np.ndarray]:
     index = {u: k for k, u in enumerate(urls)}
-    out = {}
-    df = loads.select("ts", "worker", "dp_rank", "num_waiting_reqs").sort("ts", maintain_order=True)
+    out: dict[tuple[int, int], np.ndarray] = {}
+    if col not in loads.columns:
+        return out
+    df = loads.select("ts", "worker", "dp_rank", col).sort("ts", maintain_order=True)
     for (u, r), g in df.group_by("worker", "dp_rank", maintain_order=True):
         k = index.get(u)
         if k is None:
             continue
         out[(k, int(r))] = _series(g["ts"].to_numpy().astype(np.int64) - zero_ns,
-                                   g["num_waiting_reqs"].fill_null(0).to_numpy(), grid)
+                                   g[col].fill_null(0).to_numpy(), grid)
     return out
+
+
+def recorded_dp_ranks(rec: RecordedTrace) -> np.ndarray | None:
+    """The data-parallel rank that served each request (log order; -1 unknown), from a
+    ``dp_rank`` column of the trace's ``requests.parquet`` or ``outcomes.parquet``."""
+    for name in ("requests.parquet", "outcomes.parquet"):
+        p = Path(rec.path) / name
+        if not p.is_file():
+            continue
+        try:
+            col = pl.read_parquet(p, columns=["dp_rank"])["dp_rank"]
+        except (pl.exceptions.ColumnNotFoundError, pl.exceptions.ComputeError, OSError):
+            continue
+        rows = col.fill_null(-1).to_numpy().astype(np.int64)
+        if rows.shape[0] <= int(rec.log.request_id.max(initial=-1)):
+            continue
+        return rows[rec.log.request_id]
+    return None
 
 
 def _ratio_part(name: str, rec: np.ndarray, sim: np.ndarray, tol: float) -> Part:
@@ -227,13 +254,25 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         span = int(rec.log.ts_ns[-1]) if rec.log.n_requests else 0
         grid = np.arange(0, span + GRID_NS, GRID_NS, dtype=np.int64)
         got = _rank_series(rec.loads, rec.urls, rec.t0_ns, grid)
+        got_run = _rank_series(rec.loads, rec.urls, rec.t0_ns, grid, "num_running_reqs")
         sim_urls = [fleet.urls[i] for i in fleet.prefill]
         sim = _rank_series(base.loads, sim_urls, START_NS, grid)
+        sim_run = _rank_series(base.loads, sim_urls, START_NS, grid, "num_running_reqs")
         maes, corrs, p99s = [], [], []
         mean_rec = []
+        n_busy = n_grid = 0
         for key in sorted(got):
-            a = got[key]
-            b = sim.get(key, np.zeros_like(a))
+            a_all = got[key]
+            b_all = sim.get(key, np.zeros_like(a_all))
+            # busy grid points: the recording or the model has work on the rank
+            busy = ((a_all + got_run.get(key, np.zeros_like(a_all))) > 0) | (
+                (b_all + sim_run.get(key, np.zeros_like(a_all))) > 0)
+            n_busy += int(busy.sum())
+            n_grid += int(busy.shape[0])
+            if not busy.any():
+                continue
+            a = a_all[busy]
+            b = b_all[busy]
             mae = float(np.mean(np.abs(a - b)))
             corr = (float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else
                     (1.0 if a.std() == 0 and b.std() == 0 and mae == 0 else float("nan")))
@@ -245,16 +284,19 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
             p99s.append((p99, p99_ok))
             if a.std() >= CORR_MIN_STD:
                 corrs.append(corr if math.isfinite(corr) else 0.0)
-            per_rank.append({"worker": rec.urls[key[0]], "dp_rank": key[1], "waiting_mae": mae,
+            per_rank.append({"_k": key[0], "worker": rec.urls[key[0]], "dp_rank": key[1],
+                             "busy_share": float(busy.mean()), "waiting_mae": mae,
                              "waiting_corr": _clean(corr), "waiting_p99_ratio": p99,
                              "recorded_p99": pa_, "simulated_p99": pb_,
                              "recorded_mean": float(a.mean()), "simulated_mean": float(b.mean())})
         if maes:
-            keys = sorted(got)
+            keys = [(row["_k"], row["dp_rank"]) for row in per_rank]
             i = int(np.argmax(maes))
             tol = max(0.5, 0.1 * float(np.mean(mean_rec)))
+            over = (f"; over busy time only ({n_busy / max(n_grid, 1):.1%} of the rank-time "
+                    f"grid)")
             parts.append(Part("waiting_mae", maes[i], f"<= {tol:.3g}", maes[i] <= tol,
-                              f"worst rank {rec.urls[keys[i][0]]} dp {keys[i][1]}{via}"))
+                              f"worst rank {rec.urls[keys[i][0]]} dp {keys[i][1]}{via}{over}"))
             if corrs:
                 c = min(corrs)
                 parts.append(Part("waiting_corr", c, ">= 0.8", c >= 0.8,
@@ -334,4 +376,34 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
                                             "; no trace.json: router defaults assumed")))
     else:
         parts.append(Part("agreement", None, "", None, "no selected_worker"))
+    parts.append(_dispatch_part(rec, fleet, base, via))
+    for row in per_rank:
+        row.pop("_k", None)
     return Fidelity(parts, cfg.given_flags(), int(seed), per_rank, runs)
+
+
+def _dispatch_part(rec: RecordedTrace, fleet: Fleet, run: SimResult, via: str) -> Part:
+    method = fleet.spec.load_balance_method
+    multi = [k for k, dp in enumerate(rec.dp_sizes) if dp > 1]
+    if not multi:
+        return Part("dispatch", None, "", None, "no worker has more than one rank")
+    ranks = recorded_dp_ranks(rec)
+    if ranks is None:
+        return Part("dispatch", None, "", None, "the trace does not record which rank served "
+                    f"each request (the model uses {method})")
+    sim_r = run.outcomes["dp_rank"].fill_null(-1).to_numpy().astype(np.int64)
+    worst, where = 0.0, ""
+    for k in multi:
+        on = (rec.placement == k) & (ranks >= 0)
+        if on.sum() < 10:
+            continue
+        for r in range(rec.dp_sizes[k]):
+            a = float((ranks[on] == r).mean())
+            b = float((sim_r[on] == r).mean())
+            if abs(a - b) * 100 >= worst:
+                worst, where = abs(a - b) * 100, (f"worker {rec.urls[k]} dp {r}: {b:.1%} of its "
+                                                  f"requests simulated vs {a:.1%} recorded")
+    if not where:
+        return Part("dispatch", None, "", None, "fewer than 10 requests with a recorded rank")
+    return Part("dispatch", worst, "<= 5 points", worst <= 5.0,
+                f"load_balance_method {method}; {where}{via}")

@@ -11,10 +11,19 @@ Format (TOML; the same keys in a JSON object)::
     max_total_num_tokens = 200000    # per rank: KV capacity in tokens
     decode_peers = 0                 # decode workers listed in workers.parquet (see docs/simulator.md)
 
-    # engine model options (docs/simulator.md); the defaults are the original model
-    decode_step_ms_per_request = 0.0 # a decode step grows by this per running request beyond the first
-    chunked_prefill_size = 0         # SGLang's --chunked-prefill-size (0: whole prompts in one step)
+    # engine model options (docs/simulator.md); the defaults are sglang 0.5.23's
+    load_balance_method = "round_robin"  # data-parallel dispatch inside a worker (see below)
+    max_prefill_tokens = 16384       # prompt tokens one prefill step may admit
+    chunked_prefill_size = 4096      # unset: resolved from gpu_memory_gb as SGLang does (0: off)
+    gpu_memory_gb = 80               # optional; only resolves chunked_prefill_size
     schedule_policy = "fcfs"         # waiting-queue order: "fcfs" or "lpm" (SGLang's policies)
+    schedule_conservativeness = 1.0  # scales new_token_ratio's initial value
+    init_new_token_ratio = 0.7       # the KV reserved per running decode's output left
+    min_new_token_ratio_factor = 0.14
+    new_token_ratio_decay_steps = 600
+    retraction_policy = "length"     # which running request decode retracts when KV runs out
+    enable_mixed_chunk = false       # running decodes ride in prefill steps
+    decode_step_ms_per_request = 0.0 # a decode step grows by this per running request beyond the first
     publish_policy = "interval"      # "interval": every publish_interval_ms; "on_change": as SGLang
     publish_interval_ms = 100        # interval policy (the --publish-interval-ms flag overrides it)
     idle_publish_ms = 1000           # on_change policy: a heartbeat after this long without a change
@@ -59,12 +68,35 @@ class WorkerSpec:
     role: str = "plain"
     model: str = "default"
     decode_step_ms_per_request: float = 0.0
-    chunked_prefill_size: int = 0
+    chunked_prefill_size: int = 4096
     schedule_policy: str = "fcfs"
+    max_prefill_tokens: int = 16384
+    schedule_conservativeness: float = 1.0
+    enable_mixed_chunk: bool = False
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 PUBLISH_POLICIES = ("interval", "on_change")
+# in-worker data-parallel dispatch: SGLang's --load-balance-method values (``auto``
+# resolves to round_robin without prefill/decode disaggregation), the DP-aware
+# router's choice, and this simulator's original rule
+LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "follow_bootstrap_room",
+                        "router", "prefix_affinity")
+RETRACTION_POLICIES = ("length",)
+# sglang 0.5.23's chunked_prefill_size by device memory (GiB, upper bounds); unknown: 4096
+_CHUNK_BY_GPU_GB = ((20, 2048), (35, 4096), (60, 4096), (90, 8192), (160, 8192))
+UNKNOWN_GPU_CHUNK = 4096
+
+
+def default_chunked_prefill_size(gpu_memory_gb: float | None) -> int:
+    """SGLang's default ``chunked_prefill_size`` for a device of this much memory
+    (GiB); 4096 when the memory is unknown, as SGLang resolves it then."""
+    if gpu_memory_gb is None:
+        return UNKNOWN_GPU_CHUNK
+    for below, size in _CHUNK_BY_GPU_GB:
+        if gpu_memory_gb < below:
+            return size
+    return 16384
 
 
 @dataclass(frozen=True)
@@ -80,15 +112,31 @@ class FleetSpec:
     decode_peers: int = 0
     model: str = "default"
     decode_step_ms_per_request: float = 0.0
-    chunked_prefill_size: int = 0
+    chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
     publish_policy: str = "interval"
     publish_interval_ms: int | None = None
     idle_publish_ms: int = 1000
+    load_balance_method: str = "round_robin"
+    max_prefill_tokens: int = 16384
+    gpu_memory_gb: float | None = None
+    schedule_conservativeness: float = 1.0
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retraction_policy: str = "length"
+    enable_mixed_chunk: bool = False
+
+    @property
+    def chunk(self) -> int:
+        """``chunked_prefill_size`` as the engine resolves it (0: off)."""
+        v = self.chunked_prefill_size
+        return default_chunked_prefill_size(self.gpu_memory_gb) if v is None else max(int(v), 0)
 
 
 _KEYS = {f.name for f in fields(FleetSpec)}
-_ENGINE_KEYS = ("decode_step_ms_per_request", "chunked_prefill_size", "schedule_policy")
+_ENGINE_KEYS = ("decode_step_ms_per_request", "chunked_prefill_size", "schedule_policy",
+                "max_prefill_tokens", "schedule_conservativeness", "enable_mixed_chunk")
 _WORKER_KEYS = {"index", "dp_size", "prefill_tokens_per_s", "decode_tokens_per_s",
                 "max_running_requests", "max_total_num_tokens", *_ENGINE_KEYS}
 DEFAULT_PUBLISH_INTERVAL_MS = 100
@@ -142,8 +190,26 @@ def _check(spec: FleetSpec, where: str) -> None:
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > 10**9):
         bad("publish_interval_ms", "an integer in 1..10**9")
     v = spec.chunked_prefill_size
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > _MAX_INT:
-        bad("chunked_prefill_size", "an integer >= 0 (0: off)")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < -1 or v > _MAX_INT):
+        bad("chunked_prefill_size", "an integer >= 0 (0 or -1: off)")
+    for k in ("max_prefill_tokens", "new_token_ratio_decay_steps"):
+        v = getattr(spec, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > _MAX_INT:
+            bad(k, "an integer in 1..2**53")
+    v = spec.gpu_memory_gb
+    if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1e6):
+        bad("gpu_memory_gb", "a positive number of GiB")
+    for k in ("schedule_conservativeness", "init_new_token_ratio", "min_new_token_ratio_factor"):
+        v = getattr(spec, k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 100:
+            bad(k, "a number in 0..100")
+    if not isinstance(spec.enable_mixed_chunk, bool):
+        bad("enable_mixed_chunk", "true or false")
+    if spec.load_balance_method not in LOAD_BALANCE_METHODS:
+        bad("load_balance_method", ", ".join(repr(p) for p in LOAD_BALANCE_METHODS))
+    if spec.retraction_policy not in RETRACTION_POLICIES:
+        bad("retraction_policy", " or ".join(repr(p) for p in RETRACTION_POLICIES)
+            + " (priority retraction needs priority scheduling, which is not modelled)")
     for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
         v = getattr(spec, k)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1e-3 <= v <= 1e12:
@@ -173,8 +239,11 @@ def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, A
                   max_running_requests=spec.max_running_requests,
                   max_total_num_tokens=spec.max_total_num_tokens,
                   **{k: getattr(spec, k) for k in _ENGINE_KEYS})
+        kw["chunked_prefill_size"] = spec.chunk
         for k, v in (overrides_by_index or {}).get(i, {}).items():
             kw[k] = v
+        if kw["chunked_prefill_size"] is not None and kw["chunked_prefill_size"] < 0:
+            kw["chunked_prefill_size"] = 0
         w = WorkerSpec(prefill_url(i), role=role, model=spec.model, **kw)
         _check(replace(spec, **{k: getattr(w, k) for k in kw}), f"{where}: worker {i}")
         out.append(w)

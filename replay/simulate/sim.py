@@ -36,7 +36,7 @@ from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.kernels import sim as nb
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
-from replay.simulate.fleet import Fleet
+from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
 from replay.simulate.seeds import aggregate
 from replay.sweep.engine import encode_configs
@@ -151,6 +151,11 @@ class SimResult:
         return self._loads
 
 
+LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (nb.LB_ROUND_ROBIN, nb.LB_TOTAL_REQUESTS, nb.LB_TOTAL_TOKENS,
+                                          nb.LB_BOOTSTRAP_ROOM, nb.LB_ROUTER, nb.LB_PREFIX_AFFINITY),
+                    strict=True))
+
+
 def _check_out(out: Path, force: bool) -> None:
     refuse_existing(out, force, "directory")
 
@@ -181,19 +186,35 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
     # block, any input beyond its hashed blocks and its output are private to it.
     sizes = np.diff(log.hash_off)
     full = np.minimum(sizes, log.input_tokens // log.block_size).astype(np.int64)
-    private = log.input_tokens - full * log.block_size + log.output_tokens
+    # Output KV grows one token per decode step (SGLang allocates it step by step).
+    private = log.input_tokens - full * log.block_size
     need = log.input_tokens + log.output_tokens
     min_cap = int(cap[np.isin(rw, fleet_ids)].min())
-    if need.size and int(need.max()) > min_cap:
+    if need.size and int(need.max()) >= min_cap:
         i = int(np.argmax(need))
-        raise ReplayError(f"request {i} needs {int(need[i])} KV tokens (input + output), more than "
-                          f"max_total_num_tokens {min_cap} of some rank; raise the capacity")
+        raise ReplayError(f"request {i} needs {int(need[i])} KV tokens (input + output) and one "
+                          f"spare, more than max_total_num_tokens {min_cap} of some rank; raise "
+                          f"the capacity")
     heap_cap = min(log.n_blocks, log.n_requests) + 4096
     slope = np.array([max(0, round(workers[w].decode_step_ms_per_request * 1e6)) for w in rw],
                      dtype=np.int64)
     chunk = np.array([workers[w].chunked_prefill_size for w in rw], dtype=np.int64)
     policy = np.array([nb.POLICY_LPM if workers[w].schedule_policy == "lpm" else nb.POLICY_FCFS
                        for w in rw], dtype=np.int64)
+    # new_token_ratio (SGLang's scheduler): initial min(0.7 x conservativeness, 1), floor
+    # initial x 0.14, falling linearly to it over 600 decode steps; 1e-9 units
+    sp = fleet.spec
+    eng = np.zeros((rw.shape[0], nb.EN_NCOLS), dtype=np.int64)
+    for r, w in enumerate(rw):
+        ws = workers[w]
+        init = min(sp.init_new_token_ratio * ws.schedule_conservativeness, 1.0)
+        floor = init * sp.min_new_token_ratio_factor
+        eng[r, nb.EN_MAXPF] = ws.max_prefill_tokens
+        eng[r, nb.EN_NR_INIT] = round(init * nb.RATIO_ONE)
+        eng[r, nb.EN_NR_MIN] = round(floor * nb.RATIO_ONE)
+        eng[r, nb.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * nb.RATIO_ONE)
+        eng[r, nb.EN_MIXED] = int(ws.enable_mixed_chunk)
+    dispatch = LB_CODES[sp.load_balance_method]
     on_change = fleet.spec.publish_policy == "on_change"
     # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
     # throttles to every few scheduler steps; a recorder stamps receive time),
@@ -216,7 +237,8 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
                 rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
                 publish_ns=publish_ns, heap_cap=int(heap_cap), rank_decode_slope=slope,
                 rank_chunk=chunk, rank_policy=policy, pub_delay=int(pub_delay),
-                pub_idle=int(pub_idle), rank_worker=rw.astype(np.int64), rank_local=rank_local)
+                pub_idle=int(pub_idle), rank_worker=rw.astype(np.int64), rank_local=rank_local,
+                rank_eng=eng, dispatch=int(dispatch))
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
@@ -232,7 +254,8 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
                           enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
                           int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
                           k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
-                          np.ascontiguousarray(forced, dtype=np.int64),
+                          np.ascontiguousarray(forced, dtype=np.int64), k["rank_eng"],
+                          k["dispatch"],
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
