@@ -2,7 +2,7 @@
 
 The sessions (2,835 requests, prompts up to 646 k tokens, full-blocks-only
 block ids) are read as one log (sessions started at 0.5/s, seed 0), served by
-a saturating 4 workers x dp 2 fleet (prefill 10-16 k tokens/s per rank, hidden
+a saturating 4 workers x dp 2 fleet (prefill 7-11 k tokens/s per rank, hidden
 per worker, seeded), and the written trace is swept back under the same
 config and calibrated.  Each stage is timed alone; the figures it reports are
 the ones a release should keep: the simulate -> sweep agreement (1.0) and the
@@ -38,7 +38,7 @@ def test_agentic_sessions_closed_loop(benchmark, report, tmp_path):
     log = read_log(KV, session_rate=0.5, seed=0)
     read_s = time.perf_counter() - t0
     rng = np.random.default_rng(2028)
-    truth = {i: dict(prefill_tokens_per_s=float(rng.uniform(10_000, 16_000)),
+    truth = {i: dict(prefill_tokens_per_s=float(rng.uniform(7_000, 11_000)),
                      decode_tokens_per_s=float(rng.uniform(30, 55)),
                      max_running_requests=int(rng.integers(6, 12)),
                      max_total_num_tokens=int(rng.integers(700_000, 900_000))) for i in range(4)}

@@ -256,6 +256,7 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
     hashes = [list(map(int, log.hash_ids[log.hash_off[i]:log.hash_off[i + 1]]))
               for i in range(log.n_requests)]
     pl.DataFrame({
+        "request_id": [f"r{i}" for i in range(log.n_requests)],
         "ts": log.ts_ns + t0, "input_tokens": L, "output_tokens": OUT,
         "hash_ids": pl.Series(hashes, dtype=pl.List(pl.Int64)),
         "selected_worker": [urls[w] for w in where[:, 0]],

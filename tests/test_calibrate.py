@@ -357,7 +357,7 @@ def test_page_size_disagreement_refused(prod, tmp_path):
     info["page_size"] = 16
     (d / "trace.json").write_text(json.dumps(info))
     r = _run(["simulate", d, "--out", tmp_path / "o"])
-    assert r.exit_code == 2 and "trace.json: key 'page_size': 16 differs from workers.parquet page_size 512" \
+    assert r.exit_code == 2 and "key 'page_size': 16 disagrees with workers.parquet page_size 512" \
         in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
 

@@ -1,11 +1,12 @@
 """A recorded trace directory as the simulator's input.
 
-:func:`read_trace_log` reads a router-replay trace's requests through the
-trace reader (:func:`replay.trace.load_trace` and
-:func:`~replay.trace.trace_request_log`: every check it makes, the block-count
-rule included), ``workers.parquet`` and ``loads.parquet`` (or a ``loads/``
-folder of parts: trace sets, as ``record`` and ``import`` write them, are read
-wherever a trace directory is) for the fleet and the samples, and returns a
+:func:`read_trace_log` reads ``requests.parquet`` / ``workers.parquet`` /
+``loads.parquet`` / ``trace.json`` of a router-replay trace with polars (a
+``requests/`` or ``loads/`` folder of parts too: trace sets, as ``record`` and
+``import`` write them; the parts are listed by :func:`replay.trace.files.list_parts`)
+and checks each request's block ids against its length with the one block-count
+rule (:mod:`replay.trace.blocks`). It needs only the columns a request log
+needs, not the router-side columns a sweep replays, and returns a
 :class:`RecordedTrace`: the :class:`RequestLog` the simulator consumes
 (arrivals, ``input_tokens``, ``output_tokens``, ``hash_ids`` with the trace's
 page size as block size), where production placed every request, what it
@@ -28,8 +29,8 @@ import numpy as np
 import polars as pl
 
 from replay.simulate.logs import LogError, RequestLog
-from replay.trace import load_trace, trace_request_log
 from replay.trace.base import TraceError
+from replay.trace.blocks import check_block_counts
 from replay.trace.files import list_parts
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
@@ -122,6 +123,20 @@ def _int_column(df: pl.DataFrame, name: str, where: Path, *, nullable: bool = Fa
     return a
 
 
+def _float_column(df: pl.DataFrame, name: str, where: Path) -> np.ndarray:
+    if name not in df.columns:
+        return np.full(df.height, np.nan)
+    col = df[name]
+    if not (col.dtype.is_numeric() or col.dtype == pl.Null):
+        raise LogError(f"{where}: column {name!r}: must be numeric, got {col.dtype}")
+    a = col.cast(pl.Float64).to_numpy().astype(np.float64)
+    bad = np.nonzero(~np.isnan(a) & ~((a >= 0) & np.isfinite(a)))[0]
+    if bad.size:
+        raise LogError(f"{where}: column {name!r} row {int(bad[0])}: must be finite and >= 0, "
+                       f"got {a[bad[0]]}")
+    return a
+
+
 def read_trace_info(path: str | os.PathLike) -> dict[str, Any]:
     """``trace.json`` of a trace directory ({} without one); one line on a bad file."""
     p = Path(path) / "trace.json"
@@ -148,52 +163,68 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     d = Path(path)
     wk_path = d / "workers.parquet"
     info = read_trace_info(d)
-    rq_path = d / "requests.parquet"
-    if not rq_path.is_file():
-        rq_path = d / "requests"
-        if not rq_path.is_dir():
-            raise LogError(f"{d / 'requests.parquet'}: file not found (nor a requests/ folder)")
-    # the requests through the trace reader: every check load_trace makes, the block-count
-    # rule included (full-blocks-only lists completed), in time order
-    tr = load_trace(d)
-    for c, col in (("hash_ids", tr.hash_offsets), ("output_tokens", tr.req_output_tokens)):
-        if col is None:
+    req, rq_path = _table(d, "requests")
+    if req is None:
+        raise LogError(f"{rq_path}: file not found (nor a requests/ folder)")
+    for c in REQUIRED:
+        if c not in req.columns:
             raise LogError(f"{rq_path}: missing column {c!r} (a trace used as a request log needs "
                            f"{', '.join(REQUIRED)})")
-    req = trace_request_log(tr)
-    if req["model"].n_unique() > 1:
-        names = sorted(req["model"].unique().to_list())
+    if "model" in req.columns and req["model"].drop_nulls().n_unique() > 1:
+        names = sorted(req["model"].drop_nulls().unique().to_list())
         raise LogError(f"{rq_path}: column 'model': {len(names)} models ({', '.join(map(str, names[:3]))}"
                        f"{', ...' if len(names) > 3 else ''}); the simulator models one fleet of one model")
     if limit is not None:
-        req = req.head(int(limit))
+        req = req.sort("ts", maintain_order=True).head(int(limit))
     workers = _read(wk_path)
     for c in ("worker", "dp_size"):
         if c not in workers.columns:
             raise LogError(f"{wk_path}: missing column {c!r}")
-    pages = req["page_size"].drop_nulls().unique().to_list()
-    page = int(pages[0]) if pages else block_size
+    page = info.get("page_size")
+    if "page_size" in workers.columns and workers["page_size"].drop_nulls().len():
+        pre = workers.filter(pl.col("role") != "decode") if "role" in workers.columns else workers
+        pages = pre["page_size"].drop_nulls().unique().to_list()
+        if len(pages) > 1:
+            raise LogError(f"{wk_path}: column 'page_size': workers disagree ({sorted(pages)}); "
+                           "one block size per trace is needed")
+        if pages and page is not None and pages[0] != page:
+            raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
+                           f"workers.parquet page_size {pages[0]}")
+        if pages and page is None:
+            page = pages[0]
+    if page is None:
+        page = block_size
     if page is None:
         raise LogError(f"{d}: page size unknown (no trace.json page_size, no workers.parquet "
                        "page_size): pass --block-size")
-    for c in ("hash_ids", "output_tokens"):
-        if req[c].null_count():
-            raise LogError(f"{rq_path}: column {c!r}: {req[c].null_count()} requests have none (a request "
-                           "log needs every request's block hashes and output length)")
-    ts = req["ts"].to_numpy()
-    L = req["input_tokens"].to_numpy()
-    out = req["output_tokens"].to_numpy()
+    if not isinstance(page, int) or isinstance(page, bool) or page < 1:
+        raise LogError(f"{d / 'trace.json'}: key 'page_size': must be an integer >= 1, got {page!r}")
+
+    ts = _int_column(req, "ts", rq_path)
+    L = _int_column(req, "input_tokens", rq_path)
+    out = _int_column(req, "output_tokens", rq_path)
     hashes = req["hash_ids"]
+    if not isinstance(hashes.dtype, (pl.List, pl.Array)):
+        raise LogError(f"{rq_path}: column 'hash_ids': must be a list of int64, got {hashes.dtype}")
+    if hashes.null_count():
+        raise LogError(f"{rq_path}: column 'hash_ids' row {int(hashes.is_null().arg_max())}: null "
+                       "(a request log needs every request's block hashes)")
+    hashes = hashes.cast(pl.List(pl.Int64))
+    inner_null = hashes.list.eval(pl.element().is_null().any()).list.first().fill_null(False)
+    if inner_null.any():
+        raise LogError(f"{rq_path}: column 'hash_ids' row {int(inner_null.arg_max())}: "
+                       "null entry inside the list")
     sizes = hashes.list.len().to_numpy().astype(np.int64)
+    counts = check_block_counts(sizes, L, page)
+    if counts.bad is not None:
+        raise LogError(f"{rq_path}: column 'hash_ids' row {counts.bad}: {counts.message}")
     flat = (hashes.explode().drop_nulls().to_numpy().astype(np.int64) if sizes.sum()
             else np.zeros(0, np.int64))
     off = np.zeros(req.height + 1, dtype=np.int64)
     np.cumsum(sizes, out=off[1:])
     t0 = int(ts.min()) if ts.size else 0
-    # (with the page from --block-size, the rule is applied by RequestLog itself)
     log = RequestLog(ts - t0, L, out, off, flat, np.arange(req.height, dtype=np.int64), page, str(d))
-    log.partial_blocks_added += int(tr.facts.hash_ids_full_blocks_only or 0)
-    order = log.request_id  # time-order row of each log position (the identity: already sorted)
+    order = log.request_id  # trace row of each log position
 
     roles = (workers["role"].to_list() if "role" in workers.columns
              else ["plain"] * workers.height)
@@ -204,13 +235,20 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         raise LogError(f"{wk_path}: no prefill or plain worker")
     urls = [u for u, _ in pre]
     index = {u: k for k, u in enumerate(urls)}
-    sel = req["selected_worker"].to_list()
-    placement = np.array([index.get(w, -1) if w is not None else -1 for w in sel], dtype=np.int64)[order]
-    cached = req["cached_tokens"].fill_null(-1).to_numpy().astype(np.int64)[order]
-    ttft = req["ttft_ms"].fill_null(np.nan).to_numpy().astype(np.float64)[order]
-    lat = req["latency_ms"].fill_null(np.nan).to_numpy().astype(np.float64)[order]
+    if "selected_worker" in req.columns:
+        sel = req["selected_worker"].to_list()
+        placement = np.array([index.get(s, -1) if s is not None else -1 for s in sel],
+                             dtype=np.int64)[order]
+    else:
+        placement = np.full(req.height, -1, dtype=np.int64)
+    cached = (_int_column(req, "cached_tokens", rq_path, nullable=True)[order]
+              if "cached_tokens" in req.columns else np.full(req.height, -1, dtype=np.int64))
+    ttft = _float_column(req, "ttft_ms", rq_path)[order]
+    lat = _float_column(req, "latency_ms", rq_path)[order]
     loads, _ld_path = _table(d, "loads")
-    model = str(req["model"][0]) if req.height else None
+    model = None
+    if "model" in req.columns and req["model"].drop_nulls().len():
+        model = str(req["model"].drop_nulls()[0])
     return RecordedTrace(d, log, urls, [int(dp) for _, dp in pre],
                          sum(1 for r in roles if r == "decode"), placement, cached, ttft, lat, t0,
                          loads, info, model)
