@@ -261,6 +261,8 @@ def _expected_regressions(base_run, new_run, tol):
 
 
 def _parse_rows(md: str):
+    """The rows of the metrics table (the decisions table, above it, is not one)."""
+    md = md[md.index("| config | metric |"):]
     rows = [line for line in md.splitlines() if line.startswith("| `")]
     return [[c.strip() for c in line.strip("|").split("|")] for line in rows]
 
@@ -268,15 +270,18 @@ def _parse_rows(md: str):
 def test_check_within_tolerance_exit_0(runs, tmp_path):
     base = _baseline(runs, tmp_path)
     junit = tmp_path / "j.xml"
-    md = ok(invoke("check", runs["a"], "--baseline", base, "--junit", junit))
+    line = ok(invoke("check", runs["a"], "--baseline", base))
+    assert line.startswith("router-replay check: PASS") and line.count("\n") == 1, line
+    assert "decisions identical (7 configs x 700 requests)" in line
+    md = ok(invoke("check", runs["a"], "--baseline", base, "--junit", junit, "--verbose"))
     assert md.startswith("### router-replay check: PASS")
     rows = _parse_rows(md)
     assert len(rows) == 7 * 6 and {r[-1] for r in rows} == {"ok"}
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("tests") == "42" and suite.get("failures") == "0"
-    assert len(suite.findall("testcase")) == 42 and not suite.findall("testcase/failure")
+    assert suite.get("tests") == "49" and suite.get("failures") == "0"  # 7 configs x (6 metrics + decisions)
+    assert len(suite.findall("testcase")) == 49 and not suite.findall("testcase/failure")
     # c holds every baseline config (plus one it does not check): identical results
-    md = ok(invoke("check", runs["c"], "--baseline", base))
+    md = ok(invoke("check", runs["c"], "--baseline", base, "--verbose"))
     assert len(_parse_rows(md)) == 42 and "1 config of the run not in the baseline" in md
 
 
@@ -287,7 +292,8 @@ def test_check_regressions_exit_1_named_in_markdown_and_junit(runs, tmp_path):
         **{s: (0.01, False) for s in SHARES}})
     assert want, "run a should regress against run b somewhere"
     junit = tmp_path / "j.xml"
-    res = invoke("check", runs["a"], "--baseline", base, "--junit", junit)
+    # other seed and freshness: other decisions, which fail by default; the drift allowed, the tolerances decide
+    res = invoke("check", runs["a"], "--baseline", base, "--junit", junit, "--verbose", "--allow-decision-drift")
     md = ok(res, 1)
     assert md.startswith(f"### router-replay check: FAIL: {len(want)} regression")
     rows = _parse_rows(md)
@@ -296,20 +302,27 @@ def test_check_regressions_exit_1_named_in_markdown_and_junit(runs, tmp_path):
     fmt = analysis.config_label
     assert failing == {(fmt({"worker_queue_limit": lim, "saturation_queue_floor": fl}, KNOBS), m)
                        for lim, fl, m in want}
-    regress_lines = [line for line in md.splitlines() if line.startswith("- ")]
+    regress_lines = [line for line in md[md.index("**Regressions:**"):].splitlines() if line.startswith("- ")]
     assert len(regress_lines) == len(want)
     for cfg, m in failing:
         assert any(line.startswith(f"- {cfg}: {m} ") for line in regress_lines)
     suite = ET.parse(junit).getroot().find("testsuite")
     fails = [tc for tc in suite.findall("testcase") if tc.find("failure") is not None]
     assert suite.get("failures") == str(len(want)) == str(len(fails))
+    assert all(tc.get("name").endswith(" :: decisions") for tc in suite.findall("testcase")
+               if tc.get("classname") == "router-replay.check.decisions")
     assert {tc.get("name") for tc in fails} == {f"{c} :: {m}" for c, m in failing}
     assert all(tc.find("failure").get("message").startswith("regression: ") for tc in fails)
     # the JUnit file is not replaced without --force
     one_line_error(invoke("check", runs["a"], "--baseline", base, "--junit", junit), "exists")
     # looser tolerances as flags: the same run passes
     ok(invoke("check", runs["a"], "--baseline", base, "--max-hit-rate-drop", "100", "--max-p99-rise", "1000",
-              "--max-label-share-change", "100"))
+              "--max-label-share-change", "100", "--allow-decision-drift"))
+    # ... and without --allow-decision-drift the changed decisions still fail
+    out = ok(invoke("check", runs["a"], "--baseline", base, "--max-hit-rate-drop", "100", "--max-p99-rise", "1000",
+                    "--max-label-share-change", "100"), 1)
+    assert out.startswith("router-replay check: FAIL: ") and "changed decision" in out.splitlines()[0]
+    assert "seed 1 -> 0" in out and "freshness_ms 300 -> 5000" in out
 
 
 def test_check_improvements_never_fail(runs, tmp_path):
@@ -319,7 +332,7 @@ def test_check_improvements_never_fail(runs, tmp_path):
     assert json.loads(base.read_text())["tolerances"]["hit_rate"] == "0pt"
     want = _expected_regressions(runs["a"], runs["b"], {
         "hit_rate": (0.0, False), "selected_waiting_p99": (0.0, True), **{s: (0.0, False) for s in SHARES}})
-    res = invoke("check", runs["b"], "--baseline", base)
+    res = invoke("check", runs["b"], "--baseline", base, "--verbose", "--allow-decision-drift")
     md = ok(res, 1 if want else 0)
     rows = _parse_rows(md)
     improved = [r for r in rows if r[-1] == "improved"]
