@@ -124,6 +124,24 @@ def test_closed_loop_answer_differs_from_the_open_loop_pick(saturated):
     assert f"router-replay recommend {saturated / 'fit' / 'prediction'}" in flat
 
 
+def test_closed_loop_json_and_flags_file(saturated, tmp_path):
+    s = _summary(saturated)
+    no_gate = s.filter(pl.col("worker_queue_limit").is_null()).row(0, named=True)
+    bound = no_gate["ttft_ms_p99_hi"] - 1.0
+    want = _independent_pick(s, bound)
+    flags = tmp_path / "flags.sh"
+    r = run("recommend", saturated / "fit", "--max-ttft-p99-ms", bound, "--json", "--emit-flags", flags)
+    rec = json.loads(r.stdout)
+    assert rec["fidelity"]["good"] is True and rec["bound"]["max_ms"] == bound
+    assert rec["recommended"]["config_id"] == want["config_id"]
+    v = rec["recommended"]["values"]["ttft_ms_p99"]
+    assert v["mean_95_hi"] == pytest.approx(want["ttft_ms_p99_hi"]) and v["mean_95_hi"] <= bound
+    assert rec["router_flags"].startswith(f"--worker-queue-limit {want['worker_queue_limit']}")
+    assert rec["router_flags_per_dp_size"] == {"2": rec["router_flags"]}
+    text = flags.read_text()
+    assert f"ROUTER_FLAGS_DP2='{rec['router_flags']}'" in text.splitlines()
+
+
 def test_two_best_within_their_intervals_are_said_to_be_indistinguishable(light):
     s = _summary(light)
     want = _independent_pick(s, 10**9)

@@ -413,6 +413,31 @@ def test_recommend_per_dp_size(runs):
     text = ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound))
     assert f"dp_size 2: recommended {analysis.config_label(best, KNOBS)}" in text
     assert "per rank: limit" in text
+
+
+def test_recommend_json_and_emit_flags_per_dp_size(runs, tmp_path):
+    s = summary(runs["p"])
+    bound = max(s["selected_waiting_p99"].to_list())
+    best = _best(s, bound).row(0, named=True)
+    rec = json.loads(ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--json")))
+    (answer,) = rec["answers"]
+    assert answer["dp_size"] == 2 and answer["recommended"]["config_id"] == best["config_id"]
+    assert answer["recommended"]["metrics"]["hit_rate"] == pytest.approx(best["hit_rate"])
+    want = " ".join(f"--{k.replace('_', '-')} {best[k]}" for k in KNOBS if best[k] is not None)
+    assert answer["router_flags"] == want
+    flags = tmp_path / "router.env"
+    ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--emit-flags", flags))
+    # the file is what a start script includes: sourcing it gives the flags
+    import subprocess
+    got = subprocess.run(["sh", "-c", f'. "{flags}"; printf "%s|%s" "$ROUTER_FLAGS_DP2" "$ROUTER_FLAGS"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert got == f"{want}|{want}"
+    one_line_error(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--emit-flags", flags), "exists")
+    # no config meets the bound: no variable, a comment says why
+    low = min(s["selected_waiting_p99"].to_list()) - 1
+    ok(invoke("recommend", runs["p"], "--max-p99-waiting", low, "--emit-flags", flags, "--force"), 1)
+    text = flags.read_text()
+    assert "ROUTER_FLAGS_DP2=" not in text and "# ROUTER_FLAGS_DP2: no config meets the bound" in text
     # a summary holding two dp sizes gets one answer each (library level, real rows relabelled)
     run = analysis.load_run(runs["p"])
     run.summary = pl.concat([run.summary, run.summary.with_columns(

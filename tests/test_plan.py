@@ -178,6 +178,13 @@ def test_plan_finds_the_adequate_fleet_known_from_service_rates(tmp_path, case):
         assert fewer["ttft_ms_p99_hi"].min() > bound_ms  # ... and the simulator agrees
     text = run(["recommend", out, "--plan", "--max-ttft-p99-ms", bound_ms], code=1)
     assert "traffic x4: NO fleet in the grid meets the bound" in text
+    rec = json.loads(run(["recommend", out, "--plan", "--max-ttft-p99-ms", bound_ms, "--json"], code=1))
+    by_level = {lv["load_scale"]: lv for lv in rec["levels"]}
+    for level in levels:
+        got = by_level[level]["fleet"]
+        assert (got and got["ranks"]) == (truth(level) or None), (level, got)
+        if got:
+            assert got["value_ms"] <= bound_ms and got["router_flags"].startswith("--worker-queue-limit ")
     assert f"traffic x1: {truth(1.0)} workers x dp 1" in text
     assert "headroom" in text or "over the bound" in text
     # a bound everyone meets at x1 and x2 but not x4: exit 1; only levels 1,2: exit 0

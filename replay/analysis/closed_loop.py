@@ -299,6 +299,38 @@ class ClosedLoopRecommendation:
         return router_flags(row)
 
 
+    def to_json(self) -> dict:
+        """The answer as JSON (``recommend --json``): fidelity first, bound, pick, runner-up, counts."""
+        g = self.grid
+
+        def row(r: dict | None) -> dict | None:
+            if r is None:
+                return None
+            keep = ("true_hit_rate", self.bound_col, "ttft_ms_p50")
+            return {"config": r["config"], "config_id": r["config_id"],
+                    "knobs": {k: r.get(k) for k in g.knobs},
+                    "values": {c: {"mean": num(r.get(c)), "mean_95_lo": num(r.get(f"{c}_lo")),
+                                   "mean_95_hi": num(r.get(f"{c}_hi")),
+                                   "seed_min": num(r.get(f"{c}_min")), "seed_max": num(r.get(f"{c}_max"))}
+                               for c in keep if c in r},
+                    "stable": r.get("stable"), "seeds": r.get("seeds")}
+        flags = deploy_flags(self.best) if self.best is not None else None
+        return {"fidelity": {"good": g.fidelity_good, "line": g.fidelity_line()}, "grid": str(g.path),
+                "configs": g.summary.height, "seeds": g.n_seeds,
+                "bound": {"metric": self.bound_col, "max_ms": self.bound_ms,
+                          "checked_on": "upper end of the 95% interval of the mean" if g.seeded else "point value"},
+                "recommended": row(self.best), "router_flags": flags,
+                "router_flags_per_dp_size": {str(d): flags for d in dp_sizes(g)} if flags is not None else {},
+                "runner_up": row(self.runner_up), "distinguishable": self.distinguishable,
+                "qualifying": len(self.ranked), "excluded": {k: len(v) for k, v in self.excluded.items()}}
+
+
+def deploy_flags(row: dict) -> str | None:
+    """A config row's router flags as a command line takes them ('' for the defaults; None when
+    the config needs a replay-only variant, which no router flag sets)."""
+    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).deploy_flags()
+
+
 def router_flags(row: dict) -> str:
     """The router command-line flags of a config row (the knobs that differ from the defaults),
     as ``recommend`` prints them for an open-loop run."""

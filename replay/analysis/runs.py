@@ -1089,6 +1089,28 @@ class Recommendation:
             text += f" [needs the replay-only policy variant {', '.join(variants)}: not a router flag]"
         return text
 
+    def deploy_flags(self) -> str | None:
+        """The flags as a router command line takes them ('' for the router's defaults); None
+        when there is nothing to deploy (no config met the bound, or it needs a replay-only variant)."""
+        text = self.flags()
+        if self.best is None or "not a router flag" in text:
+            return None
+        return "" if text.startswith("(router defaults") else text
+
+    def to_json(self) -> dict:
+        """The answer as JSON (``recommend --json``): knob values, flags, evidence, margin, counts."""
+        def row(r: dict | None) -> dict | None:
+            if r is None:
+                return None
+            return {"config": r["config"], "config_id": r["config_id"],
+                    "knobs": {k: r[k] for k in KNOB_NAMES if k in r},
+                    "metrics": {m: r.get(m) for m in RECOMMEND_EVIDENCE}}
+        return {"dp_size": self.dp_size, "bound": {"metric": "selected_waiting_p99", "max": self.bound},
+                "recommended": row(self.best), "router_flags": self.deploy_flags(),
+                "runner_up": row(self.runner_up), "margin_hit_rate": self.margin, "no_gate": row(self.no_gate),
+                "configs_meeting_bound": self.met, "configs_over_bound": self.exceeded,
+                "configs_unknown": self.unknown}
+
 
 def _rank_key(r: dict) -> tuple:
     hr = r["hit_rate"]

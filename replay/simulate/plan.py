@@ -361,7 +361,23 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
     return "\n".join(lines)
 
 
-def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo) -> int:
+def plan_json(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str) -> dict:
+    """The plan as JSON (``recommend --plan --json``): per traffic level the fleet, its config and flags."""
+    def fleet(r: dict | None, value: float | None) -> dict | None:
+        if r is None:
+            return None
+        lim, flo = r.get("worker_queue_limit"), r.get("saturation_queue_floor")
+        return {"workers": r["workers"], "dp_size": r["dp_size"], "ranks": r["ranks"], "config_id": r["config_id"],
+                "worker_queue_limit": lim, "saturation_queue_floor": flo,
+                "router_flags": f"--worker-queue-limit {_knob(lim)} --saturation-queue-floor {_knob(flo)}",
+                "value_ms": value, "true_hit_rate": r.get("true_hit_rate"), "stable": r.get("stable")}
+    return {"bound": {"metric": BOUND_METRICS[metric], "max_ms": bound_ms, "checked_on": col},
+            "levels": [{"load_scale": a.load_scale, "fleet": fleet(a.row, a.value),
+                        "closest_miss": fleet(a.best_miss, a.best_miss["_v"] if a.best_miss else None),
+                        "next_level": a.next_level, "next_value_ms": a.next_value} for a in answers]}
+
+
+def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, *, as_json: bool = False) -> int:
     """``recommend --plan``: print the plan; 0 when every level has a fleet, 1 when one has none."""
     if (ttft_ms is None) == (wait_ms is None):
         raise ReplayError("--plan needs exactly one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
@@ -371,7 +387,10 @@ def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo) 
     if col not in t.columns:
         raise ReplayError(f"{Path(run_dir) / PLAN_TABLE}: column {col} missing")
     answers = plan(t, metric, float(bound_ms))
-    echo(format_plan(answers, metric, float(bound_ms), col))
+    if as_json:
+        echo(json.dumps(plan_json(answers, metric, float(bound_ms), col), default=str))
+    else:
+        echo(format_plan(answers, metric, float(bound_ms), col))
     return 0 if all(a.row is not None for a in answers) else 1
 
 
