@@ -66,6 +66,8 @@ def runs(tmp_path_factory):
                         str(root / "bug"), "--no-report", *ARGS], capture_output=True, text=True, env=env,
                        cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
+    # a fresh numba cache: the first run says it compiles
+    assert "compiling kernels (first run, about 20 s" in p.stderr, p.stderr[-2000:]
     res = invoke("check", root / "good", "--write-baseline", root / "base.json")
     assert res.exit_code == 0, res.output
     return root
@@ -122,6 +124,24 @@ def test_drift_allowed_leaves_it_to_the_tolerances(runs):
     res = invoke("check", runs / "bug", "--baseline", runs / "base.json", "--allow-decision-drift",
                  "--max-hit-rate-drop", "0")
     assert res.exit_code == 1 and "hit_rate" in res.stdout
+
+
+def test_report_rebuilds_its_own_page_without_force(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "good", run)
+    res = invoke("report", run)
+    assert res.exit_code == 0 and (run / "report.html").is_file(), res.output
+    first = (run / "report.html").stat().st_mtime_ns
+    res = invoke("report", run, "--max-p99-waiting", "8")
+    assert res.exit_code == 0, res.output
+    assert (run / "report.html").stat().st_mtime_ns > first
+    # a file it did not write is still refused, and an --out elsewhere still needs --force
+    (tmp_path / "other.html").write_text("<p>mine</p>")
+    res = invoke("report", run, "--out", tmp_path / "other.html")
+    assert res.exit_code == 2 and (tmp_path / "other.html").read_text() == "<p>mine</p>"
+    (run / "report.html").write_text("<p>mine</p>")
+    res = invoke("report", run)
+    assert res.exit_code == 2 and "not a report written by router-replay" in res.output
 
 
 @pytest.mark.slow

@@ -187,6 +187,14 @@ def test_compare_without_decisions_and_refusals(runs, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_compare_of_runs_differing_in_an_unswept_knob_says_how(runs, tmp_path):
+    other = tmp_path / "mlc"
+    run_sweep(runs["root"] / "trace_t", {**GRID, "min_load_choices": "3"}, out=other, **NO_REPORT)
+    line = one_line_error(invoke("compare", runs["a"], other), "no config in common")
+    assert "they differ in min_load_choices 2 vs 3, which neither run sweeps" in line
+    assert "--min-load-choices 2,3 --worker-queue-limit none,2,4 --saturation-queue-floor none,1,2" in line
+
+
 def test_compare_bad_input(runs, tmp_path):
     one_line_error(invoke("compare", runs["a"], runs["u"]), "same trace", "sha256")
     one_line_error(invoke("compare", runs["a"], tmp_path / "nope"), "no such run directory")

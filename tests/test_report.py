@@ -375,7 +375,6 @@ def test_report_command_errors(run_dir, trace_dir, tmp_path):
     f = tmp_path / "file.txt"
     f.write_text("x")
     one_line_error(invoke("report", f), "not a directory")
-    one_line_error(invoke("report", run_dir), "report.html: exists (use --force to replace it)")
     one_line_error(invoke("report", run_dir, "--out", tmp_path / "nodir" / "r.html"), "directory not found")
     one_line_error(invoke("report", run_dir, "--out", tmp_path / "x.html", "--config", 999),
                    "--config 999: no such config_id")

@@ -232,6 +232,22 @@ def _match_across_variants(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str
     return match_configs(a, b, router)
 
 
+def _unswept_hint(a: Run, b: Run, ma: pl.DataFrame, mb: pl.DataFrame, knobs: Sequence[str]) -> str:
+    """When the runs differ in knobs each holds at one value (not swept), how to compare them."""
+    fixed = [k for k in knobs if ma[k].n_unique() == 1 and mb[k].n_unique() == 1
+             and ma[k][0] != mb[k][0]]
+    if not fixed:
+        return ""
+    what = ", ".join(f"{k} {knob_text(ma[k][0])} vs {knob_text(mb[k][0])}" for k in fixed)
+    trace = (a.meta.get("trace") or {}).get("path") or "TRACE"
+    swept = " ".join(f"{KNOBS[k].flag} {','.join(knob_text(v) for v in ma[k].unique(maintain_order=True))}"
+                     for k in knobs if ma[k].n_unique() > 1)
+    both = " ".join(f"{KNOBS[k].flag} {knob_text(ma[k][0])},{knob_text(mb[k][0])}" for k in fixed)
+    return (f"; they differ in {what}, which neither run sweeps: sweep both values in one run and "
+            f"read its report, e.g. router-replay sweep {trace} --out RUN {both}"
+            + (f" {swept}" if swept else ""))
+
+
 def _label_expr(col: str, suffix: str) -> pl.Expr:
     """The transition label: the label column, or ``failed:<failure>`` on a failed request."""
     return pl.coalesce(pl.col(col), pl.lit("failed:") + pl.col("failure"), pl.lit("failed")).alias(f"label_{suffix}")
@@ -266,7 +282,8 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
         shown = [k for k in shown if k in pairs.columns]
         across = pairs.height > 0
     if pairs.height == 0:
-        raise ReplayError(f"{a.path} and {b.path} have no config in common (configs are matched by knob values)")
+        raise ReplayError(f"{a.path} and {b.path} have no config in common (configs are matched by knob values)"
+                          + _unswept_hint(a, b, ma, mb, knobs))
     pairs = pairs.with_columns(pl.Series("config", [config_label(r, shown) for r in pairs.iter_rows(named=True)]))
     matched_a = set(pairs["config_id_a"].to_list())
     matched_b = set(pairs["config_id_b"].to_list())

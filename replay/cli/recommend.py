@@ -76,10 +76,7 @@ level has none); a directory with plan_summary.parquet is read so without
 def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode, as_json, emit_flags, force):
     """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
 
-    from replay.analysis import (
-        closed_loop,  # lazy: loaded when the command runs
-        flags_file,  # lazy: loaded when the command runs
-    )
+    from replay.analysis import closed_loop, flags_file  # lazy: loaded when the command runs
     from replay.analysis import runs as analysis  # lazy: loaded when the command runs
     from replay.errors import ReplayError  # lazy: loaded when the command runs
     from replay.simulate.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import click
@@ -115,9 +116,16 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
         click.echo(f"warning: {grid.warning_line()}", err=True)
     show_bar = not quiet and sys.stderr.isatty()
     bar = None
+    if not quiet and executor == "local":
+        from replay.sweep import engine  # lazy: loaded when the command runs
+
+        if engine.kernels_cold():
+            click.echo("compiling kernels (first run, about 20 s; later runs load them from the cache)", err=True)
+    piped = {"total": 0, "done": 0, "last": time.monotonic()}
 
     def on_start(n):
         nonlocal bar
+        piped.update(total=n, done=0, last=time.monotonic())
         if show_bar:
             bar = click.progressbar(length=n, label="replaying", file=sys.stderr)
             bar.__enter__()
@@ -125,6 +133,13 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
     def progress(n):
         if bar is not None:
             bar.update(n)
+        elif not quiet:  # piped: a line every ~10 s
+            piped["done"] += n
+            now = time.monotonic()
+            if now - piped["last"] >= 10 and piped["total"]:
+                piped["last"] = now
+                click.echo(f"replaying: {piped['done']:,} of {piped['total']:,} "
+                           f"({100 * piped['done'] / piped['total']:.0f}%)", err=True)
 
     def status(text):
         if show_bar:
