@@ -217,7 +217,7 @@ def test_report_finds_the_grid_and_shows_it_first(saturated):
         lo, hi = 100 * r["true_hit_rate_lo"], 100 * r["true_hit_rate_hi"]
         assert f"{100 * r['true_hit_rate']:.2f}% [{lo:.2f}%..{hi:.2f}%]" in t
         if not r["stable"]:
-            assert "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")" in t
+            assert "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + " disagree)" in t
     assert "decision-time" in t and "served" in t
     # the open-loop headline and heatmaps carry the label
     rest = page[page.index('<section id="s1">'):page.index('<section id="s3">')]

@@ -267,7 +267,7 @@ def grid_table(table, grid) -> list[str]:
         row += [hit, cell(r["ttft_ms_p50"], 1e-3, 2), p99, cell(r["queue_wait_ms_mean"], 1e-3, 2)]
         if seeded:
             row += ["yes" if r["stable"] else ("?" if r["stable"] is None else
-                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
+                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + " disagree)")]
         rows.append(row)
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) for row in rows]

@@ -58,7 +58,7 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
         o = open_rows.get(key)
         stable = r.get("stable")
         st = ("yes" if stable else "–" if stable is None else
-              "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + ")")
+              "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + " disagree)")
         cells = [i, r["config_id"], *["none" if r.get(k) is None else r.get(k) for k in rec.knobs],
                  cl.interval(r, "true_hit_rate"), cl.interval(r, col, cl.seconds),
                  cl.interval(r, "ttft_ms_p50", cl.seconds),

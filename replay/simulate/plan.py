@@ -326,14 +326,27 @@ def plan(t: pl.DataFrame, metric: str, bound_ms: float) -> list[LevelAnswer]:
     return out
 
 
+def duration(ms: float | None) -> str:
+    """A duration for people: ms below a second, s below ten minutes, min above."""
+    if ms is None or not math.isfinite(ms):
+        return "no value"
+    if abs(ms) < 1000:
+        return f"{ms:.0f} ms"
+    if abs(ms) < 600_000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms / 60_000:.1f} min"
+
+
 def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str) -> str:
-    what = f"{BOUND_METRICS[metric]} <= {bound_ms:g} ms (checked on {col})"
+    checked = ("the upper end of the 95% interval of the mean over the seeds" if col.endswith("_hi")
+               else "the single seed's value")
+    what = f"{BOUND_METRICS[metric]} <= {duration(bound_ms)} (checked on {checked})"
     lines = [f"capacity plan: {what}"]
     for a in answers:
         head = f"traffic x{a.load_scale:g}: "
         if a.row is None:
             m = a.best_miss
-            mv = "no value" if m is None or m["_v"] is None else f"{m['_v']:.1f} ms"
+            mv = "no value" if m is None or m["_v"] is None else duration(m["_v"])
             lines.append(head + "NO fleet in the grid meets the bound (closest: "
                          + (f"{m['workers']} workers x dp {m['dp_size']}, config {m['config_id']}, "
                             if m else "") + f"{mv}); add larger fleets")
@@ -342,11 +355,12 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
         lim, flo = r.get("worker_queue_limit"), r.get("saturation_queue_floor")
         s = (f"{r['workers']} workers x dp {r['dp_size']} ({r['ranks']} ranks), config "
              f"{r['config_id']} (--worker-queue-limit {_knob(lim)} --saturation-queue-floor "
-             f"{_knob(flo)}): {a.value:.1f} ms")
+             f"{_knob(flo)}): {duration(a.value)}")
         lo, hi = r.get(col.replace("_hi", "_lo")), r.get(col)
         if col.endswith("_hi") and lo is not None:
             base = BOUND_METRICS[metric]
-            s += f" (mean {r[base]:.1f}, 95% {lo:.1f}..{hi:.1f} over {len(r.get('seeds') or [])} seeds)"
+            s += (f" (mean {duration(r[base])}, 95% interval of the mean over {len(r.get('seeds') or [])} "
+                  f"seeds {duration(lo)}..{duration(hi)})")
         if r.get("stable") is False:
             s += f" [seeds {','.join(map(str, r.get('unstable_seeds') or []))} disagree: run more seeds]"
         if a.next_level is None:
@@ -355,8 +369,8 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
             s += f"; at x{a.next_level:g}: not run"
         else:
             room = bound_ms - a.next_value
-            s += (f"; at x{a.next_level:g} the same fleet gives {a.next_value:.1f} ms, "
-                  + (f"headroom {room:.1f} ms" if room >= 0 else f"over the bound by {-room:.1f} ms"))
+            s += (f"; at x{a.next_level:g} the same fleet gives {duration(a.next_value)}, "
+                  + (f"headroom {duration(room)}" if room >= 0 else f"over the bound by {duration(-room)}"))
         lines.append(head + s)
     return "\n".join(lines)
 
