@@ -115,7 +115,7 @@ def test_closed_loop_answer_differs_from_the_open_loop_pick(saturated):
     s0 = _text(page[page.index('<section id="s0">'):page.index('<section id="s1">')])
     assert f"recommended: limit={want['worker_queue_limit']} (config {want['config_id']})" in s0
     s1 = _text(page[page.index('<section id="s1">'):page.index('<section id="s2">')])
-    assert "Best under the bound: config 0 (limit none" in s1
+    assert "Highest decision-time hit rate under the bound, on the recorded load: config 0 (limit none" in s1
     # the open loop ranks the no-gate config first, and says what that ranking is
     ol = run("recommend", saturated / "run", "--max-p99-waiting", 10**6).output
     assert "fleet: recommended limit=none" in ol

@@ -298,7 +298,7 @@ def test_page_has_every_section_and_figure(page, run_dir):
         assert info["sha256"] in page
     assert "Pressure bound: p99 waiting at the chosen worker" in page
     assert "This run has one dp_size (2)" in page
-    assert "Best under the bound" in page
+    assert "Highest decision-time hit rate under the bound" in page and "Best under" not in page
 
 
 def test_no_decisions_run_shows_note(trace_dir, tmp_path):

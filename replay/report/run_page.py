@@ -817,7 +817,7 @@ def fig_tradeoff(a: ReportView) -> dict:
             marker=dict(size=11, color="#d62728"), line=dict(color="#d62728", width=2),
             customdata=[a.hover(r) for r in on], hovertemplate="<b>Pareto</b> %{customdata}<extra></extra>"),
             row=1, col=ci + 1)
-        for tag, r, sym, color in (("best under bound", a.best, "star", "#2ca02c"),
+        for tag, r, sym, color in (("highest hit rate under bound", a.best, "star", "#2ca02c"),
                                    ("no-gate baseline", a.baseline_for(a.best) if a.best else None,
                                     "diamond-open", "#111")):
             if r is None or r[key] is None:
@@ -1073,7 +1073,8 @@ def _headline_html(a: ReportView) -> str:
         return "\n".join(parts)
     b = a.baseline_for(a.best)
     r = a.best
-    verdict = (f"Best under the bound: <b>config {r['config_id']}</b> ({_e(a.label(r))}): "
+    verdict = (f"Highest decision-time hit rate under the bound, on the recorded load: "
+               f"<b>config {r['config_id']}</b> ({_e(a.label(r))}): "
                f"hit rate {_fmt(r['hit_rate'], 'pct')}, p99 waiting {_fmt(r['selected_waiting_p99'], 'int')}, "
                f"mean waiting {_fmt(r['selected_waiting_mean'], 'f2')}")
     if b is not None and b["config_id"] != r["config_id"] and b["hit_rate"] is not None and r["hit_rate"] is not None:
@@ -1243,7 +1244,7 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                                           else max_queue_wait_p99_ms,
                                           on="ttft" if max_queue_wait_p99_ms is None else "queue_wait")
                    + "</section>")
-    sec.append(f'<section id="s1"><h2>1. Headline{" (open loop)" if grid is not None else ""}</h2>'
+    sec.append('<section id="s1"><h2>1. Decisions on the recorded load (open loop)</h2>'
                f"{ol_note}{_headline_html(a)}</section>")
     slice_note = f'<p class="note">{_e(a.slice_note)}</p>' if a.slice_note else ""
     sec.append('<section id="s2"><h2>2. Floor × limit</h2>'
