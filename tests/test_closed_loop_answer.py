@@ -238,7 +238,9 @@ def test_report_without_a_grid_has_no_closed_loop_section(tmp_path, light):
     shutil.copytree(light / "trace", trace)
     run("sweep", trace, "--out", tmp_path / "run", "--worker-queue-limit", "none,4", "-q")
     page = (tmp_path / "run" / "report.html").read_text()
-    assert '<section id="s0">' not in page and "Open-loop estimate." in page
+    s0 = _text(page[page.index('<section id="s0">'):page.index('<section id="s1">')])
+    assert "Closed-loop answer" not in s0 and "No closed-loop answer yet" in s0
+    assert "Open-loop estimate." in page
 
 
 def test_waterfall_per_config_side_by_side_and_drilldown(saturated):
@@ -310,7 +312,7 @@ def test_closed_loop_report_renders_in_chromium(saturated):
     assert res.returncode == 0, res.stderr[-2000:]
     assert [ln for ln in res.stderr.splitlines() if ":CONSOLE" in ln] == []
     dom = res.stdout
-    for key in ("waterfall", "waterfall_pair", "closed_loop"):
+    for key in ("answer", "waterfall", "waterfall_pair", "closed_loop"):
         m = re.search(rf'<div id="fig-{key}"[^>]*class="[^"]*js-plotly-plot', dom)
         assert m, key
         chunk = dom[m.start():dom.find('<div class="fig">', m.start())]
