@@ -182,6 +182,8 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
         return None
     run_path = tr.get("path")
     src = ident.get("path") or grid.meta.get("log")
+    if run_path and src and _same_simulation(grid.meta, Path(run_path)):
+        return "the request log and fleet the trace was simulated from"
     if run_path and src:
         try:
             if Path(src).resolve() == Path(run_path).resolve():
@@ -189,6 +191,20 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
         except OSError:
             return None
     return None
+
+
+def _same_simulation(grid_meta: dict, trace_dir: Path) -> bool:
+    """Whether a simulated trace (its ``sim.json``) and a grid were simulated from the same
+    request log, as many of its requests, on the same fleet (the bundled sample and its grid)."""
+    # REPLAY CHOICE: a simulated trace is matched to a grid of the same log and fleet: the log's path
+    # as given to simulate, the request count and the fleet record must all be equal
+    try:
+        rec = json.loads((trace_dir / SIM_JSON).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(rec, dict) or not rec.get("log"):
+        return False
+    return all(rec.get(k) == grid_meta.get(k) for k in ("log", "requests", "fleet", "freshness_ms"))
 
 
 def _candidates(root: Path) -> list[Path]:
