@@ -199,3 +199,95 @@ def test_headline_chart_is_drawn_in_chromium(sample_run, tmp_path):
     shot = tmp_path / "headline.png"
     res = _chrome(exe, out.resolve().as_uri(), f"--screenshot={shot}", "--window-size=1400,1300")
     assert res.returncode == 0 and shot.stat().st_size > 20_000
+
+
+# ---------------------------------------------------------------------------
+# two kinds of interval: the mean's 95% interval and the per-seed range
+
+
+def test_per_seed_range_is_the_seeds_own_min_and_max():
+    s = pl.read_parquet(GRID / "closed_loop_summary.parquet")
+    per = pl.read_parquet(GRID / "closed_loop_seeds.parquet")
+    for m in ("true_hit_rate", "ttft_ms_p99", "queue_wait_ms_p99"):
+        want = per.group_by("config_id").agg(lo=pl.col(m).min(), hi=pl.col(m).max())
+        got = s.select("config_id", pl.col(f"{m}_min").alias("glo"), pl.col(f"{m}_max").alias("ghi"))
+        j = want.join(got, on="config_id")
+        assert j.height == s.height
+        assert (j["lo"] == j["glo"]).all() and (j["hi"] == j["ghi"]).all(), m
+    # the two kinds differ: the range is not the mean's interval
+    assert (s["ttft_ms_p99_max"] != s["ttft_ms_p99_hi"]).any()
+
+
+def _stable_copy(tmp_path: Path) -> Path:
+    """The shipped grid with every config read as stable (a copy): bounds alone decide."""
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    s = pl.read_parquet(GRID / "closed_loop_summary.parquet")
+    s.with_columns(stable=pl.lit(True), unstable_seeds=pl.lit([], dtype=pl.List(pl.Int64))).write_parquet(
+        grid / "closed_loop_summary.parquet")
+    shutil.copy(GRID / "sim.json", grid / "sim.json")
+    return grid
+
+
+def _pick(s: pl.DataFrame, col: str, bound: float) -> int | None:
+    rows = sorted((r for r in s.iter_rows(named=True) if r[col] <= bound),
+                  key=lambda r: (-r["true_hit_rate"], r["ttft_ms_p99"], r["config_id"]))
+    return rows[0]["config_id"] if rows else None
+
+
+def test_bound_mean_or_seed_range(tmp_path):
+    grid = _stable_copy(tmp_path)
+    s = pl.read_parquet(grid / "closed_loop_summary.parquet")
+    # a bound between the two upper ends of the config with the best mean hit rate: one kind admits it
+    top = s.sort(["true_hit_rate", "config_id"], descending=[True, False]).row(0, named=True)
+    hi, mx = top["ttft_ms_p99_hi"], top["ttft_ms_p99_max"]
+    assert hi != mx
+    bound = (hi + mx) / 2
+    want = {"mean": _pick(s, "ttft_ms_p99_hi", bound), "seed-range": _pick(s, "ttft_ms_p99_max", bound)}
+    assert want["mean"] != want["seed-range"], want
+    for kind, cid in want.items():
+        out = json.loads(run("recommend", grid, "--max-ttft-p99-ms", bound, "--bound", kind, "--json").output)
+        assert out["recommended"]["config_id"] == cid and out["bound"]["kind"] == kind
+        text = run("recommend", grid, "--max-ttft-p99-ms", bound, "--bound", kind).output
+        assert f"(config {cid})" in text
+        assert ("checked on the worst seed" if kind == "seed-range" else
+                "checked on the upper end of the 95% interval of the mean over the seeds") in text
+        assert "95% interval of the mean over 5 seeds" in text and "per-seed range" in text
+    r = run("recommend", grid, "--max-ttft-p99-ms", bound, "--bound", "worst", code=2)
+    assert "--bound" in r.output and len(r.output.strip().splitlines()) <= 3
+
+
+def test_a_grid_without_the_seed_range_is_one_line(tmp_path):
+    grid = _stable_copy(tmp_path)
+    s = pl.read_parquet(grid / "closed_loop_summary.parquet")
+    s.drop([c for c in s.columns if c.endswith(("_min", "_max"))]).write_parquet(grid / "closed_loop_summary.parquet")
+    r = run("recommend", grid, "--max-ttft-p99-ms", 30000, "--bound", "seed-range", code=2)
+    assert "ttft_ms_p99_max" in r.output and "--bound mean" in r.output
+    run("recommend", grid, "--max-ttft-p99-ms", 30000)   # the mean still works on such a grid
+
+
+def _plan_pick(t: pl.DataFrame, col: str, bound: float) -> tuple[int, int, int] | None:
+    ok = [r for r in t.iter_rows(named=True) if r[col] is not None and r[col] <= bound]
+    if not ok:
+        return None
+    size = min((r["ranks"], r["workers"]) for r in ok)
+    best = min((r for r in ok if (r["ranks"], r["workers"]) == size),
+               key=lambda r: (r[col], -(r["true_hit_rate"] or 0.0), r["config_id"]))
+    return best["workers"], best["dp_size"], best["config_id"]
+
+
+def test_plan_bound_mean_or_seed_range(tmp_path):
+    out = tmp_path / "plan"
+    run("simulate", ROOT / "traces" / "sample-log" / "requests.jsonl", "--fleet", ROOT / "traces" / "sample-fleet.toml",
+        "--out", out, "--requests", 800, "--workers", "2,4", "--worker-queue-limit", "none,4", "--seeds", 3, "-q")
+    t = pl.read_parquet(out / "plan_summary.parquet")
+    bound = float(t["ttft_ms_p99_hi"].max()) + 1.0       # every fleet meets it either way
+    for kind, col in (("mean", "ttft_ms_p99_hi"), ("seed-range", "ttft_ms_p99_max")):
+        w, dp, cid = _plan_pick(t, col, bound)
+        text = run("recommend", out, "--plan", "--max-ttft-p99-ms", bound, "--bound", kind).output
+        assert f"traffic x1: {w} workers x dp {dp} ({w * dp} ranks), config {cid} " in text, text
+        assert ("checked on the worst seed" if kind == "seed-range" else "95% interval of the mean") in text
+        assert "per-seed range" in text and "95% interval of the mean over 3 seeds" in text
+        js = json.loads(run("recommend", out, "--plan", "--max-ttft-p99-ms", bound, "--bound", kind,
+                            "--json").output)
+        assert js["bound"]["checked_on"] == col and js["levels"][0]["fleet"]["config_id"] == cid

@@ -49,7 +49,8 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
                     key=lambda r: (-(cl.num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
     short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
     head = ["#", "config", *[short.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
-            f"{label} [95%]", "TTFT p50", "queue wait p99", "stable over the seeds", "qualifies",
+            f"{label} [95%]", f"{label}, per-seed range", "TTFT p50", "queue wait p99", "stable over the seeds",
+            "qualifies",
             "open loop: decision-time hit rate"]
     ok_ids = {r["config_id"] for r in rec.ranked}
     trs = ["<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
@@ -61,6 +62,7 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
               "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + " disagree)")
         cells = [i, r["config_id"], *["none" if r.get(k) is None else r.get(k) for k in rec.knobs],
                  cl.interval(r, "true_hit_rate"), cl.interval(r, col, cl.seconds),
+                 cl.seed_range(r, col, cl.seconds).removeprefix("seeds ") or "–",
                  cl.interval(r, "ttft_ms_p50", cl.seconds),
                  cl.interval(r, "queue_wait_ms_p99", cl.seconds), st, "yes" if r["config_id"] in ok_ids else "no",
                  cl.pct(o.get("hit_rate")) + f" (config {o['config_id']})" if o else "not in this run"]
@@ -68,7 +70,7 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
     parts.append('<table class="closed">' + "".join(trs) + "</table>")
     parts.append(f'<p class="note">{_e(cl.HIT_NAMES)}: they differ even when the replay agrees with '
                  "production (see docs/closed-loop.md). Ranked by mean true hit rate over the seeds; "
-                 "an interval is the 95% Student-t interval of the mean.</p>")
+                 f"{_e(cl.interval_names(grid.n_seeds))}.</p>")
     return "\n".join(parts)
 
 

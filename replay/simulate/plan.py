@@ -287,17 +287,26 @@ def read_plan(run_dir: str | os.PathLike) -> pl.DataFrame:
     return t
 
 
-def bound_column(t: pl.DataFrame, metric: str) -> str:
-    """The column a bound is checked on: the upper 95% bound when seeds ran."""
+def bound_column(t: pl.DataFrame, metric: str, kind: str = "mean") -> str:
+    """The column a bound is checked on: when seeds ran, the upper end of the 95% interval of
+    the mean (``kind="mean"``) or the worst seed (``kind="seed-range"``); else the one value."""
     base = BOUND_METRICS[metric]
-    return f"{base}_hi" if f"{base}_hi" in t.columns else base
+    if f"{base}_hi" not in t.columns:
+        return base
+    if kind == "seed-range":
+        if f"{base}_max" not in t.columns:
+            raise ReplayError(f"{PLAN_TABLE}: column {base}_max missing (a plan written before the per-seed "
+                              "range was kept; re-run simulate with --seeds N, or use --bound mean)")
+        return f"{base}_max"
+    return f"{base}_hi"
 
 
-def plan(t: pl.DataFrame, metric: str, bound_ms: float) -> list[LevelAnswer]:
+def plan(t: pl.DataFrame, metric: str, bound_ms: float, kind: str = "mean") -> list[LevelAnswer]:
     """Per traffic level: the smallest fleet (fewest ranks, then fewest workers) with a
     config whose bounded metric is <= ``bound_ms``, that fleet's best config (lowest
-    value, then best hit rate, then lowest id), and its best value at the next level."""
-    col = bound_column(t, metric)
+    value, then best hit rate, then lowest id), and its best value at the next level; ``kind``:
+    :func:`bound_column`'s."""
+    col = bound_column(t, metric, kind)
     rows = t.with_columns(pl.col(col).fill_nan(None).alias("_v")).to_dicts()
     levels = sorted({r["load_scale"] for r in rows})
     inf = float("inf")
@@ -339,6 +348,7 @@ def duration(ms: float | None) -> str:
 
 def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str) -> str:
     checked = ("the upper end of the 95% interval of the mean over the seeds" if col.endswith("_hi")
+               else "the worst seed (the per-seed range: what one day may look like)" if col.endswith("_max")
                else "the single seed's value")
     what = f"{BOUND_METRICS[metric]} <= {duration(bound_ms)} (checked on {checked})"
     lines = [f"capacity plan: {what}"]
@@ -356,11 +366,14 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
         s = (f"{r['workers']} workers x dp {r['dp_size']} ({r['ranks']} ranks), config "
              f"{r['config_id']} (--worker-queue-limit {_knob(lim)} --saturation-queue-floor "
              f"{_knob(flo)}): {duration(a.value)}")
-        lo, hi = r.get(col.replace("_hi", "_lo")), r.get(col)
-        if col.endswith("_hi") and lo is not None:
-            base = BOUND_METRICS[metric]
+        base = BOUND_METRICS[metric]
+        lo, hi = r.get(f"{base}_lo"), r.get(f"{base}_hi")
+        if col != base and lo is not None and hi is not None:
             s += (f" (mean {duration(r[base])}, 95% interval of the mean over {len(r.get('seeds') or [])} "
-                  f"seeds {duration(lo)}..{duration(hi)})")
+                  f"seeds {duration(lo)}..{duration(hi)}")
+            if r.get(f"{base}_min") is not None and r.get(f"{base}_max") is not None:
+                s += f", per-seed range {duration(r[f'{base}_min'])}..{duration(r[f'{base}_max'])}"
+            s += ")"
         if r.get("stable") is False:
             s += f" [seeds {','.join(map(str, r.get('unstable_seeds') or []))} disagree: run more seeds]"
         if a.next_level is None:
@@ -391,16 +404,18 @@ def plan_json(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col:
                         "next_level": a.next_level, "next_value_ms": a.next_value} for a in answers]}
 
 
-def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, *, as_json: bool = False) -> int:
-    """``recommend --plan``: print the plan; 0 when every level has a fleet, 1 when one has none."""
+def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, *, as_json: bool = False,
+                   bound_kind: str = "mean") -> int:
+    """``recommend --plan``: print the plan; 0 when every level has a fleet, 1 when one has none.
+    ``bound_kind``: check the bound on the mean's 95% interval (``mean``) or the worst seed (``seed-range``)."""
     if (ttft_ms is None) == (wait_ms is None):
         raise ReplayError("--plan needs exactly one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
     metric, bound_ms = ("ttft", ttft_ms) if ttft_ms is not None else ("queue_wait", wait_ms)
     t = read_plan(run_dir)
-    col = bound_column(t, metric)
+    col = bound_column(t, metric, bound_kind)
     if col not in t.columns:
         raise ReplayError(f"{Path(run_dir) / PLAN_TABLE}: column {col} missing")
-    answers = plan(t, metric, float(bound_ms))
+    answers = plan(t, metric, float(bound_ms), bound_kind)
     if as_json:
         echo(json.dumps(plan_json(answers, metric, float(bound_ms), col), default=str))
     else:
