@@ -211,10 +211,13 @@ def test_plan_prefers_fewer_ranks_then_fewer_workers_and_scales_per_rank_knobs(t
     # the frontier: one marker per fleet, green exactly where the fleet's best config meets it
     fig = fig_frontier(t, "ttft", 600.0)
     met, miss, chosen = fig.data
-    best = t.group_by("ranks", "workers", "dp_size").agg(pl.col("ttft_ms_p99").min())
-    assert sorted(met.y) == sorted(best.filter(pl.col("ttft_ms_p99") <= 600)["ranks"].to_list())
-    assert sorted(miss.y) == sorted(best.filter(pl.col("ttft_ms_p99") > 600)["ranks"].to_list())
-    assert list(chosen.y) == [4] and 3 in miss.y  # 3 ranks of 3.4 ranks' work: over
+    best = (t.group_by("ranks", "workers", "dp_size").agg(pl.col("ttft_ms_p99").min())
+            .with_columns(shape=pl.format("{} x {} ({} ranks)", "workers", "dp_size", "ranks")))
+    assert sorted(met.y) == sorted(best.filter(pl.col("ttft_ms_p99") <= 600)["shape"].to_list())
+    assert sorted(miss.y) == sorted(best.filter(pl.col("ttft_ms_p99") > 600)["shape"].to_list())
+    # equal rank counts, different shapes: two rows, and the chosen one drawn as meeting the bound
+    assert "2 x 2 (4 ranks)" in met.y and {"4 x 1 (4 ranks)", "2 x 2 (4 ranks)"} <= {*met.y, *miss.y}
+    assert list(chosen.y) == ["2 x 2 (4 ranks)"] and "3 x 1 (3 ranks)" in miss.y  # 3 of 3.4 ranks' work: over
     text = run(["recommend", out, "--plan", "--max-queue-wait-p99-ms", 1e9])
     assert "queue_wait_ms_p99 <= 16666.7 min" in text and "traffic x1: 2 workers x dp 1 (2 ranks)" in text
     run(["report", out, "-q"])

@@ -291,3 +291,71 @@ def test_plan_bound_mean_or_seed_range(tmp_path):
         js = json.loads(run("recommend", out, "--plan", "--max-ttft-p99-ms", bound, "--bound", kind,
                             "--json").output)
         assert js["bound"]["checked_on"] == col and js["levels"][0]["fleet"]["config_id"] == cid
+
+
+# ---------------------------------------------------------------------------
+# plans: the service-time floor, fleet shapes, a bound or a page that says it has none
+
+
+@pytest.fixture(scope="module")
+def shapes_plan(tmp_path_factory):
+    """The sample log on fleets of 4 ranks in two shapes (2 x 2, 4 x 1) and of 8 ranks."""
+    out = tmp_path_factory.mktemp("shapes") / "plan"
+    run("simulate", ROOT / "traces" / "sample-log" / "requests.jsonl", "--fleet", ROOT / "traces" / "sample-fleet.toml",
+        "--out", out, "--requests", 800, "--workers", "2,4", "--dp-size", "1,2", "--worker-queue-limit", "none,4", "-q")
+    return out
+
+
+def _floor_of(out: Path, fleet: str) -> float:
+    """Independently: p99 of (input - cached) / prefill rate, lowest over the fleet's configs."""
+    workers = json.loads((out / fleet / "sim.json").read_text())["fleet"]["workers"]
+    rate = max(w["prefill_tokens_per_s"] for w in workers)
+    return min(pl.read_parquet(f).select(((pl.col("input_tokens") - pl.col("cached_tokens")) * 1000.0 / rate)
+                                         .quantile(0.99, "linear")).item()
+               for f in (out / fleet).glob("**/outcomes.parquet"))
+
+
+def test_plan_says_when_the_bound_is_below_the_service_floor(shapes_plan):
+    t = pl.read_parquet(shapes_plan / "plan_summary.parquet")
+    closest = t.sort(["ttft_ms_p99", "config_id"]).row(0, named=True)
+    floor = _floor_of(shapes_plan, closest["fleet"])
+    # every simulated TTFT p99 is above the floor (TTFT >= its own uncached prefill)
+    assert t["ttft_ms_p99"].min() >= floor
+    r = run("recommend", shapes_plan, "--plan", "--max-ttft-p99-ms", floor * 0.9, code=1)
+    assert "below the service-time floor of the longest prompts" in r.output and "add larger fleets" not in r.output
+    from replay.simulate.plan import duration
+    assert f"at least {duration(floor)} of prefill" in r.output
+    js = json.loads(run("recommend", shapes_plan, "--plan", "--max-ttft-p99-ms", floor * 0.9, "--json",
+                        code=1).output)
+    assert js["levels"][0]["service_floor_ms"] == pytest.approx(floor)
+    # a bound above the floor that no fleet of the grid meets still asks for larger fleets
+    between = (floor + t["ttft_ms_p99"].min()) / 2
+    r = run("recommend", shapes_plan, "--plan", "--max-ttft-p99-ms", between, code=1)
+    assert "add larger fleets" in r.output and "service-time floor" not in r.output
+
+
+def test_plan_page_shapes_title_and_no_slo(shapes_plan, tmp_path):
+    out = tmp_path / "p.html"
+    run("report", shapes_plan, "--out", out)
+    page = out.read_text()
+    title = re.search(r"<title>(.*?)</title>", page).group(1)
+    words = title.replace(":", " ").split()
+    assert not [a for a, b in zip(words, words[1:], strict=False) if a == b], title
+    assert "not an SLO" in page and "(the plan's median, not an SLO)" in page
+    t = pl.read_parquet(shapes_plan / "plan_summary.parquet")
+    bound = float(t.filter(pl.col("ranks") == 4)["ttft_ms_p99"].max()) + 1.0
+    run("report", shapes_plan, "--out", out, "--force", "--max-ttft-p99-ms", bound)
+    page = out.read_text()
+    assert "not an SLO" not in page and "(given)" in page
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("chromium not found on PATH")
+    res = _chrome(exe, out.resolve().as_uri(), "--dump-dom")
+    assert res.returncode == 0 and [ln for ln in res.stderr.splitlines() if ":CONSOLE" in ln] == []
+    dom = res.stdout
+    ticks = re.findall(r'class="ytick"[^>]*>.*?<text[^>]*>([^<]*)</text>', dom)
+    assert {"2 x 2 (4 ranks)", "4 x 1 (4 ranks)"} <= set(ticks), ticks   # one row per shape
+    assert "chosen" in dom
+    shot = tmp_path / "frontier.png"
+    res = _chrome(exe, out.resolve().as_uri(), f"--screenshot={shot}", "--window-size=1200,900")
+    assert res.returncode == 0 and shot.stat().st_size > 10_000

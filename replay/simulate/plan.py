@@ -335,6 +335,32 @@ def plan(t: pl.DataFrame, metric: str, bound_ms: float, kind: str = "mean") -> l
     return out
 
 
+def service_floor_ms(run_dir: str | os.PathLike, fleet_label: str) -> float | None:
+    """The TTFT p99 no fleet of this shape can go below on this traffic: the p99 over requests of
+    each one's uncached prefill time on the fastest rank ((input - cached tokens) / prefill
+    tokens per s), the lowest over the fleet's configs and seeds.  A request's TTFT is at least
+    its own uncached prefill, so the TTFT p99 is at least this p99 whatever the fleet size;
+    None when the fleet directory keeps no outcomes."""
+    d = Path(run_dir) / fleet_label
+    try:
+        meta = json.loads((d / "sim.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rates = [w.get("prefill_tokens_per_s") for w in (meta.get("fleet") or {}).get("workers") or []
+             if isinstance(w, dict) and w.get("role", "plain") != "decode"]
+    rate = max((float(r) for r in rates if isinstance(r, (int, float)) and r > 0), default=None)
+    if rate is None:
+        return None
+    floors = []
+    for f in sorted(d.glob("**/outcomes.parquet")):
+        o = pl.read_parquet(f, columns=["input_tokens", "cached_tokens"])
+        if o.height:
+            q = o.select(((pl.col("input_tokens") - pl.col("cached_tokens").fill_null(0)).clip(0)
+                          * 1000.0 / rate).quantile(0.99, "linear")).item()
+            floors.append(float(q))
+    return min(floors) if floors else None
+
+
 def duration(ms: float | None) -> str:
     """A duration for people: ms below a second, s below ten minutes, min above."""
     if ms is None or not math.isfinite(ms):
@@ -346,7 +372,8 @@ def duration(ms: float | None) -> str:
     return f"{ms / 60_000:.1f} min"
 
 
-def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str) -> str:
+def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str,
+                floors: dict[float, float | None] | None = None) -> str:
     checked = ("the upper end of the 95% interval of the mean over the seeds" if col.endswith("_hi")
                else "the worst seed (the per-seed range: what one day may look like)" if col.endswith("_max")
                else "the single seed's value")
@@ -357,9 +384,16 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
         if a.row is None:
             m = a.best_miss
             mv = "no value" if m is None or m["_v"] is None else duration(m["_v"])
+            floor = (floors or {}).get(a.load_scale)
+            below = metric == "ttft" and floor is not None and bound_ms < floor
             lines.append(head + "NO fleet in the grid meets the bound (closest: "
                          + (f"{m['workers']} workers x dp {m['dp_size']}, config {m['config_id']}, "
-                            if m else "") + f"{mv}); add larger fleets")
+                            if m else "") + f"{mv}); "
+                         + (f"the bound is below the service-time floor of the longest prompts: 1% of "
+                            f"requests need at least {duration(floor)} of prefill on the fastest rank even "
+                            "with their cached prefix, so TTFT p99 stays above it on any fleet size; raise "
+                            "the bound, or make prefill faster (faster ranks, fewer uncached tokens)"
+                            if below else "add larger fleets"))
             continue
         r = a.row
         lim, flo = r.get("worker_queue_limit"), r.get("saturation_queue_floor")
@@ -388,7 +422,14 @@ def format_plan(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, co
     return "\n".join(lines)
 
 
-def plan_json(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str) -> dict:
+def level_floors(run_dir: str | os.PathLike, answers: Sequence[LevelAnswer]) -> dict[float, float | None]:
+    """:func:`service_floor_ms` of the closest fleet of every level no fleet meets."""
+    return {a.load_scale: service_floor_ms(run_dir, a.best_miss["fleet"])
+            for a in answers if a.row is None and a.best_miss is not None and a.best_miss.get("fleet")}
+
+
+def plan_json(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col: str,
+              floors: dict[float, float | None] | None = None) -> dict:
     """The plan as JSON (``recommend --plan --json``): per traffic level the fleet, its config and flags."""
     def fleet(r: dict | None, value: float | None) -> dict | None:
         if r is None:
@@ -401,7 +442,8 @@ def plan_json(answers: Sequence[LevelAnswer], metric: str, bound_ms: float, col:
     return {"bound": {"metric": BOUND_METRICS[metric], "max_ms": bound_ms, "checked_on": col},
             "levels": [{"load_scale": a.load_scale, "fleet": fleet(a.row, a.value),
                         "closest_miss": fleet(a.best_miss, a.best_miss["_v"] if a.best_miss else None),
-                        "next_level": a.next_level, "next_value_ms": a.next_value} for a in answers]}
+                        "next_level": a.next_level, "next_value_ms": a.next_value,
+                        "service_floor_ms": (floors or {}).get(a.load_scale)} for a in answers]}
 
 
 def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, *, as_json: bool = False,
@@ -416,10 +458,11 @@ def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, 
     if col not in t.columns:
         raise ReplayError(f"{Path(run_dir) / PLAN_TABLE}: column {col} missing")
     answers = plan(t, metric, float(bound_ms), bound_kind)
+    floors = level_floors(run_dir, answers)
     if as_json:
-        echo(json.dumps(plan_json(answers, metric, float(bound_ms), col), default=str))
+        echo(json.dumps(plan_json(answers, metric, float(bound_ms), col, floors), default=str))
     else:
-        echo(format_plan(answers, metric, float(bound_ms), col))
+        echo(format_plan(answers, metric, float(bound_ms), col, floors))
     return 0 if all(a.row is not None for a in answers) else 1
 
 
