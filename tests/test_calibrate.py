@@ -95,6 +95,23 @@ def test_parameter_recovery(prod, calibrated):
     assert "not fitted (not in any trace): chunked_prefill_size" in output
 
 
+def test_calibrate_json_carries_fitted_values_and_fidelity_parts(prod, calibrated, tmp_path):
+    trace, _, truth, _ = prod
+    d, _ = calibrated
+    r = _run(["calibrate", trace, "--out", tmp_path / "fleet.toml", "--validate", tmp_path / "fit", "--json"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)  # one JSON object and nothing else on stdout
+    tps = {f["worker"]: f["value"] for f in rec["fitted"] if f["name"] == "prefill_tokens_per_s"}
+    assert sorted(tps) == list(range(N_WORKERS))
+    for i, t in truth.items():
+        assert tps[i] == pytest.approx(t["prefill_tokens_per_s"], rel=0.03), i
+    written = _worker_values(tmp_path / "fleet.toml")
+    assert all(tps[i] == pytest.approx(written[i]["prefill_tokens_per_s"]) for i in tps)
+    fid = json.loads((tmp_path / "fit" / "fidelity.json").read_text())
+    assert rec["fidelity"]["parts"] == fid["parts"] and rec["fidelity"]["good"] == fid["good"]
+    assert rec["prediction"] is None
+
+
 def test_fleet_file_is_ordinary(calibrated, prod, tmp_path):
     """The fleet file is what simulate accepts, and a trace dir is accepted as the log."""
     trace, *_ = prod

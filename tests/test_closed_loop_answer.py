@@ -115,13 +115,31 @@ def test_closed_loop_answer_differs_from_the_open_loop_pick(saturated):
     s0 = _text(page[page.index('<section id="s0">'):page.index('<section id="s1">')])
     assert f"recommended: limit={want['worker_queue_limit']} (config {want['config_id']})" in s0
     s1 = _text(page[page.index('<section id="s1">'):page.index('<section id="s2">')])
-    assert "Best under the bound: config 0 (limit none" in s1
+    assert "Highest decision-time hit rate under the bound, on the recorded load: config 0 (limit none" in s1
     # the open loop ranks the no-gate config first, and says what that ranking is
     ol = run("recommend", saturated / "run", "--max-p99-waiting", 10**6).output
     assert "fleet: recommended limit=none" in ol
     flat = " ".join(ol.split())
     assert "open-loop estimate" in flat and "no-gate config ranks first by construction" in flat
     assert f"router-replay recommend {saturated / 'fit' / 'prediction'}" in flat
+
+
+def test_closed_loop_json_and_flags_file(saturated, tmp_path):
+    s = _summary(saturated)
+    no_gate = s.filter(pl.col("worker_queue_limit").is_null()).row(0, named=True)
+    bound = no_gate["ttft_ms_p99_hi"] - 1.0
+    want = _independent_pick(s, bound)
+    flags = tmp_path / "flags.sh"
+    r = run("recommend", saturated / "fit", "--max-ttft-p99-ms", bound, "--json", "--emit-flags", flags)
+    rec = json.loads(r.stdout)
+    assert rec["fidelity"]["good"] is True and rec["bound"]["max_ms"] == bound
+    assert rec["recommended"]["config_id"] == want["config_id"]
+    v = rec["recommended"]["values"]["ttft_ms_p99"]
+    assert v["mean_95_hi"] == pytest.approx(want["ttft_ms_p99_hi"]) and v["mean_95_hi"] <= bound
+    assert rec["router_flags"].startswith(f"--worker-queue-limit {want['worker_queue_limit']}")
+    assert rec["router_flags_per_dp_size"] == {"2": rec["router_flags"]}
+    text = flags.read_text()
+    assert f"ROUTER_FLAGS_DP2='{rec['router_flags']}'" in text.splitlines()
 
 
 def test_two_best_within_their_intervals_are_said_to_be_indistinguishable(light):
@@ -199,7 +217,7 @@ def test_report_finds_the_grid_and_shows_it_first(saturated):
         lo, hi = 100 * r["true_hit_rate_lo"], 100 * r["true_hit_rate_hi"]
         assert f"{100 * r['true_hit_rate']:.2f}% [{lo:.2f}%..{hi:.2f}%]" in t
         if not r["stable"]:
-            assert "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")" in t
+            assert "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + " disagree)" in t
     assert "decision-time" in t and "served" in t
     # the open-loop headline and heatmaps carry the label
     rest = page[page.index('<section id="s1">'):page.index('<section id="s3">')]
@@ -220,7 +238,9 @@ def test_report_without_a_grid_has_no_closed_loop_section(tmp_path, light):
     shutil.copytree(light / "trace", trace)
     run("sweep", trace, "--out", tmp_path / "run", "--worker-queue-limit", "none,4", "-q")
     page = (tmp_path / "run" / "report.html").read_text()
-    assert '<section id="s0">' not in page and "Open-loop estimate." in page
+    s0 = _text(page[page.index('<section id="s0">'):page.index('<section id="s1">')])
+    assert "Closed-loop answer" not in s0 and "No closed-loop answer yet" in s0
+    assert "Open-loop estimate." in page
 
 
 def test_waterfall_per_config_side_by_side_and_drilldown(saturated):
@@ -292,7 +312,7 @@ def test_closed_loop_report_renders_in_chromium(saturated):
     assert res.returncode == 0, res.stderr[-2000:]
     assert [ln for ln in res.stderr.splitlines() if ":CONSOLE" in ln] == []
     dom = res.stdout
-    for key in ("waterfall", "waterfall_pair", "closed_loop"):
+    for key in ("answer", "waterfall", "waterfall_pair", "closed_loop"):
         m = re.search(rf'<div id="fig-{key}"[^>]*class="[^"]*js-plotly-plot', dom)
         assert m, key
         chunk = dom[m.start():dom.find('<div class="fig">', m.start())]

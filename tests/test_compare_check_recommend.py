@@ -187,6 +187,14 @@ def test_compare_without_decisions_and_refusals(runs, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_compare_of_runs_differing_in_an_unswept_knob_says_how(runs, tmp_path):
+    other = tmp_path / "mlc"
+    run_sweep(runs["root"] / "trace_t", {**GRID, "min_load_choices": "3"}, out=other, **NO_REPORT)
+    line = one_line_error(invoke("compare", runs["a"], other), "no config in common")
+    assert "they differ in min_load_choices 2 vs 3, which neither run sweeps" in line
+    assert "--min-load-choices 2,3 --worker-queue-limit none,2,4 --saturation-queue-floor none,1,2" in line
+
+
 def test_compare_bad_input(runs, tmp_path):
     one_line_error(invoke("compare", runs["a"], runs["u"]), "same trace", "sha256")
     one_line_error(invoke("compare", runs["a"], tmp_path / "nope"), "no such run directory")
@@ -261,6 +269,8 @@ def _expected_regressions(base_run, new_run, tol):
 
 
 def _parse_rows(md: str):
+    """The rows of the metrics table (the decisions table, above it, is not one)."""
+    md = md[md.index("| config | metric |"):]
     rows = [line for line in md.splitlines() if line.startswith("| `")]
     return [[c.strip() for c in line.strip("|").split("|")] for line in rows]
 
@@ -268,15 +278,18 @@ def _parse_rows(md: str):
 def test_check_within_tolerance_exit_0(runs, tmp_path):
     base = _baseline(runs, tmp_path)
     junit = tmp_path / "j.xml"
-    md = ok(invoke("check", runs["a"], "--baseline", base, "--junit", junit))
+    line = ok(invoke("check", runs["a"], "--baseline", base))
+    assert line.startswith("router-replay check: PASS") and line.count("\n") == 1, line
+    assert "decisions identical (7 configs x 700 requests)" in line
+    md = ok(invoke("check", runs["a"], "--baseline", base, "--junit", junit, "--verbose"))
     assert md.startswith("### router-replay check: PASS")
     rows = _parse_rows(md)
     assert len(rows) == 7 * 6 and {r[-1] for r in rows} == {"ok"}
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("tests") == "42" and suite.get("failures") == "0"
-    assert len(suite.findall("testcase")) == 42 and not suite.findall("testcase/failure")
+    assert suite.get("tests") == "49" and suite.get("failures") == "0"  # 7 configs x (6 metrics + decisions)
+    assert len(suite.findall("testcase")) == 49 and not suite.findall("testcase/failure")
     # c holds every baseline config (plus one it does not check): identical results
-    md = ok(invoke("check", runs["c"], "--baseline", base))
+    md = ok(invoke("check", runs["c"], "--baseline", base, "--verbose"))
     assert len(_parse_rows(md)) == 42 and "1 config of the run not in the baseline" in md
 
 
@@ -287,7 +300,8 @@ def test_check_regressions_exit_1_named_in_markdown_and_junit(runs, tmp_path):
         **{s: (0.01, False) for s in SHARES}})
     assert want, "run a should regress against run b somewhere"
     junit = tmp_path / "j.xml"
-    res = invoke("check", runs["a"], "--baseline", base, "--junit", junit)
+    # other seed and freshness: other decisions, which fail by default; the drift allowed, the tolerances decide
+    res = invoke("check", runs["a"], "--baseline", base, "--junit", junit, "--verbose", "--allow-decision-drift")
     md = ok(res, 1)
     assert md.startswith(f"### router-replay check: FAIL: {len(want)} regression")
     rows = _parse_rows(md)
@@ -296,20 +310,27 @@ def test_check_regressions_exit_1_named_in_markdown_and_junit(runs, tmp_path):
     fmt = analysis.config_label
     assert failing == {(fmt({"worker_queue_limit": lim, "saturation_queue_floor": fl}, KNOBS), m)
                        for lim, fl, m in want}
-    regress_lines = [line for line in md.splitlines() if line.startswith("- ")]
+    regress_lines = [line for line in md[md.index("**Regressions:**"):].splitlines() if line.startswith("- ")]
     assert len(regress_lines) == len(want)
     for cfg, m in failing:
         assert any(line.startswith(f"- {cfg}: {m} ") for line in regress_lines)
     suite = ET.parse(junit).getroot().find("testsuite")
     fails = [tc for tc in suite.findall("testcase") if tc.find("failure") is not None]
     assert suite.get("failures") == str(len(want)) == str(len(fails))
+    assert all(tc.get("name").endswith(" :: decisions") for tc in suite.findall("testcase")
+               if tc.get("classname") == "router-replay.check.decisions")
     assert {tc.get("name") for tc in fails} == {f"{c} :: {m}" for c, m in failing}
     assert all(tc.find("failure").get("message").startswith("regression: ") for tc in fails)
     # the JUnit file is not replaced without --force
     one_line_error(invoke("check", runs["a"], "--baseline", base, "--junit", junit), "exists")
     # looser tolerances as flags: the same run passes
     ok(invoke("check", runs["a"], "--baseline", base, "--max-hit-rate-drop", "100", "--max-p99-rise", "1000",
-              "--max-label-share-change", "100"))
+              "--max-label-share-change", "100", "--allow-decision-drift"))
+    # ... and without --allow-decision-drift the changed decisions still fail
+    out = ok(invoke("check", runs["a"], "--baseline", base, "--max-hit-rate-drop", "100", "--max-p99-rise", "1000",
+                    "--max-label-share-change", "100"), 1)
+    assert out.startswith("router-replay check: FAIL: ") and "changed decision" in out.splitlines()[0]
+    assert "seed 1 -> 0" in out and "freshness_ms 300 -> 5000" in out
 
 
 def test_check_improvements_never_fail(runs, tmp_path):
@@ -319,7 +340,7 @@ def test_check_improvements_never_fail(runs, tmp_path):
     assert json.loads(base.read_text())["tolerances"]["hit_rate"] == "0pt"
     want = _expected_regressions(runs["a"], runs["b"], {
         "hit_rate": (0.0, False), "selected_waiting_p99": (0.0, True), **{s: (0.0, False) for s in SHARES}})
-    res = invoke("check", runs["b"], "--baseline", base)
+    res = invoke("check", runs["b"], "--baseline", base, "--verbose", "--allow-decision-drift")
     md = ok(res, 1 if want else 0)
     rows = _parse_rows(md)
     improved = [r for r in rows if r[-1] == "improved"]
@@ -400,6 +421,31 @@ def test_recommend_per_dp_size(runs):
     text = ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound))
     assert f"dp_size 2: recommended {analysis.config_label(best, KNOBS)}" in text
     assert "per rank: limit" in text
+
+
+def test_recommend_json_and_emit_flags_per_dp_size(runs, tmp_path):
+    s = summary(runs["p"])
+    bound = max(s["selected_waiting_p99"].to_list())
+    best = _best(s, bound).row(0, named=True)
+    rec = json.loads(ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--json")))
+    (answer,) = rec["answers"]
+    assert answer["dp_size"] == 2 and answer["recommended"]["config_id"] == best["config_id"]
+    assert answer["recommended"]["metrics"]["hit_rate"] == pytest.approx(best["hit_rate"])
+    want = " ".join(f"--{k.replace('_', '-')} {best[k]}" for k in KNOBS if best[k] is not None)
+    assert answer["router_flags"] == want
+    flags = tmp_path / "router.env"
+    ok(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--emit-flags", flags))
+    # the file is what a start script includes: sourcing it gives the flags
+    import subprocess
+    got = subprocess.run(["sh", "-c", f'. "{flags}"; printf "%s|%s" "$ROUTER_FLAGS_DP2" "$ROUTER_FLAGS"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert got == f"{want}|{want}"
+    one_line_error(invoke("recommend", runs["p"], "--max-p99-waiting", bound, "--emit-flags", flags), "exists")
+    # no config meets the bound: no variable, a comment says why
+    low = min(s["selected_waiting_p99"].to_list()) - 1
+    ok(invoke("recommend", runs["p"], "--max-p99-waiting", low, "--emit-flags", flags, "--force"), 1)
+    text = flags.read_text()
+    assert "ROUTER_FLAGS_DP2=" not in text and "# ROUTER_FLAGS_DP2: no config meets the bound" in text
     # a summary holding two dp sizes gets one answer each (library level, real rows relabelled)
     run = analysis.load_run(runs["p"])
     run.summary = pl.concat([run.summary, run.summary.with_columns(

@@ -261,7 +261,7 @@ def test_a_baseline_with_an_unusable_value_is_unusable_input(two_runs, tmp_path,
     r = two_runs[0]
     base = tmp_path / "base.json"
     ok(invoke("check", r, "--write-baseline", base))
-    assert ok(invoke("check", r, "--baseline", base)).startswith("### router-replay check: PASS")
+    assert ok(invoke("check", r, "--baseline", base)).startswith("router-replay check: PASS")
     text = base.read_text()
     rec = json.loads(text)
     old = json.dumps(rec["configs"][0]["metrics"]["hit_rate"])
@@ -316,7 +316,7 @@ def test_a_baseline_of_a_policy_variant_grid_loads_and_a_bad_choice_is_unusable(
               "--pin-order", "pressure,locality", "--no-report", "-q"))
     base = tmp_path / "base.json"
     ok(invoke("check", run, "--write-baseline", base))
-    assert ok(invoke("check", run, "--baseline", base)).startswith("### router-replay check: PASS")
+    assert ok(invoke("check", run, "--baseline", base)).startswith("router-replay check: PASS")
     rec = json.loads(base.read_text())
     assert {c["knobs"]["variant_pin_order"] for c in rec["configs"]} == {"pressure", "locality"}
     rec["configs"][0]["knobs"]["variant_pin_order"] = "sideways"

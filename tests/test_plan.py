@@ -179,6 +179,13 @@ def test_plan_finds_the_adequate_fleet_known_from_service_rates(tmp_path, case):
         assert fewer["ttft_ms_p99_hi"].min() > bound_ms  # ... and the simulator agrees
     text = run(["recommend", out, "--plan", "--max-ttft-p99-ms", bound_ms], code=1)
     assert "traffic x4: NO fleet in the grid meets the bound" in text
+    rec = json.loads(run(["recommend", out, "--plan", "--max-ttft-p99-ms", bound_ms, "--json"], code=1))
+    by_level = {lv["load_scale"]: lv for lv in rec["levels"]}
+    for level in levels:
+        got = by_level[level]["fleet"]
+        assert (got and got["ranks"]) == (truth(level) or None), (level, got)
+        if got:
+            assert got["value_ms"] <= bound_ms and got["router_flags"].startswith("--worker-queue-limit ")
     assert f"traffic x1: {truth(1.0)} workers x dp 1" in text
     assert "headroom" in text or "over the bound" in text
     # a bound everyone meets at x1 and x2 but not x4: exit 1; only levels 1,2: exit 0
@@ -205,12 +212,15 @@ def test_plan_prefers_fewer_ranks_then_fewer_workers_and_scales_per_rank_knobs(t
     # the frontier: one marker per fleet, green exactly where the fleet's best config meets it
     fig = fig_frontier(t, "ttft", 600.0)
     met, miss, chosen = fig.data
-    best = t.group_by("ranks", "workers", "dp_size").agg(pl.col("ttft_ms_p99").min())
-    assert sorted(met.y) == sorted(best.filter(pl.col("ttft_ms_p99") <= 600)["ranks"].to_list())
-    assert sorted(miss.y) == sorted(best.filter(pl.col("ttft_ms_p99") > 600)["ranks"].to_list())
-    assert list(chosen.y) == [4] and 3 in miss.y  # 3 ranks of 3.4 ranks' work: over
+    best = (t.group_by("ranks", "workers", "dp_size").agg(pl.col("ttft_ms_p99").min())
+            .with_columns(shape=pl.format("{} x {} ({} ranks)", "workers", "dp_size", "ranks")))
+    assert sorted(met.y) == sorted(best.filter(pl.col("ttft_ms_p99") <= 600)["shape"].to_list())
+    assert sorted(miss.y) == sorted(best.filter(pl.col("ttft_ms_p99") > 600)["shape"].to_list())
+    # equal rank counts, different shapes: two rows, and the chosen one drawn as meeting the bound
+    assert "2 x 2 (4 ranks)" in met.y and {"4 x 1 (4 ranks)", "2 x 2 (4 ranks)"} <= {*met.y, *miss.y}
+    assert list(chosen.y) == ["2 x 2 (4 ranks)"] and "3 x 1 (3 ranks)" in miss.y  # 3 of 3.4 ranks' work: over
     text = run(["recommend", out, "--plan", "--max-queue-wait-p99-ms", 1e9])
-    assert "queue_wait_ms_p99 <= 1e+09 ms" in text and "traffic x1: 2 workers x dp 1 (2 ranks)" in text
+    assert "queue_wait_ms_p99 <= 16666.7 min" in text and "traffic x1: 2 workers x dp 1 (2 ranks)" in text
     run(["report", out, "-q"])
     page = (out / "report.html").read_text()
     assert 'id="fig-frontier"' in page and "capacity plan: ttft_ms_p99" in page

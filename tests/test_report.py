@@ -298,7 +298,7 @@ def test_page_has_every_section_and_figure(page, run_dir):
         assert info["sha256"] in page
     assert "Pressure bound: p99 waiting at the chosen worker" in page
     assert "This run has one dp_size (2)" in page
-    assert "Best under the bound" in page
+    assert "Highest decision-time hit rate under the bound" in page and "Best under" not in page
 
 
 def test_no_decisions_run_shows_note(trace_dir, tmp_path):
@@ -356,10 +356,11 @@ def test_closed_loop_section(run_dir, tmp_path):
     assert res.exit_code == 0, res.output
     page = (copy / "with_cl.html").read_text()
     assert 'id="fig-closed_loop"' in page and "6 of 6 configs matched to this run on the knob values" in page
-    assert "<th>true hit rate</th><th>open loop hit rate</th>" in page
+    assert "<th>served hit rate</th><th>open loop: decision-time hit rate</th>" in page
     fig = figures(copy)["closed_loop"]
-    assert [t.name for t in fig.data] == ["closed loop (true_hit_rate)", "open-loop estimate (this run)",
-                                          "ttft_ms_p50", "ttft_ms_p99"]
+    assert [t.name for t in fig.data] == ["closed loop: served hit rate", "open-loop estimate (this run)",
+                                          "TTFT p50 (s)", "TTFT p99 (s)"]
+    assert list(fig.data[3].y) == pytest.approx([0.9] * 6)   # drawn in seconds
     assert list(fig.data[0].x) == ["none/none", "8/none", "8/1", "8/2", "8/3", "8/4"]
     assert list(fig.data[1].y) == pytest.approx(sub["hit_rate"].to_list())
     assert list(fig.data[0].y) == pytest.approx((sub["hit_rate"] * 0.9).to_list())
@@ -375,7 +376,6 @@ def test_report_command_errors(run_dir, trace_dir, tmp_path):
     f = tmp_path / "file.txt"
     f.write_text("x")
     one_line_error(invoke("report", f), "not a directory")
-    one_line_error(invoke("report", run_dir), "report.html: exists (use --force to replace it)")
     one_line_error(invoke("report", run_dir, "--out", tmp_path / "nodir" / "r.html"), "directory not found")
     one_line_error(invoke("report", run_dir, "--out", tmp_path / "x.html", "--config", 999),
                    "--config 999: no such config_id")

@@ -44,6 +44,16 @@ SIM_TOOL = "router-replay simulate"
 BOUNDS = {"ttft": ("ttft_ms_p99", "TTFT p99"), "queue_wait": ("queue_wait_ms_p99", "queue wait p99")}
 """The closed-loop metrics a recommendation can bound: option key -> (summary column, label)."""
 
+BOUND_KINDS = {"mean": ("_hi", "the upper end of the 95% interval of the mean over the seeds"),
+               "seed-range": ("_max", "the worst seed (the per-seed range: what one day may look like)")}
+"""``--bound``: which upper end a seeded grid's bound is checked on -> (column suffix, what it is)."""
+
+
+def interval_names(n_seeds: int) -> str:
+    """The two kinds of interval, named once (pages and terminal)."""
+    return (f"[lo..hi] is the 95% interval of the mean over {n_seeds} seeds (where the average lies); "
+            "'seeds min..max' is the per-seed range (what one run, one day, may look like)")
+
 OPEN_LOOP_NOTE = ("open-loop estimate (hit_rate is decision-time): the recorded loads do not react to the "
                   "replayed decisions, so a "
                   "config that diverts more can only look worse than the recording, and the no-gate "
@@ -182,6 +192,8 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
         return None
     run_path = tr.get("path")
     src = ident.get("path") or grid.meta.get("log")
+    if run_path and src and _same_simulation(grid.meta, Path(run_path)):
+        return "the request log and fleet the trace was simulated from"
     if run_path and src:
         try:
             if Path(src).resolve() == Path(run_path).resolve():
@@ -189,6 +201,20 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
         except OSError:
             return None
     return None
+
+
+def _same_simulation(grid_meta: dict, trace_dir: Path) -> bool:
+    """Whether a simulated trace (its ``sim.json``) and a grid were simulated from the same
+    request log, as many of its requests, on the same fleet (the bundled sample and its grid)."""
+    # REPLAY CHOICE: a simulated trace is matched to a grid of the same log and fleet: the log's path
+    # as given to simulate, the request count and the fleet record must all be equal
+    try:
+        rec = json.loads((trace_dir / SIM_JSON).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(rec, dict) or not rec.get("log"):
+        return False
+    return all(rec.get(k) == grid_meta.get(k) for k in ("log", "requests", "fleet", "freshness_ms"))
 
 
 def _candidates(root: Path) -> list[Path]:
@@ -271,6 +297,11 @@ class ClosedLoopRecommendation:
     ranked: list[dict]          # eligible configs, best first
     excluded: dict[str, list[dict]]   # unstable / over_bound / unknown
     knobs: list[str]
+    bound_kind: str = "mean"    # --bound: mean (95% interval of the mean) or seed-range (worst seed)
+
+    @property
+    def checked_on(self) -> str:
+        return BOUND_KINDS[self.bound_kind][1] if self.grid.seeded else "the point value (one seed)"
 
     @property
     def best(self) -> dict | None:
@@ -299,6 +330,38 @@ class ClosedLoopRecommendation:
         return router_flags(row)
 
 
+    def to_json(self) -> dict:
+        """The answer as JSON (``recommend --json``): fidelity first, bound, pick, runner-up, counts."""
+        g = self.grid
+
+        def row(r: dict | None) -> dict | None:
+            if r is None:
+                return None
+            keep = ("true_hit_rate", self.bound_col, "ttft_ms_p50")
+            return {"config": r["config"], "config_id": r["config_id"],
+                    "knobs": {k: r.get(k) for k in g.knobs},
+                    "values": {c: {"mean": num(r.get(c)), "mean_95_lo": num(r.get(f"{c}_lo")),
+                                   "mean_95_hi": num(r.get(f"{c}_hi")),
+                                   "seed_min": num(r.get(f"{c}_min")), "seed_max": num(r.get(f"{c}_max"))}
+                               for c in keep if c in r},
+                    "stable": r.get("stable"), "seeds": r.get("seeds")}
+        flags = deploy_flags(self.best) if self.best is not None else None
+        return {"fidelity": {"good": g.fidelity_good, "line": g.fidelity_line()}, "grid": str(g.path),
+                "configs": g.summary.height, "seeds": g.n_seeds,
+                "bound": {"metric": self.bound_col, "max_ms": self.bound_ms, "kind": self.bound_kind,
+                          "checked_on": self.checked_on},
+                "recommended": row(self.best), "router_flags": flags,
+                "router_flags_per_dp_size": {str(d): flags for d in dp_sizes(g)} if flags is not None else {},
+                "runner_up": row(self.runner_up), "distinguishable": self.distinguishable,
+                "qualifying": len(self.ranked), "excluded": {k: len(v) for k, v in self.excluded.items()}}
+
+
+def deploy_flags(row: dict) -> str | None:
+    """A config row's router flags as a command line takes them ('' for the defaults; None when
+    the config needs a replay-only variant, which no router flag sets)."""
+    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).deploy_flags()
+
+
 def router_flags(row: dict) -> str:
     """The router command-line flags of a config row (the knobs that differ from the defaults),
     as ``recommend`` prints them for an open-loop run."""
@@ -317,9 +380,11 @@ def varying(grid: ClosedLoopGrid) -> list[str]:
     return ks or [k for k in ("worker_queue_limit", "saturation_queue_floor") if k in s.columns]
 
 
-def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft") -> ClosedLoopRecommendation:
+def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
+              bound_kind: str = "mean") -> ClosedLoopRecommendation:
     """Best mean true hit rate among the stable configs whose upper 95% bound of ``on``'s
-    metric (TTFT p99 or queue wait p99, ms) is at most ``bound_ms`` (no bound: None).
+    metric (TTFT p99 or queue wait p99, ms) is at most ``bound_ms`` (no bound: None);
+    ``bound_kind="seed-range"`` checks the worst seed's value instead.
 
     A one-seed grid has no interval and no verdict: its point values are used and
     :func:`format_recommendation` says so.  Ties go to the lower bounded metric, then
@@ -332,6 +397,12 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
     col = BOUNDS[on][0]
     if col not in grid.summary.columns:
         raise ReplayError(f"{grid.path / SUMMARY}: column '{col}': missing (cannot bound {BOUNDS[on][1]})")
+    if bound_kind not in BOUND_KINDS:
+        raise ReplayError(f"--bound {bound_kind}: expected one of {', '.join(BOUND_KINDS)}")
+    upper_col = col + BOUND_KINDS[bound_kind][0]
+    if grid.seeded and upper_col not in grid.summary.columns:
+        raise ReplayError(f"{grid.path / SUMMARY}: column '{upper_col}': missing (a grid written before the "
+                          "per-seed range was kept; re-run simulate with --seeds N, or use --bound mean)")
     knobs = varying(grid)
     excluded: dict[str, list[dict]] = {"unstable": [], "over_bound": [], "unknown": []}
     ok = []
@@ -339,7 +410,7 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
         r = dict(r)
         r["config"] = config_text(r, knobs)
         hit = num(r.get("true_hit_rate"))
-        upper = num(r.get(f"{col}_hi")) if grid.seeded else num(r.get(col))
+        upper = num(r.get(upper_col)) if grid.seeded else num(r.get(col))
         if hit is None or upper is None:
             excluded["unknown"].append(r)
         elif grid.seeded and r.get("stable") is not True:
@@ -349,7 +420,7 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft")
         else:
             ok.append(r)
     ok.sort(key=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
-    return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs)
+    return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs, bound_kind)
 
 
 def pct(v: Any) -> str:
@@ -370,6 +441,19 @@ def interval(row: dict, col: str, fmt=pct) -> str:
     return f"{fmt(row.get(col))} [{fmt(lo)}..{fmt(hi)}]"
 
 
+def seed_range(row: dict, col: str, fmt=pct) -> str:
+    """``seeds min..max`` of a summary column ('' for a grid without the per-seed range)."""
+    lo, hi = row.get(f"{col}_min"), row.get(f"{col}_max")
+    if num(lo) is None or num(hi) is None:
+        return ""
+    return f"seeds {fmt(lo)}..{fmt(hi)}"
+
+
+def _both(row: dict, col: str, fmt=pct) -> str:
+    r = seed_range(row, col, fmt)
+    return interval(row, col, fmt) + (f", {r}" if r else "")
+
+
 def dp_sizes(grid: ClosedLoopGrid) -> dict[int, int]:
     """``{dp_size: workers}`` of the simulated fleet's prefill workers (sim.json)."""
     ws = _obj(grid.meta.get("fleet")).get("workers") or []
@@ -385,7 +469,8 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
     g = rec.grid
     label = BOUNDS["ttft" if rec.bound_col == "ttft_ms_p99" else "queue_wait"][1]
     lines = [g.fidelity_line()]
-    bound_t = "no bound" if rec.bound_ms is None else f"upper 95% bound of {label} <= {rec.bound_ms / 1000:g} s"
+    bound_t = ("no bound" if rec.bound_ms is None
+               else f"{label} <= {rec.bound_ms / 1000:g} s, checked on {rec.checked_on}")
     lines.append(f"recommend (closed loop, {g.path}, {g.summary.height} configs x {g.n_seeds} seed"
                  f"{'s' if g.n_seeds != 1 else ''}): best mean true (served) hit rate among stable configs "
                  f"with {bound_t}")
@@ -400,12 +485,13 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         if ex["unstable"]:
             u = max(ex["unstable"], key=lambda r: (num(r["true_hit_rate"]) or 0.0, -r["config_id"]))
             lines.append(f"  best unstable config: {u['config']} (config {u['config_id']}), true hit rate "
-                         f"{interval(u, 'true_hit_rate')}, seeds that disagree: "
+                         f"{_both(u, 'true_hit_rate')}, seeds that disagree: "
                          f"{','.join(map(str, u.get('unstable_seeds') or []))}; run more seeds or a lighter load")
         cands = list(ex["over_bound"])
         if cands:
-            lo = min(cands, key=lambda r: num(r.get(f"{rec.bound_col}_hi")) or num(r[rec.bound_col]) or math.inf)
-            lines.append(f"  lowest {label} among stable configs: {interval(lo, rec.bound_col, seconds)} "
+            up = rec.bound_col + BOUND_KINDS[rec.bound_kind][0]
+            lo = min(cands, key=lambda r: num(r.get(up)) or num(r[rec.bound_col]) or math.inf)
+            lines.append(f"  lowest {label} among stable configs: {_both(lo, rec.bound_col, seconds)} "
                          f"({lo['config']}); "
                          "raise the bound or simulate tighter limits")
         return "\n".join(lines)
@@ -416,7 +502,7 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         lines.append("  deploy per dp_size: " + "; ".join(
             f"dp_size {d} ({n} worker{'s' if n != 1 else ''}): {rec.flags()}" for d, n in sizes.items())
             + " (one router config for the whole simulated fleet)")
-    lines.append(f"  true hit rate {interval(b, 'true_hit_rate')}, {label} {interval(b, rec.bound_col, seconds)}, "
+    lines.append(f"  true hit rate {_both(b, 'true_hit_rate')}, {label} {_both(b, rec.bound_col, seconds)}, "
                  f"TTFT p50 {interval(b, 'ttft_ms_p50', seconds)}"
                  + (f", stable over seeds {','.join(map(str, b.get('seeds') or []))}" if g.seeded else ""))
     r = rec.runner_up
@@ -431,6 +517,8 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
                          "(simulate --seeds N) narrow the intervals")
     else:
         lines.append("  the only config that qualifies")
+    if g.seeded:
+        lines.append(f"  {interval_names(g.n_seeds)}")
     lines.append(f"  {len(rec.ranked)} of {g.summary.height} configs qualify ({len(ex['unstable'])} unstable"
                  + (", seeds failing: " + "; ".join(f"config {u['config_id']}: "
                                                    f"{','.join(map(str, u.get('unstable_seeds') or []))}"

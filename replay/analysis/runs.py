@@ -33,6 +33,7 @@ from typing import Any
 import polars as pl
 
 from replay import __version__
+from replay.analysis import decision_gate
 from replay.analysis import waterfall as wf
 from replay.config import KNOB_NAMES, KNOBS, RouterConfig
 from replay.errors import ReplayError
@@ -231,6 +232,22 @@ def _match_across_variants(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str
     return match_configs(a, b, router)
 
 
+def _unswept_hint(a: Run, b: Run, ma: pl.DataFrame, mb: pl.DataFrame, knobs: Sequence[str]) -> str:
+    """When the runs differ in knobs each holds at one value (not swept), how to compare them."""
+    fixed = [k for k in knobs if ma[k].n_unique() == 1 and mb[k].n_unique() == 1
+             and ma[k][0] != mb[k][0]]
+    if not fixed:
+        return ""
+    what = ", ".join(f"{k} {knob_text(ma[k][0])} vs {knob_text(mb[k][0])}" for k in fixed)
+    trace = (a.meta.get("trace") or {}).get("path") or "TRACE"
+    swept = " ".join(f"{KNOBS[k].flag} {','.join(knob_text(v) for v in ma[k].unique(maintain_order=True))}"
+                     for k in knobs if ma[k].n_unique() > 1)
+    both = " ".join(f"{KNOBS[k].flag} {knob_text(ma[k][0])},{knob_text(mb[k][0])}" for k in fixed)
+    return (f"; they differ in {what}, which neither run sweeps: sweep both values in one run and "
+            f"read its report, e.g. router-replay sweep {trace} --out RUN {both}"
+            + (f" {swept}" if swept else ""))
+
+
 def _label_expr(col: str, suffix: str) -> pl.Expr:
     """The transition label: the label column, or ``failed:<failure>`` on a failed request."""
     return pl.coalesce(pl.col(col), pl.lit("failed:") + pl.col("failure"), pl.lit("failed")).alias(f"label_{suffix}")
@@ -265,7 +282,8 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
         shown = [k for k in shown if k in pairs.columns]
         across = pairs.height > 0
     if pairs.height == 0:
-        raise ReplayError(f"{a.path} and {b.path} have no config in common (configs are matched by knob values)")
+        raise ReplayError(f"{a.path} and {b.path} have no config in common (configs are matched by knob values)"
+                          + _unswept_hint(a, b, ma, mb, knobs))
     pairs = pairs.with_columns(pl.Series("config", [config_label(r, shown) for r in pairs.iter_rows(named=True)]))
     matched_a = set(pairs["config_id_a"].to_list())
     matched_b = set(pairs["config_id_b"].to_list())
@@ -552,9 +570,12 @@ BASELINE_FORMAT = 1
 
 
 def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None = None,
-                  tolerances: Mapping[str, Tolerance | str] | None = None) -> dict:
+                  tolerances: Mapping[str, Tolerance | str] | None = None,
+                  allow_decision_drift: bool = False) -> dict:
     """The baseline record of a run: tool version, trace hashes, per config its knob values
-    and metric values, and the tolerances (defaults, overridden by ``tolerances``).
+    and metric values, the tolerances (defaults, overridden by ``tolerances``), and every
+    decision of the run (:mod:`replay.analysis.decision_gate`; none when the run kept none).
+    ``allow_decision_drift`` stores that changed decisions are reported, not failed.
 
     ``metrics`` defaults to :data:`DEFAULT_CHECK_METRICS` plus any metric named in
     ``tolerances``.
@@ -599,6 +620,9 @@ def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None
         "metrics": names,
         "tolerances": {n: t.text for n, t in tol.items()},
         "configs": configs,
+        "allow_decision_drift": bool(allow_decision_drift),
+        "decisions": (decision_gate.encode(decision_gate.outcome_frame(run)) if run.decisions is not None
+                      else None),
     }
 
 
@@ -648,6 +672,8 @@ def load_baseline(path: str | os.PathLike) -> dict:
             why = _bad_knob(k, v)
             if why:
                 raise ReplayError(f"{p}: config entry {i}: knob {k!r} {why}; the baseline is unusable")
+    if rec.get("decisions") is not None:
+        decision_gate.check_record(rec["decisions"], p)
     tols = rec.get("tolerances") or {}
     if not isinstance(tols, dict):
         raise ReplayError(f"{p}: tolerances must be an object")
@@ -708,6 +734,10 @@ class CheckResult:
     ``config_id``, ``metric``, ``baseline``, ``current``, ``tolerance``
     (text), ``allowed`` (native units), ``worsening`` (native units, > 0 is
     worse), ``status`` (``ok``, ``improved`` or ``regression``) and ``note``.
+    ``decisions``: the decisions changed against the baseline's
+    (:class:`replay.analysis.decision_gate.Drift`; None when not checked, and
+    ``notes`` says why); any change fails unless ``decisions.allowed``.
+    ``settings``: replay settings that differ between the baseline's run and this one.
     """
 
     run: Run
@@ -715,6 +745,8 @@ class CheckResult:
     rows: list[dict]
     extra_configs: list[str]
     notes: list[str] = field(default_factory=list)
+    decisions: decision_gate.Drift | None = None
+    settings: list[str] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[dict]:
@@ -722,9 +754,14 @@ class CheckResult:
         return [r for r in self.rows if r["status"] == "regression"]
 
     @property
+    def decisions_failed(self) -> bool:
+        """Whether changed decisions fail the check (some changed, and drift is not allowed)."""
+        return self.decisions is not None and self.decisions.changed > 0 and not self.decisions.allowed
+
+    @property
     def exit_code(self) -> int:
-        """0 within tolerance, 1 on any regression."""
-        return 1 if self.regressions else 0
+        """0 within tolerance and no changed decision, 1 otherwise."""
+        return 1 if self.regressions or self.decisions_failed else 0
 
     def describe(self, r: dict) -> str:
         """One line naming a checked row: config, metric, values, change and tolerance."""
@@ -733,19 +770,86 @@ class CheckResult:
                 f"{fmt_value(r['metric'], r['current'])} ({fmt_change(r['metric'], r['baseline'], r['current'])}; "
                 f"allowed {tol.describe()})" + (f" [{r['note']}]" if r["note"] else ""))
 
-    def markdown(self) -> str:
-        """A Markdown report for a pull-request comment: verdict, table, regressions named."""
-        n = len(self.rows)
+    def verdict(self) -> str:
+        """``PASS: ...`` or ``FAIL: ...`` with what failed."""
         reg = self.regressions
+        why = []
+        if self.decisions_failed:
+            assert self.decisions is not None
+            why.append(f"{self.decisions.changed:,} changed decision{'s' if self.decisions.changed != 1 else ''}")
+        if reg:
+            why.append(f"{len(reg)} regression{'s' if len(reg) != 1 else ''}")
+        if why:
+            return "FAIL: " + ", ".join(why)
+        return "PASS: within tolerance"
+
+    def _counts(self) -> str:
+        n, reg = len(self.rows), len(self.regressions)
         imp = sum(r["status"] == "improved" for r in self.rows)
-        verdict = f"FAIL: {len(reg)} regression{'s' if len(reg) != 1 else ''}" if reg else "PASS: within tolerance"
         configs = len({r["config_id"] for r in self.rows})
-        metrics = len(self.baseline["metrics"])
-        lines = [f"### router-replay check: {verdict}", "",
+        return (f"{configs} configs x {len(self.baseline['metrics'])} metrics = {n} checks: "
+                f"{n - reg - imp} ok, {imp} improved, {reg} regressions")
+
+    def _preamble(self) -> list[str]:
+        """Settings first, then the decisions, then notes: plain lines."""
+        lines = []
+        if self.settings:
+            lines.append("replay settings differ from the baseline's run: " + ", ".join(self.settings))
+        if self.decisions is not None:
+            d = self.decisions
+            lines.append(d.headline() + (" (allowed: --allow-decision-drift)" if d.changed and d.allowed else ""))
+            if d.changed:
+                lines.append("first changed requests:")
+                lines += ["  " + x for x in d.request_lines()]
+        lines += self.notes
+        return lines
+
+    def summary_line(self) -> str:
+        """The one line a pass prints."""
+        dec = (f"; {self.decisions.headline()}" if self.decisions is not None else "")
+        return f"router-replay check: {self.verdict()} ({self._counts()}{dec})"
+
+    def text(self, verbose: bool = False) -> str:
+        """The terminal output: one line on a pass; on a failure (or ``verbose``) settings,
+        decisions and regressions first, then (``verbose``) the full table."""
+        if not verbose and self.exit_code == 0 and not self.settings:
+            return self.summary_line() + "\n"
+        if verbose:
+            return self.markdown()
+        lines = [f"router-replay check: {self.verdict()}", f"run {self.run.path} against baseline "
+                 f"{self.baseline.get('_path', '')}: {self._counts()}"]
+        lines += self._preamble()
+        if self.regressions:
+            lines.append("regressions:")
+            lines += [f"  {self.describe(r)}" for r in self.regressions]
+        lines.append("(every check: --verbose, or --markdown FILE)")
+        return "\n".join(lines) + "\n"
+
+    def markdown(self) -> str:
+        """A Markdown report for a pull-request comment: verdict, settings, decisions, table,
+        regressions named."""
+        reg = self.regressions
+        lines = [f"### router-replay check: {self.verdict()}", "",
                  f"Run `{self.run.path}` against baseline `{self.baseline.get('_path', '')}` "
                  f"(router-replay {self.baseline.get('version')} -> {self.run.meta.get('version')}; same trace). "
-                 f"{configs} configs x {metrics} metrics = {n} checks: "
-                 f"{n - len(reg) - imp} ok, {imp} improved, {len(reg)} regressions.", ""]
+                 f"{self._counts()}.", ""]
+        if self.settings:
+            lines += ["**Replay settings differ from the baseline's run:** " + ", ".join(self.settings), ""]
+        if self.decisions is not None:
+            d = self.decisions
+            mark = "**" if self.decisions_failed else ""
+            lines += [f"{mark}Decisions: {d.headline()}{mark}"
+                      + (" (allowed by --allow-decision-drift)" if d.changed and d.allowed else ""), ""]
+            if d.changed:
+                lines += ["| config | changed | worker | label | pin | divert | 503 |", "|---|--:|--:|--:|--:|--:|--:|"]
+                for r in d.per_config.filter(pl.col("changed") > 0).iter_rows(named=True):
+                    lines.append(f"| `{r['config']}` | {r['changed']:,} | {r['worker_changed']:,} | "
+                                 f"{r['decision_changed']:,} | {r['pinned_base']:,} -> {r['pinned_run']:,} | "
+                                 f"{r['diverted_base']:,} -> {r['diverted_run']:,} | "
+                                 f"{r['failed_base']:,} -> {r['failed_run']:,} |")
+                lines += ["", "First changed requests:", ""]
+                lines += [f"- {x}" for x in d.request_lines()]
+                lines.append("")
         for note in self.notes:
             lines.append(f"_{note}_")
             lines.append("")
@@ -764,14 +868,38 @@ class CheckResult:
             lines += [f"- {self.describe(r)}" for r in reg]
         return "\n".join(lines) + "\n"
 
+    def to_json(self) -> dict:
+        """The check as one JSON object (``check --json``)."""
+        return {"verdict": self.verdict(), "exit_code": self.exit_code, "run": str(self.run.path),
+                "baseline": self.baseline.get("_path"), "settings_differ": self.settings,
+                "decisions": self.decisions.to_json() if self.decisions is not None else None,
+                "notes": self.notes, "regressions": [self.describe(r) for r in self.regressions],
+                "checks": self.rows, "configs_not_in_baseline": self.extra_configs}
+
     def junit_xml(self) -> str:
-        """JUnit XML: one testcase per config x metric; regressions are failures named
-        by config and metric."""
-        suite = ET.Element("testsuite", name="router-replay check", tests=str(len(self.rows)),
-                           failures=str(len(self.regressions)), errors="0", skipped="0")
+        """JUnit XML: one testcase per config x metric, and per config one for its decisions;
+        regressions and changed decisions are failures named by config."""
+        drift = self.decisions.per_config.to_dicts() if self.decisions is not None else []
+        failing = [r for r in drift if r["changed"] and self.decisions_failed]
+        suite = ET.Element("testsuite", name="router-replay check", tests=str(len(self.rows) + len(drift)),
+                           failures=str(len(self.regressions) + len(failing)), errors="0", skipped="0")
         props = ET.SubElement(suite, "properties")
         ET.SubElement(props, "property", name="run", value=str(self.run.path))
         ET.SubElement(props, "property", name="baseline", value=str(self.baseline.get("_path", "")))
+        for s in self.settings:
+            ET.SubElement(props, "property", name="settings_differ", value=s)
+        for r in drift:
+            case = ET.SubElement(suite, "testcase", classname="router-replay.check.decisions",
+                                 name=f"{r['config']} :: decisions")
+            text = (f"{r['changed']:,} of {self.decisions.requests:,} decisions changed "  # type: ignore[union-attr]
+                    f"(worker {r['worker_changed']:,}, label {r['decision_changed']:,}, pins {r['pinned_base']:,}"
+                    f" -> {r['pinned_run']:,}, diverts {r['diverted_base']:,} -> {r['diverted_run']:,}, "
+                    f"503s {r['failed_base']:,} -> {r['failed_run']:,})")
+            if r in failing:
+                f = ET.SubElement(case, "failure", message=f"changed decisions: {text}", type="decisions")
+                f.text = text
+            else:
+                ET.SubElement(case, "system-out").text = text if r["changed"] else "decisions identical"
         for r in self.rows:
             case = ET.SubElement(suite, "testcase", classname=f"router-replay.check.{r['metric']}",
                                  name=f"{r['config']} :: {r['metric']}")
@@ -816,7 +944,8 @@ def _judge(name: str, base: float | None, cur: float | None, tol: Tolerance) -> 
 
 
 def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, *,
-              tolerances: Mapping[str, Tolerance | str] | None = None) -> CheckResult:
+              tolerances: Mapping[str, Tolerance | str] | None = None,
+              allow_decision_drift: bool | None = None) -> CheckResult:
     """Hold a run to a baseline.
 
     The run must have replayed the same trace files as the baseline's run and
@@ -825,6 +954,11 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
     is judged against its tolerance: the baseline file's, overridden by
     ``tolerances``.  Only moves in a metric's bad direction can fail
     (improvements never fail; metrics with no good direction fail either way).
+
+    Every decision the baseline stores is compared with the run's (worker,
+    label, pin, divert, 503 per config and request): a replay is deterministic,
+    so any change fails, unless ``allow_decision_drift`` (default: what the
+    baseline file says) reports it and leaves the verdict to the tolerances.
     """
     run = run if isinstance(run, Run) else load_run(run)
     if not isinstance(baseline, dict):
@@ -859,6 +993,7 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
     for r in table.iter_rows(named=True):
         by_key[_knob_key(r, key_knobs)] = r
     rows, missing, used = [], [], set()
+    id_of, labels_of = [], []
     for c in baseline["configs"]:
         k = c["knobs"]
         full = {kn: k.get(kn, _default(kn)) for kn in key_knobs}
@@ -868,6 +1003,8 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
         if r is None:
             missing.append(label)
             continue
+        id_of.append(r["config_id"])
+        labels_of.append(label)
         used.add(r["config_id"])
         for n in names:
             status, worse, note = _judge(n, c["metrics"].get(n), r[n], tol[n])
@@ -879,11 +1016,39 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
         raise ReplayError(f"{run.path}: {len(missing)} baseline config{'s' if len(missing) != 1 else ''} "
                           f"missing from the run (first: {missing[0]}); rerun the sweep with the baseline's grid")
     extra = [config_label(r, shown) for r in table.iter_rows(named=True) if r["config_id"] not in used]
-    res = CheckResult(run, baseline, rows, extra)
+    res = CheckResult(run, baseline, rows, extra, settings=_baseline_settings(baseline, run))
+    allow = bool(baseline.get("allow_decision_drift")) if allow_decision_drift is None else allow_decision_drift
+    stored = baseline.get("decisions")
+    if stored is None:
+        res.notes.append("decisions not checked: the baseline stores none (written by an earlier version, or "
+                         "from a run without decisions); write it again with --write-baseline")
+    elif run.decisions is None:
+        if not allow:
+            raise ReplayError(f"{run.path}: the run kept no decisions, and the baseline holds its decisions; "
+                              f"rerun the sweep with decisions, or pass --allow-decision-drift")
+        res.notes.append(f"decisions not checked: {run.path} kept none")
+    else:
+        mapping = {c["config_id"]: id_of[i] for i, c in enumerate(baseline["configs"])}
+        config_names = {id_of[i]: labels_of[i] for i in range(len(baseline["configs"]))}
+        base = decision_gate.decode(stored, mapping, where)
+        res.decisions = decision_gate.compare(base, decision_gate.outcome_frame(run, list(config_names)),
+                                              config_names)
+        res.decisions.allowed = allow
     if extra:
         res.notes.append(f"{len(extra)} config{'s' if len(extra) != 1 else ''} of the run not in the baseline "
                          f"(not checked): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
     return res
+
+
+def _baseline_settings(baseline: Mapping, run: Run) -> list[str]:
+    """The replay settings that differ between the baseline's run and ``run``."""
+    stored = baseline.get("run") or {}
+    out = []
+    for key in ("freshness_ms", "seed", "per_dp_rank", "dp_size"):
+        a, b = stored.get(key), run.meta.get(key)
+        if key in stored and a != b:
+            out.append(f"{key} {a} -> {b}")
+    return out
 
 
 def _default(knob: str) -> Any:
@@ -940,6 +1105,28 @@ class Recommendation:
         if variants:  # not deployable: say so instead of printing a router command line that omits it
             text += f" [needs the replay-only policy variant {', '.join(variants)}: not a router flag]"
         return text
+
+    def deploy_flags(self) -> str | None:
+        """The flags as a router command line takes them ('' for the router's defaults); None
+        when there is nothing to deploy (no config met the bound, or it needs a replay-only variant)."""
+        text = self.flags()
+        if self.best is None or "not a router flag" in text:
+            return None
+        return "" if text.startswith("(router defaults") else text
+
+    def to_json(self) -> dict:
+        """The answer as JSON (``recommend --json``): knob values, flags, evidence, margin, counts."""
+        def row(r: dict | None) -> dict | None:
+            if r is None:
+                return None
+            return {"config": r["config"], "config_id": r["config_id"],
+                    "knobs": {k: r[k] for k in KNOB_NAMES if k in r},
+                    "metrics": {m: r.get(m) for m in RECOMMEND_EVIDENCE}}
+        return {"dp_size": self.dp_size, "bound": {"metric": "selected_waiting_p99", "max": self.bound},
+                "recommended": row(self.best), "router_flags": self.deploy_flags(),
+                "runner_up": row(self.runner_up), "margin_hit_rate": self.margin, "no_gate": row(self.no_gate),
+                "configs_meeting_bound": self.met, "configs_over_bound": self.exceeded,
+                "configs_unknown": self.unknown}
 
 
 def _rank_key(r: dict) -> tuple:

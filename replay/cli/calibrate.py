@@ -62,9 +62,11 @@ Example:
 @_knob_options
 @click.option("--force", is_flag=True, help="Replace an existing FLEET.toml / non-empty DIR.")
 @click.option("--quiet", "-q", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object instead (fitted values, fidelity parts, the prediction grid).")
 @user_errors
 def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, seed, freshness_ms,
-              threads, seeds_text, force, quiet, **knobs):
+              threads, seeds_text, force, quiet, as_json, **knobs):
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
 
     from replay.errors import ReplayError  # lazy: loaded when the command runs
@@ -118,6 +120,13 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     with rundir.writing(fleet_path):
         write_fleet(cal, fleet_path, source=str(trace_dir))
     fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
+    report: dict = {"fleet": str(fleet_path), "requests": rec.log.n_requests, "workers": cal.urls,
+                    "fitted": [{"name": f.name, "worker": f.worker, "url": None if f.worker is None else
+                                cal.urls[f.worker], "value": f.value, "fitted": f.fitted, "how": f.how,
+                                "samples": f.samples, "residual": f.residual} for f in cal.fitted],
+                    "refined": refined, "fidelity": None, "prediction": None}
+    if as_json:
+        quiet = True
     if not quiet:
         click.echo(f"calibrated {len(cal.urls)} workers from {rec.log.n_requests:,} requests "
                    f"-> {fleet_path}")
@@ -134,6 +143,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             for line in refined:
                 click.echo(line)
     if validate_dir is None:
+        if as_json:
+            click.echo(json.dumps(report, default=str))
         return
     vdir = Path(validate_dir)
     tmp = partial_beside(vdir)
@@ -142,7 +153,8 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
                            progress=progress)
         fid.write(tmp)
-        if not quiet or not fid.good:
+        report["fidelity"] = fid.as_dict()
+        if not as_json and (not quiet or not fid.good):
             for line in fid.lines():
                 click.echo(line)
         table = None
@@ -161,6 +173,11 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    if as_json:
+        report["validation"] = str(vdir)
+        report["prediction"] = None if table is None else table.to_dicts()
+        click.echo(json.dumps(report, default=str))
+        return
     if not quiet:
         click.echo(f"validation -> {vdir / 'fidelity.json'}")
     if table is not None and not quiet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -21,13 +22,22 @@ override the file's. Defaults: hit_rate 0.5pt, selected_waiting_p99 10%,
 decision-label shares 1pt. Only a move in a metric's bad direction beyond its
 tolerance fails; improvements never fail.
 
+A replay is deterministic, so the baseline also stores every decision (per
+config and request: worker, label, pin, divert, 503) and any change fails,
+with counts and the first changed requests; --allow-decision-drift reports
+the changes and leaves the verdict to the tolerances (given with
+--write-baseline, the file remembers it). Replay settings that differ from
+the baseline's run (freshness, seed, per-rank) are named first. A pass prints
+one line (--verbose: every check).
+
 \b
 """ + textwrap.fill(f"Metrics: {metrics.help_list()}.", 80) + """
 
 \b
 Exit codes:
-  0  every checked metric within tolerance (or the baseline was written)
-  1  at least one regression (each named in the output)
+  0  every checked metric within tolerance and no decision changed
+     (or the baseline was written)
+  1  a changed decision or a regression (each named in the output)
   2  unusable input: missing or corrupt run or baseline, a trace hash that
      differs from the baseline's, baseline configs missing from the run,
      an output file that exists without --force
@@ -79,10 +89,14 @@ def _tolerances(tolerance, hit_drop, p99_rise, label_share, stored):
               help="Also write JUnit XML (one testcase per config x metric).")
 @click.option("--markdown", "markdown", default=None, type=click.Path(path_type=str),
               help="Also write the Markdown report to this file.")
+@click.option("--allow-decision-drift", "allow_drift", is_flag=True, default=None,
+              help="Report changed decisions without failing on them (the tolerances decide).")
+@click.option("--verbose", "-v", is_flag=True, help="Print every check, also on a pass.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object instead.")
 @click.option("--force", is_flag=True, help="Replace existing --write-baseline, --junit or --markdown files.")
 @user_errors
 def check(run_dir, baseline, write_baseline, metrics, tolerance, max_hit_rate_drop, max_p99_rise,
-          max_label_share_change, junit, markdown, force):
+          max_label_share_change, junit, markdown, allow_drift, verbose, as_json, force):
     """Check RUN_DIR against a baseline under tolerances; exit 0 (ok), 1 (regression), 2 (bad input)."""
 
     from replay.analysis import runs as analysis  # lazy: loaded when the command runs
@@ -99,23 +113,36 @@ def check(run_dir, baseline, write_baseline, metrics, tolerance, max_hit_rate_dr
         tol = _tolerances(tolerance, max_hit_rate_drop, max_p99_rise, max_label_share_change,
                           set(metrics) if metrics else None)
         rec = analysis.write_baseline(run_dir, write_baseline, force=force, metrics=list(metrics) or None,
-                                      tolerances=tol)
+                                      tolerances=tol, allow_decision_drift=bool(allow_drift))
+        dec = rec.get("decisions")
+        held = (f"; decisions of {dec['requests']:,} requests per config"
+                + (" (changes reported, not failed)" if rec["allow_decision_drift"] else "")
+                if dec else "; no decisions (the run kept none): metrics only")
+        if as_json:
+            click.echo(json.dumps({"baseline": write_baseline, "configs": len(rec["configs"]),
+                                   "metrics": rec["metrics"], "tolerances": rec["tolerances"],
+                                   "decisions_requests": dec["requests"] if dec else None,
+                                   "allow_decision_drift": rec["allow_decision_drift"]}))
+            return 0
         click.echo(f"wrote baseline {write_baseline}: {len(rec['configs'])} configs x "
-                   f"{len(rec['metrics'])} metrics ({', '.join(f'{k} {v}' for k, v in rec['tolerances'].items())})")
+                   f"{len(rec['metrics'])} metrics ({', '.join(f'{k} {v}' for k, v in rec['tolerances'].items())})"
+                   + held)
         return 0
     if metrics:
         raise ReplayError("--metric applies to --write-baseline; a check uses the metrics the baseline stores")
     base = analysis.load_baseline(baseline)
     tol = _tolerances(tolerance, max_hit_rate_drop, max_p99_rise, max_label_share_change, set(base["metrics"]))
-    res = analysis.check_run(run_dir, base, tolerances=tol)
-    text = res.markdown()
-    click.echo(text, nl=False)
+    res = analysis.check_run(run_dir, base, tolerances=tol, allow_decision_drift=allow_drift)
+    if as_json:
+        click.echo(json.dumps(res.to_json(), default=str))
+    else:
+        click.echo(res.text(verbose), nl=False)
     if junit is not None:
         rundir.write_text_atomic(Path(junit), res.junit_xml())
     if markdown is not None:
-        rundir.write_text_atomic(Path(markdown), text)
-    if res.regressions:
-        click.echo(f"check failed: {len(res.regressions)} regression(s)", err=True)
+        rundir.write_text_atomic(Path(markdown), res.markdown())
+    if res.exit_code:
+        click.echo(f"check failed: {res.verdict()[len('FAIL: '):]}", err=True)
     sys.exit(res.exit_code)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.progress import Progress
 from replay.errors import ReplayError
 
 
@@ -86,22 +86,18 @@ def import_(out, token_export, dynamo_trace, mooncake, engine_export, recorded, 
                       dynamo_workers=dyn, skip_bad_lines=skip_bad_lines,
                       router_inflight=router_inflight, force=force, kv_format=kv_format,
                       router_flags=parse_router_command_line(router_flags) if router_flags is not None else None)
-    bar = {}
+    bar: dict[str, Progress] = {}
 
-    def progress(label, i, n):
-        if not sys.stderr.isatty():
-            return
+    def progress(label, i, n):   # a bar per stage on a terminal, a line every ~10 s when piped
         if label not in bar:
-            bar[label] = click.progressbar(length=n, label=label, file=sys.stderr)
-            bar[label].__enter__()
-        b = bar[label]
-        b.update(i - b.pos)
+            bar[label] = Progress(label, n)
+        bar[label].at(i, n)
 
     try:
         res = import_capture(spec, progress)
     finally:
         for b in bar.values():
-            b.__exit__(None, None, None)
+            b.close()
     f = res.facts
     click.echo(f"imported {f['requests']:,} requests ({f['requests_source']}), {f['load_rows']:,} load rows, "
                f"{f['workers']} workers into {res.out}; matches: {f['matches_source']}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.progress import PipedStatus
 from replay.errors import ReplayError
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -101,7 +102,7 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,
                    kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic,
                    kv_format=kv_format)
-    status = StatusLine() if sys.stderr.isatty() else None
+    status = StatusLine() if sys.stderr.isatty() else PipedStatus()   # piped: the status every ~10 s
     rec = Recorder(urls, Path(out), overrides=ov, flush_s=flush, rotate_s=3600 if rotate == "hour" else 86400,
                    retry_s=retry_s, replay_timeout_s=replay_timeout_s, status=status, router_flags=flags)
     install_signal_handlers(rec)

@@ -11,8 +11,9 @@ from replay.cli.app import outputs_closed, user_errors
 
 _EXAMPLE = """
 The page embeds plotly.js, so it opens offline. `router-replay sweep` writes
-RUN_DIR/report.html already; rebuild it (with --force) after changing the
-pressure bound or the config followed over time.
+RUN_DIR/report.html already; `report RUN_DIR` rebuilds it in place (no
+--force needed for the run's own report) after changing the pressure bound or
+the config followed over time; --out elsewhere is not replaced without --force.
 
 A closed-loop grid of the run's trace (a `simulate` grid or a `calibrate
 --validate` directory, found inside or beside the run or the trace, matched
@@ -22,7 +23,7 @@ intervals and the stable verdict, the open-loop figures after it, labelled.
 
 \b
 Example:
-  router-replay report reports/sample --force --max-p99-waiting 8 --config 16
+  router-replay report reports/sample --max-p99-waiting 8 --config 16
 """
 
 
@@ -59,6 +60,9 @@ def report(run_dir, out, max_p99_waiting, config_id, beside, closed_loop, max_tt
     if max_ttft_p99_ms is not None and max_queue_wait_p99_ms is not None:
         raise ReplayError("give one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
     target = out if out is not None else Path(run_dir) / rundir.REPORT
+    # the run's own report.html is rebuilt without --force (the guard still refuses a file it did not write)
+    own = out is None or Path(out).resolve() == (Path(run_dir) / rundir.REPORT).resolve()
+    force = force or own
     rundir.guard([(target, "report")], inputs=rundir.run_inputs(run_dir), force=force)
     path = build_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting,
                         closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from pathlib import Path
 
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
 
@@ -245,12 +245,10 @@ def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scale
 
 @contextlib.contextmanager
 def grid_progress(n: int, quiet: bool, label: str = "simulating"):
-    """A progress bar over ``n`` simulations on a terminal (stderr); nothing when piped."""
-    if quiet or not sys.stderr.isatty():
-        yield None
-        return
-    with click.progressbar(length=n, label=label, file=sys.stderr) as bar:
-        yield bar.update
+    """Progress over ``n`` simulations (replay/cli/progress.py): a bar on a terminal, a line
+    every ~10 s when piped, nothing with --quiet."""
+    with Progress(label, n, quiet=quiet) as p:
+        yield p.update
 
 
 _SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
@@ -284,7 +282,7 @@ def grid_table(table, grid) -> list[str]:
         row += [hit, cell(r["ttft_ms_p50"], 1e-3, 2), p99, cell(r["queue_wait_ms_mean"], 1e-3, 2)]
         if seeded:
             row += ["yes" if r["stable"] else ("?" if r["stable"] is None else
-                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + ")")]
+                                               "NO (seeds " + ",".join(map(str, r["unstable_seeds"])) + " disagree)")]
         rows.append(row)
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) for row in rows]

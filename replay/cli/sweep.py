@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import outputs_closed, user_errors
+from replay.cli.progress import Progress
 from replay.config import KNOBS, Grid
 
 _EXAMPLE = """
@@ -114,17 +115,18 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
     if not per_dp_rank and grid.warning_line() and not quiet:
         click.echo(f"warning: {grid.warning_line()}", err=True)
     show_bar = not quiet and sys.stderr.isatty()
-    bar = None
+    if not quiet and executor == "local":
+        from replay.sweep import engine  # lazy: loaded when the command runs
+
+        if engine.kernels_cold():
+            click.echo("compiling kernels (first run, about 20 s; later runs load them from the cache)", err=True)
+    bar = Progress("replaying", quiet=quiet)   # a bar on a terminal, a line every ~10 s when piped
 
     def on_start(n):
-        nonlocal bar
-        if show_bar:
-            bar = click.progressbar(length=n, label="replaying", file=sys.stderr)
-            bar.__enter__()
+        bar.start(n)
 
     def progress(n):
-        if bar is not None:
-            bar.update(n)
+        bar.update(n)
 
     def status(text):
         if show_bar:
@@ -139,8 +141,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
                            configs_per_task=configs_per_task,
                            ray_retries=ray_retries if executor == "ray" else None)
     finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
+        bar.close()
     if per_dp_rank and result.grid.warning_line() and not quiet:
         click.echo(f"warning: {result.grid.warning_line()}", err=True)
     if result.run.get("report_error") and not quiet:

@@ -32,6 +32,7 @@ import datetime as _dt
 import html
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,7 +283,8 @@ def fig_heatmaps(a: ReportView) -> dict:
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
-    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[m.label for m in HEATMAP_METRICS],
+    ranges = {m.key: colour_range([r.get(m.key) for r in rows], m.fmt) for m in HEATMAP_METRICS}
+    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[f"{m.label}: {ranges[m.key][2]}" for m in HEATMAP_METRICS],
                   shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
                   vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
@@ -296,6 +298,7 @@ def fig_heatmaps(a: ReportView) -> dict:
         fig.add_trace(fs.trace(
             "heatmap", z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
             hovertemplate="%{customdata}<extra></extra>", colorscale=fs.colorscale(scale), showscale=False,
+            zmin=ranges[m.key][0], zmax=ranges[m.key][1],
             xgap=2, ygap=2, name=m.label, hoverongaps=False,
         ), row=i // ncols + 1, col=i % ncols + 1)
     per_panel = max(170, 34 * len(ys) + 90)
@@ -308,6 +311,27 @@ def fig_heatmaps(a: ReportView) -> dict:
         fig.update_yaxes(title=dict(text="queue limit"), row=r, col=1)
     fig.update_xaxes(showticklabels=True)
     return fig.to_dict()
+
+
+MIN_COLOUR_SPAN = {"pct": 0.02}
+"""The smallest difference a heatmap colours from red to green, by format: 2 points for rates;
+other metrics 20% of their largest magnitude (at least 1).  A narrower spread is drawn in the
+middle of the scale, so that noise is not painted as a verdict."""
+
+
+def colour_range(values, fmt: str) -> tuple[float | None, float | None, str]:
+    """A heatmap's ``zmin``, ``zmax`` and the range said in its title (the values' own range; the
+    colour span widened around its middle to the metric's minimum meaningful span)."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return None, None, "no values"
+    lo, hi = min(vals), max(vals)
+    need = MIN_COLOUR_SPAN.get(fmt, max(0.2 * max(abs(lo), abs(hi)), 1.0))
+    text = f"{_fmt(lo, fmt)} – {_fmt(hi, fmt)}" if hi > lo else f"all {_fmt(lo, fmt)}"
+    if hi - lo >= need:
+        return lo, hi, text
+    mid = (lo + hi) / 2
+    return mid - need / 2, mid + need / 2, text + " (narrow: muted)"
 
 
 def _int_axis(values) -> dict:
@@ -817,7 +841,7 @@ def fig_tradeoff(a: ReportView) -> dict:
             marker=dict(size=11, color="#d62728"), line=dict(color="#d62728", width=2),
             customdata=[a.hover(r) for r in on], hovertemplate="<b>Pareto</b> %{customdata}<extra></extra>"),
             row=1, col=ci + 1)
-        for tag, r, sym, color in (("best under bound", a.best, "star", "#2ca02c"),
+        for tag, r, sym, color in (("highest hit rate under bound", a.best, "star", "#2ca02c"),
                                    ("no-gate baseline", a.baseline_for(a.best) if a.best else None,
                                     "diamond-open", "#111")):
             if r is None or r[key] is None:
@@ -885,7 +909,7 @@ def fig_closed_loop(a: ReportView) -> dict:
     df, note = _closed_loop_join(a)
     if df is None:
         raise ReplayError(f"closed loop: {note}")
-    ttft = [c for c in df.columns if "ttft" in c.lower() and df.schema[c].is_numeric()]
+    ttft = [c for c in df.columns if "ttft" in c.lower() and df.schema[c].is_numeric() and not _bound_col(c)]
     hit = _closed_hit_col(df)
     fig = fs.grid(rows=1, cols=2, horizontal_spacing=0.08,
                   subplot_titles=["hit rate: closed loop vs open-loop estimate", "TTFT (closed loop)"])
@@ -899,21 +923,58 @@ def fig_closed_loop(a: ReportView) -> dict:
         x = [str(i) for i in df["config_id"].to_list()]
         x_title = "config"
     if hit is not None:
-        fig.add_trace(fs.trace("bar", x=x, y=df[hit].to_list(), name=f"closed loop ({hit})",
-                               marker=dict(color="#1f77b4")),
+        fig.add_trace(fs.trace("bar", x=x, y=df[hit].to_list(), name=f"closed loop: {_cl_label(hit)}",
+                               marker=dict(color="#1f77b4"), error_y=_error_bars(df, hit)),
                       row=1, col=1)
     if "open_loop_hit_rate" in df.columns:
         fig.add_trace(fs.trace("bar", x=x, y=df["open_loop_hit_rate"].to_list(), name="open-loop estimate (this run)",
                                marker=dict(color="#9aa5b1")), row=1, col=1)
     for i, c in enumerate(ttft):
-        fig.add_trace(fs.trace("bar", x=x, y=df[c].to_list(), name=c,
+        fig.add_trace(fs.trace("bar", x=x, y=[None if v is None else v / 1000 for v in df[c].to_list()],
+                               name=_cl_label(c), error_y=_error_bars(df, c, 1 / 1000),
                                marker=dict(color=["#ff7f0e", "#d62728", "#8c564b", "#e377c2"][i % 4])),
                       row=1, col=2)
     _base_layout(fig, height=400, barmode="group", legend=dict(orientation="h", y=-0.25, x=0))
     fig.update_xaxes(type="category", title=dict(text=x_title))
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
-    fig.update_yaxes(title=dict(text="ms"), row=1, col=2)
+    fig.update_yaxes(title=dict(text="seconds"), row=1, col=2)
     return fig.to_dict()
+
+
+_BOUND_SUFFIXES = ("_lo", "_hi", "_min", "_max")
+
+
+def _bound_col(c: str) -> bool:
+    """Whether a summary column is an interval's or a range's end (drawn as bars, never as a value)."""
+    return c.endswith(_BOUND_SUFFIXES)
+
+
+def _error_bars(df: pl.DataFrame, col: str, scale: float = 1.0) -> dict:
+    """The 95% interval of the mean of ``col`` as plotly error bars (hidden without one)."""
+    if f"{col}_lo" not in df.columns or f"{col}_hi" not in df.columns:
+        return dict(visible=False)
+    v, lo, hi = (df[c].to_list() for c in (col, f"{col}_lo", f"{col}_hi"))
+    return dict(type="data", symmetric=False, thickness=1.2, width=3,
+                array=[(h - x) * scale if h is not None and x is not None else 0 for h, x in zip(hi, v, strict=True)],
+                arrayminus=[(x - lw) * scale if lw is not None and x is not None else 0
+                            for lw, x in zip(lo, v, strict=True)])
+
+
+CL_LABELS = {"true_hit_rate": "served hit rate", "closed_loop_hit_rate": "served hit rate",
+             "hit_rate": "hit rate", "block_hit_rate": "served block hit rate",
+             "open_loop_hit_rate": "open loop: decision-time hit rate",
+             "open_loop_selected_waiting_p99": "open loop: p99 waiting (requests)",
+             "throughput_req_s": "throughput (requests/s)", "failed": "failed (503)"}
+
+
+def _cl_label(c: str) -> str:
+    """A closed-loop summary column as a reader names it, with its unit (ms columns shown in s)."""
+    if c in CL_LABELS:
+        return CL_LABELS[c]
+    for metric, text in (("ttft", "TTFT"), ("queue_wait", "queue wait")):
+        if c.startswith(f"{metric}_ms_"):
+            return f"{text} {c.removeprefix(f'{metric}_ms_')} (s)"
+    return c.replace("_", " ")
 
 
 # ---------------------------------------------------------------------------
@@ -1073,7 +1134,8 @@ def _headline_html(a: ReportView) -> str:
         return "\n".join(parts)
     b = a.baseline_for(a.best)
     r = a.best
-    verdict = (f"Best under the bound: <b>config {r['config_id']}</b> ({_e(a.label(r))}): "
+    verdict = (f"Highest decision-time hit rate under the bound, on the recorded load: "
+               f"<b>config {r['config_id']}</b> ({_e(a.label(r))}): "
                f"hit rate {_fmt(r['hit_rate'], 'pct')}, p99 waiting {_fmt(r['selected_waiting_p99'], 'int')}, "
                f"mean waiting {_fmt(r['selected_waiting_mean'], 'f2')}")
     if b is not None and b["config_id"] != r["config_id"] and b["hit_rate"] is not None and r["hit_rate"] is not None:
@@ -1176,29 +1238,46 @@ def _closed_loop_html(a: ReportView) -> tuple[str, bool]:
     hit = _closed_hit_col(df)
     wanted = [hit, "open_loop_hit_rate", "open_loop_selected_waiting_p99",
               *[c for c in df.columns if ("ttft" in c.lower() or "queue_wait" in c.lower())
-                and df.schema[c].is_numeric()],
+                and df.schema[c].is_numeric() and not _bound_col(c)],
               "throughput_req_s", "failed"]
     metrics = [c for c in dict.fromkeys(wanted) if c is not None and c in df.columns]
-    cols = knobs + metrics or df.columns[:12]
-    head = "".join(f"<th>{_e(c.replace('_', ' '))}</th>" for c in cols)
-    pct = {c for c in cols if c.endswith("hit_rate")}
-    body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(v, 'pct') if c in pct and v is not None else _cell(v))}</td>"
-                                    for c, v in zip(cols, row, strict=True)) + "</tr>"
-                   for row in df.select(cols).head(60).iter_rows())
+    cols = knobs + metrics or [c for c in df.columns if not _bound_col(c)][:12]
+    short = {LIMIT: "queue limit", FLOOR: "saturation floor"}
+    head = "".join(f"<th>{_e(short.get(c) or (KNOBS[c].flag if c in KNOBS else _cl_label(c)))}</th>"
+                   for c in cols)
+
+    def cell(c: str, r: dict) -> str:
+        if c.endswith("hit_rate"):
+            return cl.interval(r, c, lambda v: "–" if v is None else _fmt(v, "pct"))
+        if "_ms_" in c:
+            return cl.interval(r, c, lambda v: "–" if v is None else f"{v / 1000:,.2f}")
+        return cl.interval(r, c, _cell) if c not in knobs else knob_text(r[c])
+    body = "".join("<tr>" + "".join(f"<td>{_e(cell(c, r))}</td>" for c in cols) + "</tr>"
+                   for r in df.head(60).iter_rows(named=True))
     more = f" (first 60 of {df.height})" if df.height > 60 else ""
+    seeded = any(f"{c}_lo" in df.columns for c in metrics)
     return (f'<p class="note">From closed_loop_summary.parquet: {_e(note)}. Columns starting '
-            f"“open loop” are this run's estimates of the same configs{more}.</p>"
+            f"“open loop” are this run's estimates of the same configs{more}"
+            + ("; in brackets the 95% interval of the mean over the seeds" if seeded else "") + ".</p>"
             f"<table><tr>{head}</tr>{body}</table>"), True
 
 
 def _cell(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"   # never 1.684e+04
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     return "none" if v is None else str(v)
 
 
 FIGURE_KEYS = ("heatmaps", "decision_mix", "reason_mix", "waterfall", "waterfall_pair", "over_time", "floor_vs_dp",
                "tradeoff", "closed_loop")
+
+
+def _final_path(path: Path) -> Path:
+    """The run directory's own name while the sweep still builds it in a hidden partial folder."""
+    m = re.fullmatch(r"\.(.+)\.partial-.*", path.name)
+    return path.parent / m.group(1) if m else path
 
 
 def closed_loop_for(data: Run, given: str | os.PathLike | None = None):
@@ -1241,14 +1320,21 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
                    + rs.closed_loop_section(grid, grid_notes, open_rows, gk,
                                           bound_ms=max_ttft_p99_ms if max_queue_wait_p99_ms is None
                                           else max_queue_wait_p99_ms,
-                                          on="ttft" if max_queue_wait_p99_ms is None else "queue_wait")
+                                          on="ttft" if max_queue_wait_p99_ms is None else "queue_wait",
+                                          fig_html=_fig_html)
                    + "</section>")
-    sec.append(f'<section id="s1"><h2>1. Headline{" (open loop)" if grid is not None else ""}</h2>'
+    else:
+        sec.append('<section id="s0"><h2>Which limit and floor?</h2>'
+                   + rs.no_grid_html(trace_path, str(_final_path(data.path))) + "</section>")
+    sec.append('<section id="s1"><h2>1. Decisions on the recorded load (open loop)</h2>'
                f"{ol_note}{_headline_html(a)}</section>")
     slice_note = f'<p class="note">{_e(a.slice_note)}</p>' if a.slice_note else ""
     sec.append('<section id="s2"><h2>2. Floor × limit</h2>'
                '<p class="note">One panel per metric; rows are queue limits, columns saturation floors, '
-               "<code>none</code> is its own row and column; greener is better; blank cells are "
+               "<code>none</code> is its own row and column; greener is better; each panel's title gives its "
+               "range; a spread narrower than a meaningful difference (2 points for a rate, 20% otherwise) "
+               "is drawn in muted colours; "
+               "blank cells are "
                "combinations the router refuses. Hover a cell for every metric of that config.</p>"
                + ol_note + slice_note + _fig_html(figs["heatmaps"], "heatmaps") + "</section>")
     sec.append('<section id="s3"><h2>3. Label and reason mix</h2>'
@@ -1287,8 +1373,7 @@ def render_html(run_dir: str | os.PathLike | Run, *, config_id: int | None = Non
     sec.append(f'<section id="s8"><h2>8. Provenance</h2>{_provenance_html(a)}</section>')
     links = [("s1", "headline"), ("s2", "floor × limit"), ("s3", "mix"), ("s3w", "waterfall"), ("s4", "over time"),
              ("s5", "dp_size"), ("s6", "trade-off"), ("s7", "closed loop"), ("s8", "provenance")]
-    if grid is not None:
-        links.insert(0, ("s0", "closed-loop answer"))
+    links.insert(0, ("s0", "closed-loop answer" if grid is not None else "answer"))
     nav = "".join(f'<a href="#{i}">{_e(n)}</a>' for i, n in links)
 
     sub = f"{data.summary.height} configs · seed {run.get('seed')} · router-replay {run.get('version')}"

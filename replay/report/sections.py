@@ -34,22 +34,23 @@ def open_loop_note_html(trace_path: str | None) -> str:
 
 
 def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: dict[tuple, dict],
-                        knobs: list[str], *, bound_ms: float | None, on: str = "ttft") -> str:
+                        knobs: list[str], *, bound_ms: float | None, on: str = "ttft", fig_html) -> str:
     """The closed-loop answer: fidelity first, the recommendation, the ranked table."""
     rec = cl.recommend(grid, bound_ms=bound_ms, on=on)
     fid = grid.fidelity_line()
     poor = grid.fidelity is not None and not grid.fidelity.get("good")
     parts = [f'<p class="verdict{" poor" if poor else ""}" id="fidelity">{_e(fid)}</p>']
     parts += [f'<p class="note">{_e(n)}.</p>' for n in notes]
-    answer = cl.format_recommendation(rec).splitlines()[1:]  # the fidelity line is above
-    parts.append('<pre class="answer">' + _e("\n".join(answer)) + "</pre>")
+    parts.append(answer_html(rec))
+    parts.append(fig_html(fig_answer(rec), "answer"))
     col = rec.bound_col
     label = cl.BOUNDS[on][1]
     ranked = sorted(grid.summary.iter_rows(named=True),
                     key=lambda r: (-(cl.num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
     short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
     head = ["#", "config", *[short.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
-            f"{label} [95%]", "TTFT p50", "queue wait p99", "stable", "qualifies",
+            f"{label} [95%]", f"{label}, per-seed range", "TTFT p50", "queue wait p99", "stable over the seeds",
+            "qualifies",
             "open loop: decision-time hit rate"]
     ok_ids = {r["config_id"] for r in rec.ranked}
     trs = ["<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
@@ -58,9 +59,10 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
         o = open_rows.get(key)
         stable = r.get("stable")
         st = ("yes" if stable else "–" if stable is None else
-              "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + ")")
+              "NO (seeds " + ",".join(map(str, r.get("unstable_seeds") or [])) + " disagree)")
         cells = [i, r["config_id"], *["none" if r.get(k) is None else r.get(k) for k in rec.knobs],
                  cl.interval(r, "true_hit_rate"), cl.interval(r, col, cl.seconds),
+                 cl.seed_range(r, col, cl.seconds).removeprefix("seeds ") or "–",
                  cl.interval(r, "ttft_ms_p50", cl.seconds),
                  cl.interval(r, "queue_wait_ms_p99", cl.seconds), st, "yes" if r["config_id"] in ok_ids else "no",
                  cl.pct(o.get("hit_rate")) + f" (config {o['config_id']})" if o else "not in this run"]
@@ -68,8 +70,158 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
     parts.append('<table class="closed">' + "".join(trs) + "</table>")
     parts.append(f'<p class="note">{_e(cl.HIT_NAMES)}: they differ even when the replay agrees with '
                  "production (see docs/closed-loop.md). Ranked by mean true hit rate over the seeds; "
-                 "an interval is the 95% Student-t interval of the mean.</p>")
+                 f"{_e(cl.interval_names(grid.n_seeds))}.</p>")
     return "\n".join(parts)
+
+
+ANSWER_COLORS = {"qualifies": "#1f77b4", "over the bound": "#e8a09a", "unstable": "#9aa5b1",
+                 "pick": "#2ca02c", "runner-up": "#ff7f0e"}
+
+
+def _s(ms: float) -> str:
+    """A bound in ms as seconds, without trailing zeros (26.15, 10)."""
+    return f"{ms / 1000:.2f}".rstrip("0").rstrip(".")
+
+
+def _stability(rec: cl.ClosedLoopRecommendation) -> str:
+    """The stability verdict in one sentence: how many configs hold across the seeds, the pick
+    against the runner-up."""
+    g = rec.grid
+    if not g.seeded:
+        return ("One seed per config: no interval and no stability verdict "
+                "(simulate with --seeds 5 for an answer that holds across seeds).")
+    unstable = rec.excluded["unstable"]
+    out = f"Stable over {g.n_seeds} seeds: {g.summary.height - len(unstable)} of {g.summary.height} configs"
+    if unstable:
+        out += " (unstable: " + "; ".join(
+            f"config {u['config_id']}, seeds {','.join(map(str, u.get('unstable_seeds') or []))} disagree"
+            for u in unstable[:4]) + ("; ..." if len(unstable) > 4 else "") + ")"
+    d = rec.distinguishable
+    if d is True:
+        out += "; the pick is better than the runner-up beyond their 95% intervals of the mean."
+    elif d is False:
+        out += ("; the pick and the runner-up cannot be told apart within their 95% intervals of the mean: "
+                "either is as good on this evidence.")
+    else:
+        out += "."
+    return out
+
+
+def answer_html(rec: cl.ClosedLoopRecommendation) -> str:
+    """The closed-loop answer as sentences: the pick with its flags, the runner-up, the verdict."""
+    g = rec.grid
+    label = cl.BOUNDS["ttft" if rec.bound_col == "ttft_ms_p99" else "queue_wait"][1]
+    if rec.bound_ms is None:
+        slo = (f"no SLO given (the pick has the highest served hit rate at any {label}; "
+               f"<code>--max-ttft-p99-ms MS</code> sets one)")
+    else:
+        slo = (f"SLO: {_e(label)} ≤ {_s(rec.bound_ms)} s, checked on the "
+               + ("upper end of the 95% interval of the mean" if g.seeded else "point value"))
+    b = rec.best
+    if b is None:
+        ex = rec.excluded
+        return (f'<p class="verdict" id="answer">No config qualifies ({slo}): {len(ex["unstable"])} unstable, '
+                f'{len(ex["over_bound"])} over the SLO, {len(ex["unknown"])} without a value. '
+                f"{_e(_stability(rec))}</p>")
+    flags = rec.flags() or "(the router's defaults)"
+    text = (f'<p class="verdict" id="answer"><b>recommended: {_e(b["config"])} (config {b["config_id"]})</b>, '
+            f"router flags <code>{_e(flags)}</code>: served hit rate {_e(cl.interval(b, 'true_hit_rate'))}, "
+            f"{_e(label)} {_e(cl.interval(b, rec.bound_col, cl.seconds))}; {slo}.")
+    r = rec.runner_up
+    if r is not None:
+        text += (f" Runner-up: {_e(r['config'])} (config {r['config_id']}), served hit rate "
+                 f"{_e(cl.interval(r, 'true_hit_rate'))}, {_e(label)} {_e(cl.interval(r, rec.bound_col, cl.seconds))}.")
+    else:
+        text += " It is the only config that qualifies."
+    u = max(rec.excluded["unstable"], key=lambda x: (cl.num(x.get("true_hit_rate")) or 0.0, -x["config_id"]),
+            default=None)
+    if u is not None and (cl.num(u.get("true_hit_rate")) or 0.0) > (cl.num(b.get("true_hit_rate")) or 0.0):
+        gain = 100 * ((cl.num(u["true_hit_rate"]) or 0.0) - (cl.num(b["true_hit_rate"]) or 0.0))
+        text += (f" Not chosen: {_e(cl.config_text(u, rec.knobs))} (config {u['config_id']}) has a mean served hit "
+                 f"rate {gain:.2f} pts higher ({_e(cl.interval(u, 'true_hit_rate'))}), but its seeds "
+                 f"{','.join(map(str, u.get('unstable_seeds') or []))} disagree with the others: on this load one "
+                 "day may look very different from the next (more seeds or a lighter load settle it).")
+    return text + f" {_e(_stability(rec))}</p>"
+
+
+def fig_answer(rec: cl.ClosedLoopRecommendation) -> dict:
+    """The closed-loop answer drawn: served hit rate against the bounded p99 per config, 95% intervals
+    of the mean as bars on both axes, the SLO line, the pick and the runner-up marked."""
+    g = rec.grid
+    col = rec.bound_col
+    label = cl.BOUNDS["ttft" if col == "ttft_ms_p99" else "queue_wait"][1]
+    best = rec.best["config_id"] if rec.best else None
+    second = rec.runner_up["config_id"] if rec.runner_up else None
+    kind = {r["config_id"]: "qualifies" for r in rec.ranked}
+    kind.update({r["config_id"]: "unstable" for r in rec.excluded["unstable"]})
+    kind.update({r["config_id"]: "over the bound" for r in rec.excluded["over_bound"]})
+    if best is not None:
+        kind[best] = "pick"
+    if second is not None:
+        kind[second] = "runner-up"
+    rows = {r["config_id"]: dict(r, config=cl.config_text(r, rec.knobs)) for r in g.summary.iter_rows(named=True)}
+    fig = fs.Fig()
+    for k in ("qualifies", "over the bound", "unstable", "runner-up", "pick"):
+        pts = [rows[i] for i in sorted(rows) if kind.get(i) == k and cl.num(rows[i].get(col)) is not None
+               and cl.num(rows[i].get("true_hit_rate")) is not None]
+        if not pts:
+            continue
+
+        def err(c: str, scale: float, pts=pts) -> dict:
+            if not g.seeded:
+                return dict(visible=False)
+            v = [cl.num(p.get(c)) for p in pts]
+            hi = [cl.num(p.get(f"{c}_hi")) for p in pts]
+            lo = [cl.num(p.get(f"{c}_lo")) for p in pts]
+            return dict(type="data", symmetric=False, thickness=1.2, width=3,
+                        array=[(h - x) * scale if h is not None and x is not None else 0
+                               for h, x in zip(hi, v, strict=True)],
+                        arrayminus=[(x - lo_) * scale if lo_ is not None and x is not None else 0
+                                    for lo_, x in zip(lo, v, strict=True)])
+        name = {"pick": f"pick: {pts[0]['config']}", "runner-up": f"runner-up: {pts[0]['config']}"}.get(k, k)
+        big = k in ("pick", "runner-up")
+        fig.add_trace(fs.trace(
+            "scatter", mode="markers+text" if big else "markers", name=name,
+            x=[cl.num(p[col]) / 1000 for p in pts], y=[100 * cl.num(p["true_hit_rate"]) for p in pts],
+            error_x=err(col, 1 / 1000), error_y=err("true_hit_rate", 100),
+            text=[k if big else "" for _ in pts], textposition="top center",
+            customdata=[f"config {p['config_id']}: {p['config']}<br>served hit rate "
+                        f"{cl.interval(p, 'true_hit_rate')}<br>{label} {cl.interval(p, col, cl.seconds)}"
+                        for p in pts],
+            hovertemplate="%{customdata}<extra>" + k + "</extra>",
+            marker=dict(color=ANSWER_COLORS[k], size=18 if k == "pick" else 14 if big else 9,
+                        symbol="star" if k == "pick" else "diamond" if big else "circle-open"
+                        if k == "unstable" else "circle", line=dict(width=1.5, color=ANSWER_COLORS[k]))))
+    title = f"Served hit rate against {label}, per config"
+    if g.seeded:
+        title += f" (bars: 95% interval of the mean over {g.n_seeds} seeds)"
+    fig.update_layout(height=460, font=dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
+                                            size=12),
+                      template=fs.template("plotly_white"), margin=dict(l=70, r=30, t=60, b=60),
+                      title=dict(text=title, x=0.01, xanchor="left", font=dict(size=15)),
+                      legend=dict(orientation="h", y=-0.18, x=0),
+                      xaxis=dict(title=dict(text=f"{label} (s)")),
+                      yaxis=dict(title=dict(text="served (true) hit rate (%)"), ticksuffix="%"))
+    if rec.bound_ms is not None:
+        fig.add_vline(rec.bound_ms / 1000, row=1, col=1, line=dict(color="#d62728", dash="dash", width=2),
+                      annotation_text=f"SLO: {label} ≤ {_s(rec.bound_ms)} s")
+    else:
+        fig.update_layout(annotations=[dict(text="no SLO line: none given (--max-ttft-p99-ms MS)",
+                                            showarrow=False, x=1, xref="paper", xanchor="right", y=1,
+                                            yref="paper", yanchor="bottom")])
+    return fig.to_dict()
+
+
+def no_grid_html(trace_path: str | None, run_path: str) -> str:
+    """The headline of a run without a closed-loop grid: how to get one in one command."""
+    t = trace_path or "TRACE"
+    cmd = (f"router-replay calibrate {t} --out {run_path}/fleet.toml --validate {run_path}/closed-loop "
+           "--seeds 5 --worker-queue-limit none,2,4,8")
+    return ('<p class="verdict" id="answer">No closed-loop answer yet: the decisions below are on the recorded '
+            "load, which does not react to them. One command simulates the fleet under every config and "
+            f"answers which limit and floor: <code>{_e(cmd)}</code> (add the sweep's other knob values); "
+            f"then <code>router-replay report {_e(run_path)}</code> rebuilds this page with the answer "
+            "first.</p>")
 
 
 def _pair(view) -> tuple[dict, dict | None]:

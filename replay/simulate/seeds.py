@@ -5,7 +5,8 @@ publishers' phases), and near saturation one seed can melt down while
 another does not.  :func:`aggregate` turns one summary row per (config, seed)
 into one row per config: every numeric metric's mean over the seeds and the
 95% interval of that mean (Student t, ``<metric>_lo`` / ``<metric>_hi``; the
-lower end clipped at 0 for metrics that cannot be negative), the
+lower end clipped at 0 for metrics that cannot be negative), the per-seed
+range (``<metric>_min`` / ``<metric>_max``: what a single run may show), the
 seeds run, and a ``stable`` verdict with ``unstable_seeds``: a seed fails
 when its true hit rate is more than ``HIT_POINTS`` points from the seeds'
 median or its TTFT p99 more than a factor ``P99_FACTOR`` away from the
@@ -81,6 +82,9 @@ def aggregate(rows: Sequence[dict[str, Any]], knob_cols: Sequence[str]) -> pl.Da
                 lo = max(lo, 0.0)  # every metric here is >= 0: so is its interval
             row[f"{k}_lo"] = lo
             row[f"{k}_hi"] = None if mean is None else mean + half
+            # the per-seed range: what one run (one day) may look like, not where the mean lies
+            row[f"{k}_min"] = float(ok.min()) if ok.size else None
+            row[f"{k}_max"] = float(ok.max()) if ok.size else None
         hits = np.array([r["true_hit_rate"] or 0.0 for r in runs])
         p99 = np.array([r["ttft_ms_p99"] if r["ttft_ms_p99"] is not None else np.nan for r in runs])
         mh, mp = float(np.median(hits)), float(np.nanmedian(p99)) if np.isfinite(p99).any() else 0.0
