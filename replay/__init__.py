@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from replay.api import run_sweep
     from replay.config import Grid, RouterConfig
-    from replay.errors import ConfigError, ReplayError
+    from replay.errors import ConfigError, ParamError, ReplayError
     from replay.runs.decisions import read_decisions
     from replay.sweep.engine import decide_all, iter_chunks
     from replay.sweep.run import SweepResult
@@ -38,14 +38,14 @@ _LAZY = {
     "Grid": "config", "RouterConfig": "config",
     "read_decisions": "runs.decisions",
     "decide_all": "sweep.engine", "iter_chunks": "sweep.engine",
-    "ConfigError": "errors", "ReplayError": "errors",
+    "ConfigError": "errors", "ParamError": "errors", "ReplayError": "errors",
     "generate_trace": "trace.synthetic",
     "SweepResult": "sweep.run", "run_sweep": "api",
     "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
 }
 
 __all__ = [
-    "ConfigError", "Grid", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
+    "ConfigError", "Grid", "ParamError", "ReplayError", "RouterConfig", "SweepResult", "Trace", "TraceError",
     "decide_all", "generate_trace", "iter_chunks", "load_trace", "read_decisions", "run_sweep",
     "validate_trace",
 ]

@@ -1,4 +1,4 @@
-"""Issue 9 item 3: run_sweep's plan step (memory or windows from file metadata), the executor
+"""run_sweep's plan step (memory or windows from file metadata), the executor
 interface, and the Grid that resolves --per-dp-rank itself.  Real traces on disk, real sweeps."""
 
 from __future__ import annotations

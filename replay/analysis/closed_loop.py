@@ -1,4 +1,4 @@
-"""Closed-loop answers: a simulator grid read back, found for a run, and ranked (issue 11, section 2).
+"""Closed-loop answers: a simulator grid read back, found for a run, and ranked.
 
 A *closed-loop grid* is a directory ``router-replay simulate`` wrote for a grid
 of configs (``closed_loop_summary.parquet`` + ``sim.json``; with ``--seeds``

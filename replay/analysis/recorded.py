@@ -1,4 +1,4 @@
-"""What a trace says it was produced under, held against a sweep (issue 11, section 4).
+"""What a trace says it was produced under, held against a sweep.
 
 A trace may record the router config, seed and freshness it was produced
 with: ``trace.json`` (``router``: the given flags; ``extra.seed``,

@@ -222,7 +222,7 @@ def match_configs(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.
 
 def _match_across_variants(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.DataFrame:
     """Pairs matched by the router's knobs alone, for two runs of one trace that
-    differ only in replay-only policy variants (``variant_*``, issue 15): a
+    differ only in replay-only policy variants (``variant_*``): a
     variant against the router's behaviour.  Empty unless each run holds one
     config per router setting (so every pair is unambiguous)."""
     router = [k for k in knobs if KNOBS[k].router]

@@ -1,4 +1,4 @@
-"""A simulator run written in the capture formats, for the round trip (issue 12).
+"""A simulator run written in the capture formats, for the round trip.
 
 :func:`write_capture` takes a :class:`replay.simulate.SimResult` made with
 ``cache_log=True`` and writes what a real fleet running that simulation would

@@ -22,7 +22,7 @@ writes the page.
 
 The figures are built as plain plotly figure dicts (``replay/report/figspec.py``,
 :func:`figure_dicts`) and the page is written from them without plotly's
-graph objects, whose validation was most of a sample sweep's time (issue 13);
+graph objects, whose validation was most of a sample sweep's time;
 :func:`figures` validates the same dicts into ``go.Figure`` objects.
 """
 
@@ -95,7 +95,7 @@ def _shown(name: str, hover: bool = False) -> Metric:
     return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
 
 
-# the heatmap metrics (issue 4, section 2), in page order
+# the heatmap metrics, in page order
 HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
 # everything a hover shows about one config
 HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
@@ -773,7 +773,7 @@ VARIANT_COLORS = ("#9aa5b1", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17bec
 
 
 def variant_series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    """``rows`` split by their replay-only policy variants (issue 15: a variant is drawn as its own
+    """``rows`` split by their replay-only policy variants (a variant is drawn as its own
     series): ``("", rows under the router's own rules)`` first, then one ``(label, rows)`` per
     variant setting, labelled as not a router flag.  A grid without variants is one series."""
     keys = [k for k, spec in KNOBS.items() if not spec.router]

@@ -1,4 +1,4 @@
-"""The report's closed-loop answer and locality-waterfall sections (issue 11, sections 2 and 3).
+"""The report's closed-loop answer and locality-waterfall sections.
 
 Kept apart from ``replay/report/run_page.py`` (the page and its open-loop figures):
 :func:`closed_loop_section` is the page's first section whenever a closed-loop

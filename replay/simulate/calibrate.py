@@ -1,4 +1,4 @@
-"""Fit a simulator fleet to a recorded trace (issue 10, section 2).
+"""Fit a simulator fleet to a recorded trace.
 
 :func:`calibrate` reads a :class:`~replay.simulate.tracelog.RecordedTrace`
 and fits, per prefill worker (the fleet file's ``[[worker]]`` granularity;
@@ -468,7 +468,7 @@ REFINE_STEPS = ((0.03, 13), (0.005, 11))   # (half width, points): coarse, then 
 
 def refine_decode(rec: RecordedTrace, cal: Calibration, *, seed: int = 0,
                   freshness_ms: int = 5000) -> list[str]:
-    """Refine every worker's decode speed by forced-placement replays (issue 10 s.2).
+    """Refine every worker's decode speed by forced-placement replays.
 
     With each request on the worker production chose, workers do not interact, so one
     replay per candidate scale scores every worker at once: the scale whose replay has the

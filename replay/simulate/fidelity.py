@@ -1,4 +1,4 @@
-"""Does a fleet model reproduce a recording?  (issue 10, section 4)
+"""Does a fleet model reproduce a recording?
 
 :func:`validate` replays the recorded requests through a fleet twice:
 

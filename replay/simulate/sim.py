@@ -529,7 +529,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
     the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
-    With ``seeds`` (issue 11), every config runs once per seed (into
+    With ``seeds``, every config runs once per seed (into
     ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
     run, and the summary one row per config: means, 95% intervals and the
     ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.

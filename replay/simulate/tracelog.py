@@ -1,4 +1,4 @@
-"""A recorded trace directory as the simulator's input (issue 10).
+"""A recorded trace directory as the simulator's input.
 
 :func:`read_trace_log` reads ``requests.parquet`` / ``workers.parquet`` /
 ``loads.parquet`` / ``trace.json`` of a router-replay trace with polars (this
