@@ -35,6 +35,7 @@ from replay import labels as L_
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.kernels import sim as nb
+from replay.runs import names
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
 from replay.simulate.fleet import Fleet
 from replay.simulate.logs import RequestLog
@@ -44,11 +45,11 @@ from replay.sweep.shards import require_ray
 from replay.trace.files import log_identity
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
-SUMMARY = "closed_loop_summary.parquet"
-SEEDS_TABLE = "closed_loop_seeds.parquet"
-OUTCOMES = "outcomes.parquet"
-SIM_JSON = "sim.json"
-TRACE_JSON = "trace.json"
+SUMMARY = names.CLOSED_LOOP
+SEEDS_TABLE = names.CLOSED_LOOP_SEEDS
+OUTCOMES = names.OUTCOMES
+SIM_JSON = names.SIM_JSON
+TRACE_JSON = names.TRACE_JSON
 PUBLISH_DELAY_NS = 1_000_000
 MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
 # load rows are made and written this many at a time: pyarrow's default row group
@@ -468,8 +469,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                                 "publish_policy": fleet.spec.publish_policy,
                                 "publish_interval_ms": int(publish_interval_ms),
                                 "forced_placement": forced is not None}}
-        _write_dir(out, {"requests.parquet": req_t, "loads.parquet": load_rows,
-                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
+        _write_dir(out, {names.REQUESTS: req_t, names.LOADS: load_rows,
+                         names.WORKERS: workers_t, OUTCOMES: out_t}, meta,
                    {TRACE_JSON: trace_info})
     return res
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from replay.runs.names import LOADS, REQUESTS, TRACE_JSON, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
@@ -68,7 +69,7 @@ class RecordedTrace:
 
 def is_trace_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return p.is_dir() and (p / "requests.parquet").is_file()
+    return p.is_dir() and (p / REQUESTS).is_file()
 
 
 def _read(p: Path) -> pl.DataFrame:
@@ -109,7 +110,7 @@ def _float_column(df: pl.DataFrame, name: str, where: Path) -> np.ndarray:
 
 def read_trace_info(path: str | os.PathLike) -> dict[str, Any]:
     """``trace.json`` of a trace directory ({} without one); one line on a bad file."""
-    p = Path(path) / "trace.json"
+    p = Path(path) / TRACE_JSON
     if not p.is_file():
         return {}
     try:
@@ -131,7 +132,7 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     ``page_size``, else ``block_size``; with none of them the trace is refused.
     """
     d = Path(path)
-    rq_path, wk_path, ld_path = d / "requests.parquet", d / "workers.parquet", d / "loads.parquet"
+    rq_path, wk_path, ld_path = d / REQUESTS, d / WORKERS, d / LOADS
     info = read_trace_info(d)
     req = _read(rq_path)
     for c in REQUIRED:
