@@ -44,7 +44,7 @@ from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
 from replay.config import KNOBS, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
 from replay.report.html import CSS as _CSS
@@ -153,7 +153,7 @@ class ReportView:
         p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
         if max_p99_waiting is not None:
             if not math.isfinite(float(max_p99_waiting)):
-                raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
+                raise ParamError("max_p99_waiting", f"must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
             self.bound_note = f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} (given)"
         elif p99:
@@ -199,8 +199,8 @@ class ReportView:
         # the config followed over time
         if config_id is not None:
             if config_id not in self.rows:
-                raise ReplayError(f"--config {config_id}: no such config_id in this run "
-                                  f"(ids: {_id_list(self.rows)})")
+                raise ParamError("config_id", f"{config_id}: no such config_id in this run "
+                                 f"(ids: {_id_list(self.rows)})", flag="--config")
             self.chosen = self.rows[config_id]
             self.chosen_note = f"config {config_id} (given)"
         elif self.best is not None:

@@ -36,7 +36,7 @@ import numpy as np
 import polars as pl
 
 from replay.config import RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError
 from replay.simulate.fidelity import FLEET_MARKER
 from replay.simulate.fleet import DEFAULT_PUBLISH_INTERVAL_MS, FleetSpec, build_fleet
 from replay.simulate.sim import simulate
@@ -264,7 +264,7 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
     """Fit the fleet of ``rec`` (``decode_model``: ``auto`` fits a batch slope when it matters,
     ``constant`` fixes it at 0, ``linear`` always keeps it)."""
     if decode_model not in ("auto", "constant", "linear"):
-        raise ReplayError(f"--decode-model must be auto, constant or linear, got {decode_model!r}")
+        raise ParamError("decode_model", f"must be auto, constant or linear, got {decode_model!r}")
     base = FleetSpec()
     nw = len(rec.urls)
     loads = rec.loads

@@ -33,7 +33,7 @@ from numba.typed import List
 from replay import __version__
 from replay import labels as L_
 from replay.config import Grid, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.kernels import sim as nb
 from replay.runs import names
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
@@ -385,7 +385,7 @@ def _check_knob_range(config: RouterConfig) -> None:
 
 def _check_ms(name: str, v: int, lo: int) -> None:
     if not lo <= v <= MAX_MS:
-        raise ReplayError(f"{name} must be in {lo}..{MAX_MS} (ms), got {v}")
+        raise ParamError(name, f"must be in {lo}..{MAX_MS} (ms), got {v}")
 
 
 def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
@@ -414,11 +414,11 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     _check_knob_range(config)
     if publish_interval_ms is None:
         publish_interval_ms = fleet.publish_interval_ms
-    _check_ms("--publish-interval-ms", publish_interval_ms, 1)
-    _check_ms("--index-lag-ms", index_lag_ms, 0)
-    _check_ms("--freshness-ms", freshness_ms, 0)
+    _check_ms("publish_interval_ms", publish_interval_ms, 1)
+    _check_ms("index_lag_ms", index_lag_ms, 0)
+    _check_ms("freshness_ms", freshness_ms, 0)
     if not 0 <= seed < 2**63:
-        raise ReplayError(f"--seed must be in 0..2**63-1, got {seed}")
+        raise ParamError("seed", f"must be in 0..2**63-1, got {seed}")
     forced = None
     if placement is not None:
         forced = np.ascontiguousarray(placement, dtype=np.int64)
@@ -541,7 +541,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     results are identical either way.
     """
     if executor not in ("local", "ray"):
-        raise ReplayError(f"--executor must be local or ray, got {executor!r}")
+        raise ParamError("executor", f"must be local or ray, got {executor!r}")
     if not isinstance(grid, Grid):
         grid = Grid(grid)
     if not grid.configs:

@@ -15,7 +15,6 @@ comparisons map the two.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +23,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.runs.names import LOADS, REQUESTS, TRACE_JSON, WORKERS
+from replay.runs.names import LOADS, REQUESTS, WORKERS
 from replay.simulate.logs import LogError, RequestLog
+from replay.trace.info import read_trace_info as read_checked_trace_info
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 
@@ -109,19 +109,17 @@ def _float_column(df: pl.DataFrame, name: str, where: Path) -> np.ndarray:
 
 
 def read_trace_info(path: str | os.PathLike) -> dict[str, Any]:
-    """``trace.json`` of a trace directory ({} without one); one line on a bad file."""
-    p = Path(path) / TRACE_JSON
-    if not p.is_file():
+    """``trace.json`` of a trace directory as a plain dict ({} without one), read and checked by the
+    one reader of that file, :func:`replay.trace.info.read_trace_info` (router flags by knob name)."""
+    info = read_checked_trace_info(path)
+    if info.path is None:
         return {}
-    try:
-        info = json.loads(p.read_text())
-    except ValueError as err:
-        raise LogError(f"{p}: cannot parse: {str(err).splitlines()[0]}") from None
-    if not isinstance(info, dict):
-        raise LogError(f"{p}: expected a JSON object")
-    if not isinstance(info.get("router", {}), dict):
-        raise LogError(f"{p}: key 'router': must be an object of router flags")
-    return info
+    out: dict[str, Any] = {"router": dict(info.router), "per_dp_rank": info.per_dp_rank, "extra": dict(info.extra)}
+    if info.page_size is not None:
+        out["page_size"] = info.page_size
+    if info.source is not None:
+        out["source"] = info.source
+    return out
 
 
 def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,

@@ -179,8 +179,8 @@ def read_simulation_log(log: str | os.PathLike, fleet: Fleet, *, fmt: str = "aut
         if not forced_placement:
             return rec.log, None
         if len(rec.urls) != len(fleet.prefill):
-            raise ParamError("forced_placement", "needs as many fleet prefill workers as the trace has: "
-                             f"the trace has {len(rec.urls)}, the fleet {len(fleet.prefill)}")
+            raise ParamError("forced_placement", "needs a fleet of the trace's prefill workers: the trace has "
+                             f"{len(rec.urls)} prefill workers, the fleet {len(fleet.prefill)}")
         if not (rec.placement >= 0).any():
             raise ParamError("forced_placement", f"needs the trace's selected_worker: {log} records none")
         return rec.log, np.where(rec.placement >= 0, np.array(fleet.prefill)[rec.placement], -1)
