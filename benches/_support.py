@@ -37,7 +37,7 @@ BENCH_PARAMS = dict(n_requests=int(os.environ.get("ROUTER_REPLAY_BENCH_REQUESTS"
 GRIDS: dict[str, dict[str, str]] = {
     "mixed": {"--worker-queue-limit": "2,4,6,8,10,12,14,16", "--saturation-queue-floor": "none,1..8"},
     "all_valid": {"--worker-queue-limit": "8..15", "--saturation-queue-floor": "none,1..8"},
-    # issue 13's grid: 16 limits x 17 floors, 152 valid configs
+    # the second speed round's grid: 16 limits x 17 floors, 152 valid configs
     "g152": {"--worker-queue-limit": "1..16", "--saturation-queue-floor": "none,1..16"},
 }
 
@@ -46,14 +46,14 @@ SUBTRACE_REQUESTS = 2_000
 # Loads kept before a sub-trace's first request (the snapshot state warms up on them).
 SUBTRACE_LOOKBACK_NS = 60 * 1_000_000_000
 
-# Floors of issue 2, section 6 (reported, never asserted).
+# The first speed floors (reported, never asserted).
 FLOORS = {
     "decisions_per_s": 20e6,      # >= 20M request-config decisions per second
     "reference_ratio": 100.0,     # >= 100x reference.py
     "peak_rss_bytes": 4 * 2**30,  # < 4 GiB
     "cached_start_s": 3.0,        # cached second start of the CLI < 3 s
-    "first_decision_s": 15.0,     # issue 13: first start, empty numba cache, to the first decision < 15 s
-    "cached_sample_s": 2.0,       # issue 13: cached start of the sample sweep < 2 s
+    "first_decision_s": 15.0,     # second speed round: first start, empty numba cache, to the first decision < 15 s
+    "cached_sample_s": 2.0,       # second speed round: cached start of the sample sweep < 2 s
 }
 
 
@@ -519,7 +519,7 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------------------
-# scale (issue 5): the 100M trace set, streaming windows, the Ray executor
+# scale: the 100M trace set, streaming windows, the Ray executor
 
 # the grid of the scale benches: 3 limits x 3 floors, 7 valid configs
 SCALE_GRID = {"--worker-queue-limit": "2,4,8", "--saturation-queue-floor": "none,1,2"}

@@ -1,4 +1,4 @@
-"""Fixtures of the speed benchmarks (issue 2, section 6).
+"""Fixtures of the speed benchmarks (the first speed floors).
 
 Not part of the normal test run (``testpaths = ["tests"]`` and
 ``--benchmark-disable`` in pyproject); run on purpose with::

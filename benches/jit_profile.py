@@ -11,7 +11,7 @@ numba's cache holds the ELF object numba loaded, whose symbol table gives every
 function's offset and size in its code section, and the process writes down
 where ``_decide_request`` and ``run_chunk_nb`` were loaded. A helper that LLVM
 inlined has no row of its own (its samples count for its caller); one it left as
-a call has (issue 13's seventh round found ten of those this way).
+a call has (the second speed round's seventh step found ten of those this way).
 
 Profile code compiled as users get it: a cache compiled under
 ``NUMBA_ENABLE_PROFILING=1`` inlines nothing and runs about 20% slower.

@@ -1,4 +1,4 @@
-"""Measure every speed figure of issue 2, section 6, once; print a Markdown table.
+"""Measure every figure of the first speed floors once; print a Markdown table.
 
     python benches/measure.py            # all figures, writes benches/results.json
     python benches/measure.py --quick    # skip the 1M CLI sweep that writes decisions.parquet

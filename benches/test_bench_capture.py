@@ -1,4 +1,4 @@
-"""Capture speed (issue 12): ``record`` at 64 workers x dp 2 every 10 ms, ``import`` of 1M requests.
+"""Capture speed: ``record`` at 64 workers x dp 2 every 10 ms, ``import`` of 1M requests.
 
 Run with ``python -m pytest benches/test_bench_capture.py --benchmark-enable -s`` (or
 ``python3 benches/test_bench_capture.py`` for the figures alone, written to

@@ -12,7 +12,7 @@ import time
 import _support as S
 import pytest
 
-# issue 13's floor: the README's sample sweep, numba cache warm, under 2 s (wall, idle machine)
+# the second speed round's floor: the README's sample sweep, numba cache warm, under 2 s (wall, idle machine)
 README_SWEEP_FLOOR_S = 2.0
 # and `router-replay --help` well under 1 s
 HELP_FLOOR_S = 1.0
@@ -50,7 +50,7 @@ def test_cli_cached_second_start(benchmark, report, work_dir):
 
 
 def test_first_start(benchmark, report, work_dir):
-    """Issue 13's first start: README's sample sweep with an empty numba cache
+    """The second speed round's first start: README's sample sweep with an empty numba cache
     (everything it needs compiled), then the same with the cache it filled.
     Timed: the cold run; ``extra_info`` has wall and CPU to the first decision
     and in total for both (CPU is the honest figure on a shared machine)."""

@@ -1,4 +1,4 @@
-"""What the closed-loop answer and the waterfall add to a report (issue 11, sections 2-3).
+"""What the closed-loop answer and the waterfall add to a report.
 
 A 300,000-request generated trace swept over 12 configs with decisions (3.6 M
 decision rows): the drill-down query and the waterfall figures timed alone,

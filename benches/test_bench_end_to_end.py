@@ -1,4 +1,4 @@
-"""The whole sweep, and its loading, against a plain read (issue 13): ``router-replay
+"""The whole sweep, and its loading, against a plain read (second speed round): ``router-replay
 sweep TRACE --out RUN --no-decisions --worker-queue-limit 1..16 --saturation-queue-floor
 none,1..16`` on the 1M bench trace (152 valid configs), as a user runs it (a subprocess,
 report included, kernels already cached), against a plain polars read of the same two

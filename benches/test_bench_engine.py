@@ -37,7 +37,7 @@ def test_engine_decisions_per_second(benchmark, report, bench_trace, grid_name):
     )
 
 
-# Issue 13's engine floor: the 152-config grid (16 limits x none,1..16 floors, floor > limit
+# The second speed round's engine floor: the 152-config grid (16 limits x none,1..16 floors, floor > limit
 # refused), on one thread and on two.  Decisions per wall second is the floor's figure; the
 # process CPU time per run is reported beside it because the machine is shared (wall figures
 # swing with other work, CPU seconds much less).
@@ -66,7 +66,7 @@ def test_engine_152_grid(benchmark, report, bench_trace, threads):
            decisions_per_cpu_s=n / min(cpu), floor_decisions_per_s=FLOOR_152)
 
 
-# Policy variants (issue 15): the "mixed" grid under each variant, and under both values
+# Policy variants: the "mixed" grid under each variant, and under both values
 # of both at once (4 x the configs); what each variant costs against the router's rules.
 VARIANT_GRIDS = {
     "router": {},

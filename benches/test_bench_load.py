@@ -1,4 +1,4 @@
-"""Loading speed (issue 13): ``load_trace`` (read, check, sort, encode, facts, sha256)
+"""Loading speed (second speed round): ``load_trace`` (read, check, sort, encode, facts, sha256)
 against a plain polars read of the same two Parquet files, on the 1M trace.
 
 The floor: loading costs at most 2x the plain read, with every check made.

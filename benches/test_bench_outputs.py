@@ -1,7 +1,7 @@
-"""What the outputs cost: the output rule and the plan step (issues 9 and 14):
+"""What the outputs cost: the output rule and the plan step:
 ``rundir.guard`` walks every input file (symlinks resolved), ``sweep.plan`` reads the
 Parquet footers instead of an index pass; and writing ``decisions.parquet`` in either
-layout (issue 13), alone and in a 1M-request sweep, and the ``long`` layout's writer
+layout (second speed round), alone and in a 1M-request sweep, and the ``long`` layout's writer
 (``replay/runs/flat_parquet.py``) against the pyarrow writer it replaced (:class:`ArrowLongWriter`).
 Run with ``python -m pytest benches/test_bench_outputs.py --benchmark-enable``."""
 
@@ -50,7 +50,7 @@ def test_bench_index_pass_the_plan_skips(benchmark, many_files):
 
 
 # ---------------------------------------------------------------------------
-# issue 13: the decisions file, written in either layout (replay/runs/decisions.py)
+# second speed round: the decisions file, written in either layout (replay/runs/decisions.py)
 
 WRITER_REQUESTS = 100_000   # x the mixed grid's 60 configs = 6M decision rows
 
@@ -120,7 +120,7 @@ def test_bench_decisions_writer_old_vs_new(writer_chunks, tmp_path):
 
 
 class ArrowLongWriter:
-    """The baseline: the ``long`` layout as written before issue 13's second step: the
+    """The baseline: the ``long`` layout as written before the second speed round's second step: the
     Arrow table of each chunk as 951522e's ``DecisionWriter`` built it (label codes as
     dictionary columns, per-request columns expanded with ``np.repeat``; kept as
     ``DecisionWriter.long_table``, with the waterfall's five columns that came after it)
@@ -159,7 +159,7 @@ def write_long_cpu(path, writer_chunks, which: str) -> float:
 
 def test_bench_long_writer_old_vs_new(writer_chunks, tmp_path):
     """The default layout's writer against the pyarrow one it replaced, on the same chunks,
-    alternated back to back, best of 5 CPU s each (issue 13's floor: 3x; reported, not
+    alternated back to back, best of 5 CPU s each (the second speed round's floor: 3x; reported, not
     asserted), and the two files read back equal."""
     import _support as S
     import polars as pl
@@ -196,7 +196,7 @@ def sweep_cpu(trace_dir, work, layout: str | None) -> dict:
 def test_bench_sweep_with_decisions_old_vs_new(bench_trace_dir, warmed, work_dir):
     """End to end on the 1M trace (``mixed``: 60M decision rows), both layouts and
     ``--no-decisions`` alternated, best of 2; what keeping decisions adds is each layout's
-    figure minus the ``--no-decisions`` one (issue 13's measure)."""
+    figure minus the ``--no-decisions`` one (the second speed round's measure)."""
     import _support as S
 
     got: dict[str | None, list[dict]] = {layout: [] for layout in (*LAYOUTS, None)}

@@ -1,4 +1,4 @@
-"""Capacity-plan cost (issue 16): fleets x traffic levels x configs x seeds on Mooncake.
+"""Capacity-plan cost: fleets x traffic levels x configs x seeds on Mooncake.
 
 The full plan of the issue is 5 fleets (4, 6, 8, 12, 16 workers x dp 2) x 3
 traffic levels (x1, x1.5, x2) x 16 router configs x 3 seeds = 720

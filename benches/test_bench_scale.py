@@ -1,4 +1,4 @@
-"""Scale (issue 5): a streaming sweep of the 100M-request trace set, streaming
+"""Scale: a streaming sweep of the 100M-request trace set, streaming
 against in-memory on a sub-trace that fits, and the Ray executor's overhead
 with two local workers against the local executor.
 

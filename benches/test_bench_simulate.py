@@ -1,4 +1,4 @@
-"""Simulator speed (issues 3, 10, 13): the Mooncake conversation trace on 16 workers x dp 2.
+"""Simulator speed: the Mooncake conversation trace on 16 workers x dp 2.
 
 Skipped when ``../shared/traces/mooncake`` is absent.  Compilation is
 excluded (one warm-up simulation on the first 200 requests).  Reports wall
@@ -8,7 +8,7 @@ grid (threads); then peak RSS with interval publishing over a day of idle
 time.  Run with ``python -m pytest benches/test_bench_simulate.py
 --benchmark-enable -s``.
 
-Issue 13's floor: at least 2x the requests per second of the simulator when
+The second speed round's floor: at least 2x the requests per second of the simulator when
 the issue was filed (commit 951522e, interval publishing only): 0.58 CPU s per
 ``simulate()`` there (20,700 requests/s, measured back to back with this
 code), so at most 0.29 CPU s under both publish policies.
@@ -82,7 +82,7 @@ def test_simulate_grid_9(benchmark, report, mooncake):
 
 
 # ---------------------------------------------------------------------------
-# calibrate on a 1M-request trace (issue 10 s.6: under 30 s)
+# calibrate on a 1M-request trace (calibration's target: under 30 s)
 
 @pytest.fixture(scope="module")
 def calib_trace():
@@ -121,7 +121,7 @@ def test_calibrate_1m(benchmark, report, calib_trace):
 
 
 def test_idle_time_costs_no_memory(benchmark, report):
-    """Issue 10 s.5: 12,000 requests stretched over 123 hours (the log that took 5.9 GB per
+    """Engine model options: 12,000 requests stretched over 123 hours (the log that took 5.9 GB per
     config with interval publishing) on 8 workers x dp 2, on-change publishing: load rows
     bounded by the events, peak RSS reported."""
     import resource
@@ -179,7 +179,7 @@ print(json.dumps({"rows": res.stats["load_rows"], "cpu_s": round(cpu, 2),
 
 
 def test_interval_idle_time_peak_rss(benchmark, report):
-    """Issue 13: with interval publishing the rows grow with the span (one per rank per
+    """Second speed round: with interval publishing the rows grow with the span (one per rank per
     interval), but peak memory must not: the same 6,000 requests over two busy hours, with
     and without a day of idle time in the middle, on 8 workers x dp 2 at 100 ms, written to
     a trace directory (each run in its own process, so each peak RSS is its own)."""

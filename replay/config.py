@@ -52,7 +52,7 @@ class RouterConfig:
     cache_candidate_min_workers: int = 8
     cache_candidate_ratio: float = 0.05
     cache_candidate_max_workers: int = 32
-    # replay-only policy variants (issue 15; docs/replay-model.md): not router
+    # replay-only policy variants (docs/replay-model.md): not router
     # flags, never in given_flags(); the defaults are the router's behaviour
     variant_pin_order: str = "pressure"
     variant_floor_scaling: str = "fleet"

@@ -1,4 +1,4 @@
-"""Calibration, validation and prediction on a recorded trace (issue 10), with hidden ground truth.
+"""Calibration, validation and prediction on a recorded trace, with hidden ground truth.
 
 A "production" trace is simulated from a heterogeneous fleet whose parameters
 only the fixture knows (drawn from a seeded generator, never shown to the

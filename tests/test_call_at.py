@@ -1,4 +1,4 @@
-"""A kernel calling another through its address (issue 13, the first start).
+"""A kernel calling another through its address (the first start).
 
 The grid kernel calls ``_decide_request`` through ``_jit.call_at`` instead of
 linking it into its own module, so the two compile independently (on a first

@@ -1,4 +1,4 @@
-"""The CLI's start and end (issue 13): a command imports only what it uses, and a finished
+"""The CLI's start and end: a command imports only what it uses, and a finished
 sweep or report ends without the interpreter's teardown, having written and flushed everything.
 
 Real processes (the console script and ``python -c``), real traces and run directories.
@@ -106,7 +106,7 @@ def test_finished_sweep_skips_only_the_teardown(trace, tmp_path):
 
 def test_sweep_imports_no_pyarrow_compute(trace, tmp_path):
     """A sweep (decisions and report written) imports neither ``pyarrow.compute`` nor
-    ``pyarrow.dataset`` (about 0.1-0.3 s of a start, issue 13)."""
+    ``pyarrow.dataset`` (about 0.1-0.3 s of a start)."""
     out = tmp_path / "run"
     p = _python("""
         import sys

@@ -1,4 +1,4 @@
-"""Closed-loop answers, open-loop labels, the waterfall drawn, new-user trips (issue 11, s.2-4).
+"""Closed-loop answers, open-loop labels, the waterfall drawn, new-user trips.
 
 A "production" trace is simulated from a fleet whose parameters only the
 fixture knows (drawn from a seeded generator); the code under test sees the

@@ -1,4 +1,4 @@
-"""What a sweep compiles (issue 13, the first start): one specialization per kernel.
+"""What a sweep compiles (the first start): one specialization per kernel.
 
 numba compiles a kernel again for every new combination of argument types,
 and a read-only array is another type than a writable one.  The loader hands

@@ -1,4 +1,4 @@
-"""A cold first start compiles on both cores (issue 13, ``replay/kernels/warm.py``).
+"""A cold first start compiles on both cores (``replay/kernels/warm.py``).
 
 Every test runs real Python processes with their own, empty numba cache: a
 child process compiles ``_decide_request`` into the cache while the sweep's

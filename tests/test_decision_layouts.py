@@ -1,4 +1,4 @@
-"""The ``outcomes`` layout of decisions.parquet loses nothing (issue 13).
+"""The ``outcomes`` layout of decisions.parquet loses nothing.
 
 Real sweeps through the CLI write both layouts of the same trace and grid;
 ``replay.read_decisions`` of the ``outcomes`` run must equal ``pl.read_parquet``

@@ -1,4 +1,4 @@
-"""decisions.parquet's ``long`` layout, written from its runs (issue 13).
+"""decisions.parquet's ``long`` layout, written from its runs.
 
 ``replay/runs/flat_parquet.py`` writes the long table without pyarrow's writer.
 Held here: the file reads back exactly as the Arrow table earlier versions

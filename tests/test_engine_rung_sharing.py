@@ -3,7 +3,7 @@
 The cache rung is evaluated once per (group, gated-candidate count, fleet all
 queued, floor class) and its decision row reused by every limit class with the
 same key; configs are visited in runs of one (group, limit).  On grids shaped
-like issue 13's (every limit, every floor up to it, and none) over traces whose
+like the second speed round's (every limit, every floor up to it, and none) over traces whose
 queues reach past the limits, so that limits gate candidates, the rung falls
 back and the floors pin, the engine must decide exactly as the pure-Python
 reference, config by config, and its totals must equal each config replayed

@@ -106,7 +106,7 @@ def test_committed_sample_matches_its_regeneration_command(tmp_path):
 
 
 def test_sizes_that_cannot_fit_in_memory_are_refused_first(tmp_path):
-    """issue 14 B: ``--workers 10**7`` used to try a 90 GiB allocation.  Every
+    """Output and input bounds: ``--workers 10**7`` used to try a 90 GiB allocation.  Every
     oversize request is one line, exit 2, in well under a second, nothing written."""
     from replay.trace.synthetic import MAX_PART_LOAD_ROWS, MAX_PART_REQUESTS
 

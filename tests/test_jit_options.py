@@ -1,6 +1,6 @@
 """``_jit.njit(allocates=False)``: kernels compiled without numba's reference counting.
 
-The grid pass's hot kernels are compiled that way (issue 13: the counting was
+The grid pass's hot kernels are compiled that way (the counting was
 about 45% of the 152-config grid's time).  Held here, on real compiled kernels
 in a process of their own (fresh numba cache): such a kernel reads and writes
 its caller's arrays and views as usual and leaves Python's reference counts as

@@ -1,4 +1,4 @@
-"""Issue 9 item 2: one metrics table (replay/runs/metrics.py) read by report, compare, check and
+"""One metrics table (replay/runs/metrics.py) read by report, compare, check and
 recommend; check --help's list comes from it; the shares have one name and denominator."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14 section A: no command destroys or corrupts what it reads, --force included.
+"""Nothing lost: no command destroys or corrupts what it reads, --force included.
 
 Every case runs the real CLI (click's CliRunner) on real files and checks, besides the
 one-line error and exit code 2, that every input is byte for byte what it was.

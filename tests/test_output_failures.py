@@ -1,5 +1,5 @@
-"""Issue 14 sections B (output paths, full disk, concurrency, knob overflow, huge grids),
-C (signals and debris) and D (report's bound): real child processes, real signals, a real
+"""Output safety (output paths, full disk, concurrency, knob overflow, huge grids),
+signals and debris, and the report's bound: real child processes, real signals, a real
 small tmpfs where this machine lets us mount one (skipped otherwise)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Capacity planning (issue 16): traffic growth, fleet grids and `recommend --plan`.
+"""Capacity planning: traffic growth, fleet grids and `recommend --plan`.
 
 The adequate fleet is known by construction: requests share no prefix, so
 each one costs a rank ``S = L / P`` seconds of prefill and a fleet of ``c``

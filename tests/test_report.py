@@ -371,7 +371,7 @@ def test_closed_loop_section(run_dir, tmp_path):
 
 
 def test_report_command_errors(run_dir, trace_dir, tmp_path):
-    one_line_error(invoke("report", tmp_path / "missing"), "no such run directory")  # one reader, one message (issue 9)
+    one_line_error(invoke("report", tmp_path / "missing"), "no such run directory")  # one reader, one message
     one_line_error(invoke("report", trace_dir), "not a run directory")
     f = tmp_path / "file.txt"
     f.write_text("x")

@@ -1,7 +1,7 @@
 """The report's figures as plain dicts (replay/report/figspec.py) are plotly's figures.
 
 The page is written from figure dicts built without plotly's graph objects
-(issue 13: they were most of a sample sweep's time).  These tests hold the
+(they were most of a sample sweep's time).  These tests hold the
 dicts to plotly itself: the subplot grid to ``make_subplots``, the helpers to
 ``go.Figure``'s methods, and every figure of real runs (real sweeps, real
 Parquet) to its validated form, as the page carries it; and (the CLI's start: tests/test_cli_start.py).

@@ -1,4 +1,4 @@
-"""Interval publishing over a long idle gap (issue 13): the load rows are every rank's sample
+"""Interval publishing over a long idle gap: the load rows are every rank's sample
 every interval over the whole span, made from the kernel's change records and streamed to
 loads.parquet chunk by chunk.  Real files, the real CLI, no mocks; expected values come from
 the publishing rules (docs/simulator.md), not from a previous run."""

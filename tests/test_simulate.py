@@ -1,4 +1,4 @@
-"""The fleet simulator (issue 3): fidelity with sweep, the unbounded-cache hit rate,
+"""The fleet simulator: fidelity with sweep, the unbounded-cache hit rate,
 conservation, determinism, the CLI and the log readers.  Real files, real CLI, no mocks."""
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def test_fleet_file_and_overrides(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# engine model options (issue 10 s.5): each keeps sweep's agreement at 1.0
+# engine model options: each keeps sweep's agreement at 1.0
 
 def _fleet(**kw):
     base = dict(workers=4, dp_size=2, prefill_tokens_per_s=6000, max_running_requests=8,
@@ -516,7 +516,7 @@ def test_forced_placement_is_obeyed(small_log, tight_fleet):
 
 
 def test_on_change_rows_do_not_grow_with_idle_time():
-    """Issue 10 s.5: a log with a long idle span costs no more load rows with on-change
+    """Engine model options: a log with a long idle span costs no more load rows with on-change
     publishing (interval publishing would write one row per rank per interval)."""
     a = generate_log(300, seed=2, rate_per_s=20.0)
 
@@ -609,7 +609,7 @@ def test_fleet_and_knob_overflow_refused(tmp_path, fleet_text, args, text):
 
 
 # ---------------------------------------------------------------------------
-# several seeds per config (issue 11 s.1)
+# several seeds per config
 
 def test_grid_seeds_cli(tmp_path):
     log = ROOT / "traces" / "sample-log" / "requests.jsonl"
@@ -742,7 +742,7 @@ def test_long_interval_log_warns(tmp_path):
 
 
 def test_refused_combinations_are_listed_in_sim_json(tmp_path):
-    """Issue 11 s.4: the warning names sim.json, and sim.json lists every refused combination."""
+    """Refused combinations: the warning names sim.json, and sim.json lists every refused combination."""
     log = ROOT / "traces" / "sample-log" / "requests.jsonl"
     r = _run(["simulate", str(log), "--out", str(tmp_path / "o"), "--requests", "100",
               "--worker-queue-limit", "2", "--saturation-queue-floor", "1,3,4,5"])

@@ -1,6 +1,6 @@
 """The grid pass's running snapshot equals a full capture at every request.
 
-``refresh_until_nb`` (issue 13) visits only the workers a sample touched, and
+``refresh_until_nb`` visits only the workers a sample touched, and
 checks the others' age only when the oldest fresh sample it knows of can have
 left the freshness window.  Held here, on random load streams with short
 windows (workers age out and come back, ranks go missing, dp sizes differ):

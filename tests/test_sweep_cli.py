@@ -284,7 +284,7 @@ def test_empty_run_dir_is_used(gen_trace, tmp_path):
 
 
 def test_force_replaces_run_dir(gen_trace, tmp_path):
-    # issue 14: --force replaces only a run sweep wrote (a folder of foreign files is refused,
+    # output safety: --force replaces only a run sweep wrote (a folder of foreign files is refused,
     # tests/test_nothing_lost.py), so the run replaced here is a real one
     out = tmp_path / "run"
     sweep(gen_trace, out, "--worker-queue-limit", "2")

@@ -1,4 +1,4 @@
-"""Issue 9 item 3: run_sweep's plan step (memory or windows from file metadata), the executor
+"""run_sweep's plan step (memory or windows from file metadata), the executor
 interface, and the Grid that resolves --per-dp-rank itself.  Real traces on disk, real sweeps."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_explicit_windows_and_executors_that_need_them(gen_trace):
     ray = executors.RayExecutor()
     p = plan(gen_trace, 0, ray)                  # a Ray sweep is always cut, even --window none
     assert p.tset is not None and p.window_ns == executors.shard_window(p.tset)
-    with pytest.raises(ReplayError, match="--window must be a whole number of seconds"):
+    with pytest.raises(ReplayError, match="window must be a whole number of seconds"):
         plan(gen_trace, NS // 2, executors.LocalExecutor())
 
 

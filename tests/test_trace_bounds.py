@@ -1,4 +1,4 @@
-"""Input the docs accept must cost what the data costs (issue 14 section B, trace side):
+"""Input the docs accept must cost what the data costs (output safety, trace side):
 an outlier timestamp with small windows, huge dp_size / dp_rank values, broken
 symlinks in a trace set.  Real files, the real CLI."""
 

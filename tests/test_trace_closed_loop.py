@@ -1,4 +1,4 @@
-"""The closed-loop trace columns and trace.json (issue 10 section 1; traces/README.md):
+"""The closed-loop trace columns and trace.json (traces/README.md):
 read, checked with one-line errors through the real CLI, exposed on the Trace and as
 ``request_log``, the same from a trace set and window by window."""
 

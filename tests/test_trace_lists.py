@@ -1,4 +1,4 @@
-"""The list columns' entries as the loaders take them apart (issue 13: without
+"""The list columns' entries as the loaders take them apart (without
 ``pyarrow.compute``): ``replay/trace/fast.py``'s ``list_entries`` and ``valid_rows`` against
 pyarrow's own ``flatten`` / ``list_value_length`` / ``is_valid``, and the full path's
 ``_list_values`` against ``flatten`` read back through polars, on arrays with null lists

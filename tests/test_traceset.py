@@ -969,7 +969,7 @@ def test_format_window():
 
 def test_sweep_refuses_bad_windows(edge):
     for bad in ("0.5h", "1w", 1_500_000_000, NS // 2):
-        with pytest.raises(ReplayError, match="--window must"):
+        with pytest.raises(ReplayError, match="window must"):
             run_sweep(edge["set"], {}, window=bad)
 
 

@@ -1,4 +1,4 @@
-"""Replay-only policy variants (issue 15; docs/replay-model.md, "Policy variants").
+"""Replay-only policy variants (docs/replay-model.md, "Policy variants").
 
 ``--pin-order locality`` and ``--floor-scaling per-worker`` are built twice,
 in the reference and the kernels, and held equal here by the same property
@@ -240,7 +240,7 @@ def test_report_and_recommend_say_a_variant_is_not_a_router_flag(gen_trace, tmp_
 
 
 def test_report_draws_each_variant_as_its_own_series(gen_trace, tmp_path):
-    """Issue 15: in the hit-rate / pressure plot, configs under a policy variant are their own
+    """In the hit-rate / pressure plot, configs under a policy variant are their own
     series (named, marked as not a router flag); the router's own configs stay one series."""
     from replay.report.run_page import figures
 

@@ -1,4 +1,4 @@
-"""Closed-loop answers: a simulator grid read back, found for a run, and ranked (issue 11, section 2).
+"""Closed-loop answers: a simulator grid read back, found for a run, and ranked.
 
 A *closed-loop grid* is a directory ``router-replay simulate`` wrote for a grid
 of configs (``closed_loop_summary.parquet`` + ``sim.json``; with ``--seeds``
@@ -34,10 +34,11 @@ import polars as pl
 from replay.analysis.runs import Recommendation
 from replay.config import KNOB_NAMES
 from replay.errors import ReplayError
+from replay.runs import names
 
-SUMMARY = "closed_loop_summary.parquet"
-SIM_JSON = "sim.json"
-FIDELITY_JSON = "fidelity.json"
+SUMMARY = names.CLOSED_LOOP
+SIM_JSON = names.SIM_JSON
+FIDELITY_JSON = names.FIDELITY_JSON
 PREDICTION = "prediction"
 SIM_TOOL = "router-replay simulate"
 
@@ -187,7 +188,7 @@ def grid_matches_run(grid: ClosedLoopGrid, run_meta: dict) -> str | None:
     grid_files = {n: i.get("sha256") for n, i in (ident.get("files") or {}).items() if isinstance(i, dict)}
     if run_files and grid_files:
         common = set(run_files) & set(grid_files)
-        if "requests.parquet" in common and all(run_files[n] == grid_files[n] for n in common):
+        if names.REQUESTS in common and all(run_files[n] == grid_files[n] for n in common):
             return "sha256"
         return None
     run_path = tr.get("path")

@@ -1,4 +1,4 @@
-"""What a trace says it was produced under, held against a sweep (issue 11, section 4).
+"""What a trace says it was produced under, held against a sweep.
 
 A trace may record the router config, seed and freshness it was produced
 with: ``trace.json`` (``router``: the given flags; ``extra.seed``,
@@ -19,9 +19,10 @@ from typing import Any
 import polars as pl
 
 from replay.config import KNOB_NAMES, KNOBS, RouterConfig
+from replay.runs import names as run_files
 
-TRACE_JSON = "trace.json"
-SIM_JSON = "sim.json"
+TRACE_JSON = run_files.TRACE_JSON
+SIM_JSON = run_files.SIM_JSON
 
 
 @dataclass(frozen=True)
@@ -133,16 +134,16 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
 def grid_dir_error(path: str | Path) -> str | None:
     """The one-line error for a simulator grid directory given where a trace is expected."""
     p = Path(path)
-    if not p.is_dir() or (p / "requests.parquet").exists() or (p / "requests").is_dir():
+    if not p.is_dir() or (p / run_files.REQUESTS).exists() or (p / "requests").is_dir():
         return None
-    if (p / "prediction" / "closed_loop_summary.parquet").is_file():
+    if (p / run_files.PREDICTION / run_files.CLOSED_LOOP).is_file():
         return (f"{p}: a calibrate --validate directory (fidelity.json, prediction/), not a trace; its "
                 f"prediction grid is {p / 'prediction'}: router-replay recommend {p} reads it")
     subs = sorted((c for c in p.iterdir() if c.is_dir() and c.name.startswith("config-")),
                   key=lambda c: (len(c.name), c.name))
-    if not subs and not (p / "closed_loop_summary.parquet").is_file():
+    if not subs and not (p / run_files.CLOSED_LOOP).is_file():
         return None
-    seeded = [s for s in subs if not (s / "requests.parquet").is_file() and any(s.glob("seed-*"))]
+    seeded = [s for s in subs if not (s / run_files.REQUESTS).is_file() and any(s.glob("seed-*"))]
     names = ", ".join(c.name + "/" for c in subs[:8]) + (f" ... ({len(subs)} in all)" if len(subs) > 8 else "")
     example = subs[0] / (min(x.name for x in subs[0].glob("seed-*")) if seeded else "") if subs else p
     return (f"{p}: a closed-loop simulator grid, not a trace: it holds {names or 'no config directory'}; "

@@ -36,7 +36,7 @@ from replay import __version__
 from replay.analysis import decision_gate
 from replay.analysis import waterfall as wf
 from replay.config import KNOB_NAMES, KNOBS, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.runs import decisions as decision_store
 from replay.runs import rundir
 from replay.runs.metrics import (
@@ -223,7 +223,7 @@ def match_configs(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.
 
 def _match_across_variants(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.DataFrame:
     """Pairs matched by the router's knobs alone, for two runs of one trace that
-    differ only in replay-only policy variants (``variant_*``, issue 15): a
+    differ only in replay-only policy variants (``variant_*``): a
     variant against the router's behaviour.  Empty unless each run holds one
     config per router setting (so every pair is unambiguous)."""
     router = [k for k in knobs if KNOBS[k].router]
@@ -268,7 +268,7 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
     decisions.parquet in both runs.
     """
     if label not in LABEL_COLUMNS:
-        raise ReplayError(f"--label must be one of {', '.join(LABEL_COLUMNS)}, got {label!r}")
+        raise ParamError("label", f"must be one of {', '.join(LABEL_COLUMNS)}, got {label!r}")
     a = a if isinstance(a, Run) else load_run(a)
     b = b if isinstance(b, Run) else load_run(b)
     check_same_trace(a, b)
@@ -561,7 +561,7 @@ def parse_tolerance_args(items: Iterable[str]) -> dict[str, Tolerance]:
     for item in items:
         name, sep, spec = str(item).partition("=")
         if not sep or not name.strip():
-            raise ReplayError(f"--tolerance expects METRIC=VALUE (e.g. hit_rate=0.5pt), got {item!r}")
+            raise ParamError("tolerance", f"expects METRIC=VALUE (e.g. hit_rate=0.5pt), got {item!r}")
         out[name.strip()] = parse_tolerance(name.strip(), spec)
     return out
 
@@ -1144,7 +1144,7 @@ def recommend(run: Run | str | os.PathLike, max_p99_waiting: float) -> list[Reco
     lower p99, then the lower mean waiting, then the lower config id.
     """
     if max_p99_waiting is None or not math.isfinite(float(max_p99_waiting)) or max_p99_waiting < 0:
-        raise ReplayError(f"--max-p99-waiting must be a finite number >= 0, got {max_p99_waiting!r}")
+        raise ParamError("max_p99_waiting", f"must be a finite number >= 0, got {max_p99_waiting!r}")
     run = run if isinstance(run, Run) else load_run(run)
     table = run.metrics(RECOMMEND_EVIDENCE)
     shown = varying_knobs(table)

@@ -33,7 +33,7 @@ DRILL_COLUMNS = ("request_id", "worker", "decision", "reason", "lost_to", "match
 
 
 def has_waterfall(columns: Sequence[str]) -> bool:
-    """Whether a summary carries the waterfall columns (runs before issue 11 do not)."""
+    """Whether a summary carries the waterfall columns (runs older than the waterfall do not)."""
     return all(c in columns for c in COLUMNS)
 
 

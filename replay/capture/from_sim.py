@@ -1,4 +1,4 @@
-"""A simulator run written in the capture formats, for the round trip (issue 12).
+"""A simulator run written in the capture formats, for the round trip.
 
 :func:`write_capture` takes a :class:`replay.simulate.SimResult` made with
 ``cache_log=True`` and writes what a real fleet running that simulation would
@@ -45,7 +45,7 @@ from replay.capture.store import (
     write_atomic_table,
 )
 from replay.errors import ReplayError
-from replay.runs import rundir
+from replay.runs import names, rundir
 from replay.trace.blocks import check_block_counts
 
 NS = 1_000_000_000
@@ -124,7 +124,7 @@ def write_capture(res, log, fleet, out, *, index_lag_ms: int = 0, force: bool = 
     rundir.guard([(out, "capture")], force=force)
     with rundir.building(out) as tmp:
         _write(res, log, fleet, tmp, index_lag_ms)
-        (tmp / "trace.json").write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")
+        (tmp / names.TRACE_JSON).write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")
     return out
 
 
@@ -172,7 +172,7 @@ def _write(res, log, fleet, root: Path, index_lag_ms: int) -> None:
     t = kw.take()
     if t is not None:
         kw.write(t)
-    write_atomic_table(rec / "workers.parquet", pa.table(
+    write_atomic_table(rec / names.WORKERS, pa.table(
         {"worker": urls, "model": [w.model for w in fleet.workers], "role": [w.role for w in fleet.workers],
          "dp_size": [w.dp_size for w in fleet.workers], "page_size": [page] * len(urls)}, schema=WORKERS_SCHEMA))
     (rec / "record.json").write_text(json.dumps({"tool": "router-replay simulate (capture formats)",
@@ -219,5 +219,5 @@ def engine_dirs(out) -> list[tuple[str, Path]]:
     """``(worker URL, export folder)`` of a written capture, for ``import --engine-export``."""
     out = Path(out)
 
-    urls = pq.read_table(out / "recorded" / "workers.parquet")["worker"].to_pylist()
+    urls = pq.read_table(out / "recorded" / names.WORKERS)["worker"].to_pylist()
     return [(u, out / "engines" / f"{w:03d}") for w, u in enumerate(urls)]

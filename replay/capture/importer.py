@@ -46,7 +46,7 @@ from replay.capture.sources import (
     read_v1_loads,
 )
 from replay.config import ConfigError, knob_spec, validate_router_flags
-from replay.runs import rundir
+from replay.runs import names, rundir
 from replay.trace.blocks import conform_blocks
 
 NS = 1_000_000_000
@@ -177,8 +177,8 @@ class Importer:
                 self.rec_facts = json.loads((rec / "record.json").read_text())
             except ValueError:
                 raise ImportError_(f"{rec / 'record.json'}: not JSON") from None
-        if (rec / "workers.parquet").is_file():
-            self.rec_workers = pl.read_parquet(rec / "workers.parquet")
+        if (rec / names.WORKERS).is_file():
+            self.rec_workers = pl.read_parquet(rec / names.WORKERS)
         f = self.facts.data
         rf = self.rec_facts
         if self.s.kv_format is None and rf.get("kv_format") in ("default", "dynamo"):
@@ -714,8 +714,8 @@ class Importer:
                          ("latency_ms", pa.float64())):
                 if c in req.columns:
                     cols[c] = req[c].cast(pl.Int64 if t == pa.int64() else pl.Float64).to_arrow()
-            pq.write_table(pa.table(cols), tmp / "requests.parquet", compression="zstd")
-            pq.write_table(workers.to_arrow(), tmp / "workers.parquet", compression="zstd")
+            pq.write_table(pa.table(cols), tmp / names.REQUESTS, compression="zstd")
+            pq.write_table(workers.to_arrow(), tmp / names.WORKERS, compression="zstd")
             self.facts.data["workers"] = workers.height
             if self.hash_kind != "sglang":
                 self.facts.data["hash_ids_note"] = ("hash_ids are the request source's own block ids; they "
@@ -727,7 +727,7 @@ class Importer:
                 info["page_size"] = int(self.page)
             if self.router_flags:
                 info["router"] = dict(self.router_flags)
-            (tmp / "trace.json").write_text(json.dumps(info, indent=2) + "\n")
+            (tmp / names.TRACE_JSON).write_text(json.dumps(info, indent=2) + "\n")
             rundir.move_into_place(tmp, out)
         except OSError as err:
             why = os.strerror(err.errno) if err.errno else str(err).splitlines()[0]

@@ -52,6 +52,7 @@ from replay.capture.store import (
     write_atomic_table,
 )
 from replay.errors import ReplayError
+from replay.runs.names import WORKERS
 
 LOAD = "load"
 KV = "kv"
@@ -548,7 +549,7 @@ class Recorder:
             what, payload = item
             try:
                 if what == "workers":
-                    write_atomic_table(self.out / "workers.parquet", payload)
+                    write_atomic_table(self.out / WORKERS, payload)
                 elif what == "facts":
                     write_atomic_json(self.out / "record.json", payload)
                 else:

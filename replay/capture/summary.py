@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from replay.trace.info import read_trace_info
 
 
 def capture_facts(trace_dir) -> dict | None:
-    """``trace.json``'s ``extra.capture`` object, or None (no file, not an imported trace)."""
-    p = Path(trace_dir) / "trace.json"
-    try:
-        info = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    extra = info.get("extra") if isinstance(info, dict) else None
-    cap = extra.get("capture") if isinstance(extra, dict) else None
+    """``trace.json``'s ``extra.capture`` object, or None (no file, not an imported trace); the file
+    is read by its one reader, :func:`replay.trace.info.read_trace_info`."""
+    cap = read_trace_info(trace_dir).extra.get("capture")
     return cap if isinstance(cap, dict) else None
 
 

@@ -98,7 +98,7 @@ def _exit_now(code: int):
     """End the process without tearing the interpreter down.
 
     After a sweep, Python's finalization (freeing numba's compiled code and every module's
-    objects) cost about 0.5 CPU s, a sixth of the cached start (issue 13).  Only a command that
+    objects) cost about 0.5 CPU s, a sixth of the cached start.  Only a command that
     said :func:`outputs_closed` and returned normally, in a real process (``main()`` reading
     ``sys.argv``, not click's CliRunner or a caller passing ``args``), with no other thread
     running, ends this way: stdout and stderr are flushed and every ``atexit`` handler runs

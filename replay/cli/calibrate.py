@@ -7,9 +7,6 @@ against the recording (fidelity), and predict a closed-loop grid from it.
 from __future__ import annotations
 
 import json
-import re
-import shutil
-from pathlib import Path
 
 import click
 
@@ -70,66 +67,23 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
 
     from replay.errors import ReplayError  # lazy: loaded when the command runs
-    from replay.runs import rundir  # lazy: loaded when the command runs
-    from replay.runs.rundir import (  # lazy: loaded when the command runs
-        move_into_place,
-        partial_beside,
-        refuse_existing,
-    )
-    from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
-    from replay.simulate.calibrate import calibrate as fit  # lazy: loaded when the command runs
-    from replay.simulate.calibrate import refine_decode, write_fleet  # lazy: loaded when the command runs
-    from replay.simulate.fidelity import recorded_seed, validate  # lazy: loaded when the command runs
-    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
-    from replay.simulate.tracelog import read_trace_log  # lazy: loaded when the command runs
+    from replay.simulate.workflows import calibrate_trace  # lazy: loaded when the command runs
 
-    fleet_path = Path(out)
-    if fleet_path.exists() and Path(trace_dir).resolve() in fleet_path.resolve().parents:
-        raise ReplayError(f"--out {out}: is a file of the trace {trace_dir}; write the fleet "
-                          "file elsewhere")
-    if fleet_path.exists() and not force:
-        raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
-    if validate_dir is not None:
-        v, t = Path(validate_dir).resolve(), Path(trace_dir).resolve()
-        if v == t or v in t.parents or t in v.parents:
-            raise ReplayError(f"--validate {validate_dir}: overlaps the trace {trace_dir}; "
-                              "give a directory outside it")
-        if v == fleet_path.resolve().parent or v in fleet_path.resolve().parents:
-            raise ReplayError(f"--validate {validate_dir}: would hold the fleet file {out}; "
-                              "write the fleet file elsewhere")
-        refuse_existing(Path(validate_dir), force, "validation directory")
-    _register_outputs()
-    rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     if texts and validate_dir is None:
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
-    grid = Grid.from_texts(texts) if texts else None
-    if seeds_text is not None and grid is None:
+    if seeds_text is not None and not texts:
         raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
-    rec = read_trace_log(trace_dir, block_size=block_size)
-    cal = fit(rec, decode_model=decode_model)
-    extra = (rec.info.get("extra") or {})
-    if freshness_ms is None:
-        got = extra.get("freshness_ms")
-        freshness_ms = got if isinstance(got, int) and not isinstance(got, bool) and got >= 0 else 5000
-    refined = []
-    if refine:
-        refined = refine_decode(rec, cal, seed=recorded_seed(rec) if seed is None else seed,
-                                freshness_ms=freshness_ms)
-    fleet_path.parent.mkdir(parents=True, exist_ok=True)
-    with rundir.writing(fleet_path):
-        write_fleet(cal, fleet_path, source=str(trace_dir))
-    fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
-    report: dict = {"fleet": str(fleet_path), "requests": rec.log.n_requests, "workers": cal.urls,
-                    "fitted": [{"name": f.name, "worker": f.worker, "url": None if f.worker is None else
-                                cal.urls[f.worker], "value": f.value, "fitted": f.fitted, "how": f.how,
-                                "samples": f.samples, "residual": f.residual} for f in cal.fitted],
-                    "refined": refined, "fidelity": None, "prediction": None}
+    grid = Grid.from_texts(texts) if texts else None
     if as_json:
         quiet = True
-    if not quiet:
-        click.echo(f"calibrated {len(cal.urls)} workers from {rec.log.n_requests:,} requests "
-                   f"-> {fleet_path}")
+
+    def fitted(done):
+        if quiet:
+            return
+        cal = done.calibration
+        click.echo(f"calibrated {len(cal.urls)} workers from {done.recorded.log.n_requests:,} requests "
+                   f"-> {done.fleet_path}")
         for line in cal.lines():
             click.echo(line)
         missing = cal.not_fitted()
@@ -138,49 +92,29 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
                        + "; ".join(f"{m.name}" + (f" (worker {m.worker})" if m.worker is not None else "")
                                    + f" = {m.value} [{m.how}]" for m in missing))
         click.echo("not fitted (not in any trace): chunked_prefill_size = 0, schedule_policy = fcfs")
-        if refined:
+        if done.refined:
             click.echo("decode speed refined by forced-placement replays:")
-            for line in refined:
+            for line in done.refined:
                 click.echo(line)
-    if validate_dir is None:
-        if as_json:
-            click.echo(json.dumps(report, default=str))
-        return
-    vdir = Path(validate_dir)
-    tmp = partial_beside(vdir)
-    try:
-        with grid_progress(2, quiet, "validating") as progress:
-            fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
-                           progress=progress)
-        fid.write(tmp)
-        report["fidelity"] = fid.as_dict()
-        if not as_json and (not quiet or not fid.good):
+
+    def scored(fid):
+        if not quiet or not fid.good:
             for line in fid.lines():
                 click.echo(line)
-        table = None
-        if grid is not None:
-            try:
-                seeds = parse_seeds(seeds_text, fid.seed)
-            except ValueError as err:
-                raise ReplayError(str(err)) from None
-            n = len(grid.configs) * (len(seeds) if seeds else 1)
-            with grid_progress(n, quiet) as progress:
-                table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
-                                      freshness_ms=freshness_ms, threads=threads,
-                                      progress=progress, seeds=seeds)
-        move_into_place(tmp, vdir)
-        tmp = None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    done = calibrate_trace(trace_dir, out, validate_dir=validate_dir, grid=grid, seeds=seeds_text,
+                           decode_model=decode_model, refine=refine, block_size=block_size, seed=seed,
+                           freshness_ms=freshness_ms, threads=threads, force=force,
+                           progress=lambda n, label: grid_progress(n, quiet, label),
+                           on_fit=fitted, on_fidelity=scored)
     if as_json:
-        report["validation"] = str(vdir)
-        report["prediction"] = None if table is None else table.to_dicts()
-        click.echo(json.dumps(report, default=str))
+        click.echo(json.dumps(_report(done), default=str))
         return
-    if not quiet:
-        click.echo(f"validation -> {vdir / 'fidelity.json'}")
-    if table is not None and not quiet:
+    if done.validate_dir is None or quiet:
+        return
+    vdir, fid, table = done.validate_dir, done.fidelity, done.prediction
+    click.echo(f"validation -> {vdir / 'fidelity.json'}")
+    if table is not None:
         if not fid.good:
             click.echo(f"WARNING: {fid.verdict()}; the prediction below comes from that model")
         click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / 'prediction'}")
@@ -188,38 +122,20 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             click.echo(line)
 
 
-def _register_outputs() -> None:
-    """Teach rundir.guard this command's outputs, so --force replaces only what it wrote (called by
-    the command, not at import: it imports the simulator, which every CLI start would pay for)."""
-
-    from replay.runs import rundir  # lazy: loaded when the command runs
-    from replay.simulate.fidelity import (  # lazy: loaded when the command runs
-        FIDELITY_JSON,
-        FIDELITY_TOOL,
-        FLEET_MARKER,
-    )
-
-    def fidelity_dir(path):
-        try:
-            rec = json.loads((path / FIDELITY_JSON).read_text())
-        except (OSError, ValueError):
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
-        if not isinstance(rec, dict) or rec.get("tool") != FIDELITY_TOOL:
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
-        extra = sorted(n for n in path.iterdir() if n.name not in
-                       {FIDELITY_JSON, "forced", "router", "prediction"}
-                       and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
-        return f"{extra[0]} was not written by router-replay" if extra else None
-
-    def fleet_file(path):
-        try:
-            head = path.read_bytes()[:200].decode("utf-8", "replace")
-        except OSError as err:
-            return f"unreadable ({err.strerror})"
-        return None if head.startswith(FLEET_MARKER) else "not a fleet file written by router-replay calibrate"
-
-    rundir.register_kind("fidelity", "validation directory", is_dir=True, recognise=fidelity_dir)
-    rundir.register_kind("fleet", "fitted fleet file", is_dir=False, recognise=fleet_file)
+def _report(done) -> dict:
+    """``calibrate --json``: the fleet file, the fitted values, the fidelity parts and the prediction."""
+    cal = done.calibration
+    out = {"fleet": str(done.fleet_path), "requests": done.recorded.log.n_requests, "workers": cal.urls,
+           "fitted": [{"name": f.name, "worker": f.worker,
+                       "url": None if f.worker is None else cal.urls[f.worker], "value": f.value,
+                       "fitted": f.fitted, "how": f.how, "samples": f.samples, "residual": f.residual}
+                      for f in cal.fitted],
+           "refined": done.refined, "fidelity": None, "prediction": None}
+    if done.validate_dir is not None:
+        out["validation"] = str(done.validate_dir)
+        out["fidelity"] = done.fidelity.as_dict()
+        out["prediction"] = None if done.prediction is None else done.prediction.to_dicts()
+    return out
 
 
 COMMANDS = [calibrate]

@@ -102,15 +102,13 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
 
-    import numpy as np  # lazy: loaded when the command runs
-
     from replay.errors import ReplayError  # lazy: loaded when the command runs
     from replay.runs import rundir  # lazy: loaded when the command runs
-    from replay.simulate import load_fleet, read_log, simulate_grid  # lazy: loaded when the command runs
+    from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
     from replay.simulate import simulate as run_one  # lazy: loaded when the command runs
     from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
     from replay.simulate.sim import _check_out, interval_rows  # lazy: loaded when the command runs
-    from replay.simulate.tracelog import is_trace_dir, read_trace_log  # lazy: loaded when the command runs
+    from replay.simulate.workflows import plan_fleets, read_simulation_log  # lazy: loaded when the command runs
 
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
@@ -145,22 +143,9 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
 
         grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers
                                                       if w.role != "decode"]))
-    placement = None
-    if is_trace_dir(log):
-        rec = read_trace_log(log, block_size=block_size, limit=limit)
-        req_log = rec.log
-        if forced_placement:
-            if len(rec.urls) != len(fleet.prefill):
-                raise ReplayError(f"--forced-placement: the trace has {len(rec.urls)} prefill "
-                                  f"workers, the fleet {len(fleet.prefill)}")
-            if not (rec.placement >= 0).any():
-                raise ReplayError(f"{log}: no selected_worker recorded; --forced-placement needs it")
-            placement = np.where(rec.placement >= 0, np.array(fleet.prefill)[rec.placement], -1)
-    elif forced_placement:
-        raise ReplayError("--forced-placement needs a trace directory as LOG")
-    else:
-        req_log = read_log(log, fmt=fmt, seed=seed, block_size=block_size, limit=limit, sessions=sessions,
-                           session_rate=session_rate)
+    req_log, placement = read_simulation_log(log, fleet, fmt=fmt, block_size=block_size, limit=limit,
+                                             seed=seed, forced_placement=forced_placement, sessions=sessions,
+                                             session_rate=session_rate)
     if req_log.partial_blocks_added and not quiet:
         click.echo(f"{req_log.partial_blocks_added:,} of {req_log.n_requests:,} requests list their full blocks "
                    "only: each partial last block got a fresh id that matches nothing", err=True)
@@ -179,9 +164,14 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
             raise ReplayError("--forced-placement runs the recorded fleet, not a capacity plan")
         if capture_out:
             raise ReplayError("--capture-out writes one simulated run, not a capacity plan")
-        _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
-                  per_dp_rank=per_dp_rank, seeds=seeds, quiet=quiet, threads=threads,
-                  executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+        points, table = plan_fleets(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
+                                    per_dp_rank=per_dp_rank, seeds=seeds,
+                                    progress=lambda n, label: grid_progress(n, quiet, label), threads=threads,
+                                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+        if not quiet:
+            click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
+                       + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
+            click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
         return
     if capture_out and (len(grid.configs) != 1 or seeds is not None):
         raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
@@ -217,30 +207,6 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
                    f"-> {out}")
         for line in grid_table(table, grid):
             click.echo(line)
-
-
-def _run_plan(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out, *,
-              per_dp_rank, seeds, quiet, **kw):
-    """--workers / --dp-size / --load-scale lists: the capacity-plan grid (replay.simulate.plan)."""
-    from replay.simulate import load_fleet  # lazy: loaded when the command runs
-    from replay.simulate.plan import fleet_points, plan_grid  # lazy: loaded when the command runs
-
-    base_dp = sorted({w.dp_size for w in fleet.workers if w.role != "decode"})
-    points = fleet_points(workers_l or [len(fleet.prefill)], dp_l or base_dp[:1], scales or [1.0])
-
-    def make_fleet(w, d):
-        return load_fleet(fleet_path, workers=w, dp_size=d, resize=True, **fleet_kw)
-
-    for p in points:  # refuse a bad fleet before the first simulation
-        make_fleet(p.workers, p.dp_size)
-    n_jobs = len(points) * len(grid.configs) * (len(seeds) if seeds else 1)
-    with grid_progress(n_jobs, quiet, label="planning") as progress:
-        table = plan_grid(req_log, make_fleet, grid, points, out, per_dp_rank=per_dp_rank,
-                          seeds=seeds, progress=progress, **kw)
-    if not quiet:
-        click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
-                   + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
-        click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ cache.  A user's ``NUMBA_CACHE_DIR`` says where that folder goes: it is the
 parent of the hash folder, never the cache itself (one cache folder kept
 across edits once ran a stale kernel and crashed the process).
 
-What a first start compiles (issue 13): every kernel is plain ``njit``; the
+What a first start compiles: every kernel is plain ``njit``; the
 engine runs a chunk's blocks on its own threads (``engine.start_blocks``; the
 kernels release the GIL) instead of numba's ``parallel=True``, whose parfor
 passes made the grid kernel's compile about a quarter longer; and a kernel
@@ -425,7 +425,7 @@ def _options(allocates: bool) -> dict:
     argument and every view it makes, on every call.  The grid pass's hot
     kernels take named tuples of 10 to 21 arrays and make views per request,
     and LLVM removes few of those pairs across a call: the counting was about
-    45% of the 152-config grid's time (issue 13, benches/README.md).  A kernel
+    45% of the 152-config grid's time (benches/README.md, second speed round).  A kernel
     that allocates no array and returns none needs no counting: every array it
     sees belongs to its caller, which outlives the call.  Such a kernel is
     marked ``allocates=False``; one that does allocate (``np.zeros`` ...) then
@@ -455,7 +455,7 @@ def njit(fn=None, *, allocates: bool = True, inline: bool = False):
     helpers of a few hundred instructions as calls, and numba passes every
     array as seven to nine machine words, most of them on the stack: the
     grid pass's sampler made about seven such calls per domain-rung
-    evaluation (issue 13).  Meant for helpers with one or two call sites:
+    evaluation.  Meant for helpers with one or two call sites:
     each call site compiles its own copy."""
     if fn is None:
         return lambda f: njit(f, allocates=allocates, inline=inline)

@@ -1,4 +1,4 @@
-"""A first start's compile on both cores (issue 13).
+"""A first start's compile on both cores.
 
 numba compiles one function at a time in a process (its compiler lock), so a
 cold start used one core for half a minute.  With an empty cache, the engine's

@@ -22,7 +22,7 @@ writes the page.
 
 The figures are built as plain plotly figure dicts (``replay/report/figspec.py``,
 :func:`figure_dicts`) and the page is written from them without plotly's
-graph objects, whose validation was most of a sample sweep's time (issue 13);
+graph objects, whose validation was most of a sample sweep's time;
 :func:`figures` validates the same dicts into ``go.Figure`` objects.
 """
 
@@ -45,7 +45,7 @@ from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
 from replay.config import KNOBS, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
 from replay.report.html import CSS as _CSS
@@ -96,7 +96,7 @@ def _shown(name: str, hover: bool = False) -> Metric:
     return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
 
 
-# the heatmap metrics (issue 4, section 2), in page order
+# the heatmap metrics, in page order
 HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
 # everything a hover shows about one config
 HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
@@ -154,7 +154,7 @@ class ReportView:
         p99 = [v for v in self.summary.get_column("selected_waiting_p99").to_list() if v is not None]
         if max_p99_waiting is not None:
             if not math.isfinite(float(max_p99_waiting)):
-                raise ReplayError(f"--max-p99-waiting must be a finite number, got {max_p99_waiting!r}")
+                raise ParamError("max_p99_waiting", f"must be a finite number, got {max_p99_waiting!r}")
             self.bound = float(max_p99_waiting)
             self.bound_note = f"p99 waiting at the chosen worker ≤ {knob_text(self.bound)} (given)"
         elif p99:
@@ -200,8 +200,8 @@ class ReportView:
         # the config followed over time
         if config_id is not None:
             if config_id not in self.rows:
-                raise ReplayError(f"--config {config_id}: no such config_id in this run "
-                                  f"(ids: {_id_list(self.rows)})")
+                raise ParamError("config_id", f"{config_id}: no such config_id in this run "
+                                 f"(ids: {_id_list(self.rows)})", flag="--config")
             self.chosen = self.rows[config_id]
             self.chosen_note = f"config {config_id} (given)"
         elif self.best is not None:
@@ -797,7 +797,7 @@ VARIANT_COLORS = ("#9aa5b1", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17bec
 
 
 def variant_series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    """``rows`` split by their replay-only policy variants (issue 15: a variant is drawn as its own
+    """``rows`` split by their replay-only policy variants (a variant is drawn as its own
     series): ``("", rows under the router's own rules)`` first, then one ``(label, rows)`` per
     variant setting, labelled as not a router flag.  A grid without variants is one series."""
     keys = [k for k, spec in KNOBS.items() if not spec.router]

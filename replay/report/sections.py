@@ -1,4 +1,4 @@
-"""The report's closed-loop answer and locality-waterfall sections (issue 11, sections 2 and 3).
+"""The report's closed-loop answer and locality-waterfall sections.
 
 Kept apart from ``replay/report/run_page.py`` (the page and its open-loop figures):
 :func:`closed_loop_section` is the page's first section whenever a closed-loop
@@ -17,7 +17,7 @@ from typing import Any
 
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
-from replay.errors import ReplayError
+from replay.errors import ParamError
 from replay.report import figspec as fs
 
 
@@ -233,7 +233,7 @@ def _pair(view) -> tuple[dict, dict | None]:
     if beside is not None:
         if beside not in view.rows:
 
-            raise ReplayError(f"--beside {beside}: no such config_id in this run")
+            raise ParamError("beside", f"{beside}: no such config_id in this run")
         return a, view.rows[beside]
     b = view.baseline_for(a)
     if b is None or b["config_id"] == a["config_id"]:

@@ -1,4 +1,4 @@
-"""A small Parquet writer for flat tables whose columns come in runs (issue 13).
+"""A small Parquet writer for flat tables whose columns come in runs.
 
 ``decisions.parquet`` in the ``long`` layout is one row per (request, config):
 a request's query blocks repeat once per config, and neighbouring configs of a

@@ -7,7 +7,7 @@ fraction in 0..1, shown in percent, differences in points; ``count``;
 ``neither`` for a mechanism such as pins), the tolerance ``check`` applies by
 default, and how the report labels and formats it.
 
-Shares, decided once (issue 9):
+Shares, decided once:
 
 * ``pinned_share``, ``diverted_share``, ``fell_back_share``: over *routed*
   requests (a 503 is never pinned, diverted or fallen back);

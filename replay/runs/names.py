@@ -3,6 +3,13 @@ closed-loop grid)."""
 
 from __future__ import annotations
 
+# a trace directory's files are named by the trace package below (it reads them); given here too,
+# so a module that writes or finds any of a command's files takes every name from this one
+from replay.trace.base import LOADS as LOADS
+from replay.trace.base import REQUESTS as REQUESTS
+from replay.trace.base import TRACE_JSON as TRACE_JSON
+from replay.trace.base import WORKERS as WORKERS
+
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"
 DECISIONS = "decisions.parquet"
@@ -12,7 +19,12 @@ RUN_JSON = "run.json"
 FLEET = "fleet.parquet"
 REPORT = "report.html"
 CLOSED_LOOP = "closed_loop_summary.parquet"
+CLOSED_LOOP_CSV = "closed_loop_summary.csv"
+CLOSED_LOOP_SEEDS = "closed_loop_seeds.parquet"  # a grid under several seeds: one row per (config, seed)
+OUTCOMES = "outcomes.parquet"           # a simulation's ground truth, one row per request
 SIM_JSON = "sim.json"
+FIDELITY_JSON = "fidelity.json"         # calibrate --validate: the fit's score
+PREDICTION = "prediction"               # calibrate --validate: the prediction grid's directory
 TOOL = "router-replay"                  # run.json's and a baseline's "tool" marker
 SIM_TOOL = "router-replay simulate"     # sim.json's "tool" marker
 

@@ -64,16 +64,23 @@ from replay.runs import metrics
 from replay.runs.decisions import decision_files
 from replay.runs.names import (
     CLOSED_LOOP,
+    CLOSED_LOOP_CSV,
+    CLOSED_LOOP_SEEDS,
     DECISIONS,
     DECISIONS_DIR,
     FLEET,
+    LOADS,
+    OUTCOMES,
     REPORT,
+    REQUESTS,
     RUN_JSON,
     SIM_JSON,
     SIM_TOOL,
     SUMMARY,
     SUMMARY_CSV,
     TOOL,
+    TRACE_JSON,
+    WORKERS,
 )
 
 RUN_FILES = frozenset({RUN_JSON, SUMMARY, SUMMARY_CSV, DECISIONS, DECISIONS_DIR, FLEET, REPORT})
@@ -285,11 +292,11 @@ def _names_dir(required: str, names: frozenset[str], what: str) -> Callable[[Pat
 
 def _trace_dir(path: Path) -> str | None:
     """A trace ``generate`` wrote: its tables and ``requests/``/``loads/`` folders of Parquet files only."""
-    names = {"requests.parquet", "loads.parquet", "workers.parquet", "requests", "loads"}
+    names = {REQUESTS, LOADS, WORKERS, "requests", "loads"}
     why = _foreign_entries(path, names.__contains__)
     if why:
         return why
-    if not any((path / n).exists() for n in ("requests.parquet", "requests")):
+    if not any((path / n).exists() for n in (REQUESTS, "requests")):
         return "no requests table"
     for sub in ("requests", "loads"):
         for root, _dirs, files in os.walk(path / sub):
@@ -321,8 +328,8 @@ register_kind("run", "run directory", is_dir=True,
               recognise=_record_dir(RUN_JSON, TOOL, RUN_FILES.__contains__))
 register_kind("sim", "simulation directory", is_dir=True, recognise=_record_dir(
     SIM_JSON, SIM_TOOL,
-    lambda n: n in {"requests.parquet", "loads.parquet", "workers.parquet", "outcomes.parquet", SIM_JSON,
-                    CLOSED_LOOP, "closed_loop_summary.csv", "trace.json", "closed_loop_seeds.parquet"}
+    lambda n: n in {REQUESTS, LOADS, WORKERS, OUTCOMES, SIM_JSON,
+                    CLOSED_LOOP, CLOSED_LOOP_CSV, TRACE_JSON, CLOSED_LOOP_SEEDS}
     or re.fullmatch(r"config-\d+", n) is not None))
 register_kind("compare", "comparison directory", is_dir=True, recognise=_names_dir(
     "deltas.parquet", frozenset({"deltas.parquet", "transitions.parquet", "changed_requests.parquet"}),

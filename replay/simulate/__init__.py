@@ -1,4 +1,4 @@
-"""Fleet simulator: request logs in, complete router-replay traces out (issue 3).
+"""Fleet simulator: request logs in, complete router-replay traces out.
 
 ``simulate`` runs one closed-loop simulation (the router deciding with the
 sweep's own kernels on what it can see), ``simulate_grid`` one per config of a

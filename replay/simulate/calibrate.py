@@ -1,4 +1,4 @@
-"""Fit a simulator fleet to a recorded trace (issue 10, section 2).
+"""Fit a simulator fleet to a recorded trace.
 
 :func:`calibrate` reads a :class:`~replay.simulate.tracelog.RecordedTrace`
 and fits, per prefill worker (the fleet file's ``[[worker]]`` granularity;
@@ -44,7 +44,7 @@ import numpy as np
 import polars as pl
 
 from replay.config import RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError
 from replay.simulate.fidelity import FLEET_MARKER, recorded_dp_ranks
 from replay.simulate.fleet import (
     DEFAULT_PUBLISH_INTERVAL_MS,
@@ -301,7 +301,7 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
     """Fit the fleet of ``rec`` (``decode_model``: ``auto`` fits a batch slope when it matters,
     ``constant`` fixes it at 0, ``linear`` always keeps it)."""
     if decode_model not in ("auto", "constant", "linear"):
-        raise ReplayError(f"--decode-model must be auto, constant or linear, got {decode_model!r}")
+        raise ParamError("decode_model", f"must be auto, constant or linear, got {decode_model!r}")
     base = FleetSpec()
     nw = len(rec.urls)
     loads = rec.loads
@@ -617,7 +617,7 @@ REFINE_STEPS = ((0.03, 13), (0.005, 11))   # (half width, points): coarse, then 
 
 def refine_decode(rec: RecordedTrace, cal: Calibration, *, seed: int = 0,
                   freshness_ms: int = 5000) -> list[str]:
-    """Refine every worker's decode speed by forced-placement replays (issue 10 s.2).
+    """Refine every worker's decode speed by forced-placement replays.
 
     With each request on the worker production chose, workers do not interact, so one
     replay per candidate scale scores every worker at once: the scale whose replay has the

@@ -1,4 +1,4 @@
-"""Does a fleet model reproduce a recording?  (issue 10, section 4)
+"""Does a fleet model reproduce a recording?
 
 :func:`validate` replays the recorded requests through a fleet twice:
 
@@ -53,6 +53,7 @@ import polars as pl
 
 from replay.config import RouterConfig
 from replay.errors import ReplayError
+from replay.runs import names
 from replay.simulate.fleet import Fleet
 from replay.simulate.sim import START_NS, SimResult, _json, simulate
 from replay.simulate.tracelog import RecordedTrace
@@ -60,7 +61,7 @@ from replay.sweep.run import run_sweep
 
 GRID_NS = 100_000_000
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
-FIDELITY_JSON = "fidelity.json"
+FIDELITY_JSON = names.FIDELITY_JSON
 FIDELITY_TOOL = "router-replay calibrate"   # fidelity.json's marker (rundir.guard recognises the dir)
 FLEET_MARKER = "# Fleet fitted by `router-replay calibrate`"  # first line of a fitted fleet file
 

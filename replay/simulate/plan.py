@@ -1,4 +1,4 @@
-"""Capacity planning in the closed loop (issue 16): fleets x traffic levels x router configs.
+"""Capacity planning in the closed loop: fleets x traffic levels x router configs.
 
 :func:`scale_log` grows the recorded traffic; :func:`plan_grid` runs the
 closed-loop grid (:func:`replay.simulate.simulate_grid`) for every fleet

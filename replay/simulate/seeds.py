@@ -1,4 +1,4 @@
-"""Several seeds per config (issue 11, section 1): mean, 95% interval and a stability verdict.
+"""Several seeds per config: mean, 95% interval and a stability verdict.
 
 A closed-loop run depends on its seed (the power-of-k sampler's draws and the
 publishers' phases), and near saturation one seed can melt down while

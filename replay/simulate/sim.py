@@ -33,8 +33,9 @@ from numba.typed import List
 from replay import __version__
 from replay import labels as L_
 from replay.config import Grid, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.kernels import sim as nb
+from replay.runs import names
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
@@ -44,11 +45,11 @@ from replay.sweep.shards import require_ray
 from replay.trace.files import log_identity
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
-SUMMARY = "closed_loop_summary.parquet"
-SEEDS_TABLE = "closed_loop_seeds.parquet"
-OUTCOMES = "outcomes.parquet"
-SIM_JSON = "sim.json"
-TRACE_JSON = "trace.json"
+SUMMARY = names.CLOSED_LOOP
+SEEDS_TABLE = names.CLOSED_LOOP_SEEDS
+OUTCOMES = names.OUTCOMES
+SIM_JSON = names.SIM_JSON
+TRACE_JSON = names.TRACE_JSON
 PUBLISH_DELAY_NS = 1_000_000
 MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
 # load rows are made and written this many at a time: pyarrow's default row group
@@ -407,7 +408,7 @@ def _check_knob_range(config: RouterConfig) -> None:
 
 def _check_ms(name: str, v: int, lo: int) -> None:
     if not lo <= v <= MAX_MS:
-        raise ReplayError(f"{name} must be in {lo}..{MAX_MS} (ms), got {v}")
+        raise ParamError(name, f"must be in {lo}..{MAX_MS} (ms), got {v}")
 
 
 def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
@@ -436,11 +437,11 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     _check_knob_range(config)
     if publish_interval_ms is None:
         publish_interval_ms = fleet.publish_interval_ms
-    _check_ms("--publish-interval-ms", publish_interval_ms, 1)
-    _check_ms("--index-lag-ms", index_lag_ms, 0)
-    _check_ms("--freshness-ms", freshness_ms, 0)
+    _check_ms("publish_interval_ms", publish_interval_ms, 1)
+    _check_ms("index_lag_ms", index_lag_ms, 0)
+    _check_ms("freshness_ms", freshness_ms, 0)
     if not 0 <= seed < 2**63:
-        raise ReplayError(f"--seed must be in 0..2**63-1, got {seed}")
+        raise ParamError("seed", f"must be in 0..2**63-1, got {seed}")
     forced = None
     if placement is not None:
         forced = np.ascontiguousarray(placement, dtype=np.int64)
@@ -493,8 +494,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
             extra["log_hash_ids_full_blocks_only"] = int(log.partial_blocks_added)
         trace_info = {"source": f"router-replay simulate {log.source}", "page_size": int(log.block_size),
                       "router": config.given_flags(), "extra": extra}
-        _write_dir(out, {"requests.parquet": req_t, "loads.parquet": load_rows,
-                         "workers.parquet": workers_t, OUTCOMES: out_t}, meta,
+        _write_dir(out, {names.REQUESTS: req_t, names.LOADS: load_rows,
+                         names.WORKERS: workers_t, OUTCOMES: out_t}, meta,
                    {TRACE_JSON: trace_info})
     return res
 
@@ -554,7 +555,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
 
     With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
     the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
-    With ``seeds`` (issue 11), every config runs once per seed (into
+    With ``seeds``, every config runs once per seed (into
     ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
     run, and the summary one row per config: means, 95% intervals and the
     ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
@@ -565,7 +566,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
     results are identical either way.
     """
     if executor not in ("local", "ray"):
-        raise ReplayError(f"--executor must be local or ray, got {executor!r}")
+        raise ParamError("executor", f"must be local or ray, got {executor!r}")
     if not isinstance(grid, Grid):
         grid = Grid(grid)
     if not grid.configs:

@@ -19,7 +19,6 @@ comparisons map the two.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +27,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from replay.runs.names import REQUESTS, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
 from replay.trace.blocks import check_block_counts
 from replay.trace.files import list_parts
+from replay.trace.info import read_trace_info as read_checked_trace_info
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 
@@ -75,7 +76,7 @@ class RecordedTrace:
 
 def is_trace_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return p.is_dir() and ((p / "requests.parquet").is_file() or (p / "requests").is_dir())
+    return p.is_dir() and ((p / REQUESTS).is_file() or (p / "requests").is_dir())
 
 
 def _table(d: Path, kind: str) -> tuple[pl.DataFrame | None, Path]:
@@ -138,19 +139,17 @@ def _float_column(df: pl.DataFrame, name: str, where: Path) -> np.ndarray:
 
 
 def read_trace_info(path: str | os.PathLike) -> dict[str, Any]:
-    """``trace.json`` of a trace directory ({} without one); one line on a bad file."""
-    p = Path(path) / "trace.json"
-    if not p.is_file():
+    """``trace.json`` of a trace directory as a plain dict ({} without one), read and checked by the
+    one reader of that file, :func:`replay.trace.info.read_trace_info` (router flags by knob name)."""
+    info = read_checked_trace_info(path)
+    if info.path is None:
         return {}
-    try:
-        info = json.loads(p.read_text())
-    except ValueError as err:
-        raise LogError(f"{p}: cannot parse: {str(err).splitlines()[0]}") from None
-    if not isinstance(info, dict):
-        raise LogError(f"{p}: expected a JSON object")
-    if not isinstance(info.get("router", {}), dict):
-        raise LogError(f"{p}: key 'router': must be an object of router flags")
-    return info
+    out: dict[str, Any] = {"router": dict(info.router), "per_dp_rank": info.per_dp_rank, "extra": dict(info.extra)}
+    if info.page_size is not None:
+        out["page_size"] = info.page_size
+    if info.source is not None:
+        out["source"] = info.source
+    return out
 
 
 def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
@@ -161,7 +160,7 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     ``page_size``, else ``block_size``; with none of them the trace is refused.
     """
     d = Path(path)
-    wk_path = d / "workers.parquet"
+    wk_path = d / WORKERS
     info = read_trace_info(d)
     req, rq_path = _table(d, "requests")
     if req is None:

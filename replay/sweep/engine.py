@@ -226,7 +226,7 @@ def blocks_per_thread(n_configs: int) -> int:
     fleet's load (up to 2x between parts of the bench trace), so smaller blocks
     lose less at a chunk's end.  152 configs on 2 threads, M decisions/s: two per
     thread 48-53, four 56-57 (one series); four against eight, 8 alternating
-    rounds, medians 58.0 against 61.5 (issue 13).
+    rounds, medians 58.0 against 61.5 (second speed round).
     """
     return max(2, min(8, BLOCK_CONFIGS_PER_THREAD // max(1, int(n_configs))))
 

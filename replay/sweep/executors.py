@@ -246,7 +246,7 @@ class LocalExecutor(Executor):
     def warm(self) -> None:
         """Start compiling (or loading from numba's cache) the kernels on a background thread.
 
-        Not during an in-memory load (issue 13): loading the cached kernels is ~0.7 CPU s of
+        Not during an in-memory load: loading the cached kernels is ~0.7 CPU s of
         mostly GIL-holding Python, and on two cores it slowed the load by more than it saved
         (fresh processes, load then kernels one after the other: less CPU and wall in total
         than both at once).  A first start compiles while the trace is read (:meth:`prepare`)."""

@@ -294,7 +294,7 @@ def plan(trace_dir: str | os.PathLike, window: int | None, ex: executors.Executo
     needs windows (Ray) always gets them.
     """
     if window and (window < NS or window % NS):
-        raise ReplayError("--window must be a whole number of seconds (>= 1 s)")
+        raise ParamError("window", "must be a whole number of seconds (>= 1 s)")
     if not ex.needs_windows:
         if window == 0:
             return Plan(0, None, "--window none")

@@ -41,7 +41,7 @@ from typing import cast
 import numpy as np
 import pyarrow.parquet as pq
 
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.runs.names import DECISIONS_DIR, FLEET_PARTS
 from replay.sweep import engine
 from replay.sweep import readings as fleet_mod
@@ -61,7 +61,7 @@ def require_ray():
     try:
         import ray  # optional: an extra dependency
     except ImportError:
-        raise ReplayError("--executor ray needs Ray: pip install 'router-replay[ray]'") from None
+        raise ParamError("executor", "ray needs Ray: pip install 'router-replay[ray]'") from None
     return ray
 
 

@@ -72,7 +72,7 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
 def _list_values(s: pl.Series) -> pl.Series:
     """The entries of a list series' non-null lists, in row order (``flatten`` of its Arrow
     array).  Exploded by polars, not taken through Arrow: ``pl.Series`` of an Arrow array
-    imports ``pyarrow.compute``, 0.1 s of a cached start (issue 13)."""
+    imports ``pyarrow.compute``, 0.1 s of a cached start."""
     return s.explode(empty_as_null=False, keep_nulls=False)
 
 

@@ -102,7 +102,7 @@ def valid_rows(arr: pa.Array) -> np.ndarray:
 def list_entries(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """A list array's entry counts per row (int64, 0 for a null list) and its entries: those
     of the non-null lists, in row order, as ``arr.flatten()`` gives them.  Taken from the
-    offsets and a slice of the values wherever no null list holds entries (issue 13:
+    offsets and a slice of the values wherever no null list holds entries (
     ``flatten``'s first call imports ``pyarrow.compute``)."""
     bounds = arr.offsets.to_numpy()
     lens = np.diff(bounds).astype(np.int64)
@@ -118,7 +118,7 @@ def _read_columns(part: Part, columns: list[str], dictionary: list[str]) -> pa.T
     """``columns`` of one file through pyarrow, ``dictionary`` (names or leaf paths) as
     dictionary arrays, one chunk per row group.  Not ``pq.read_table``: it goes through
     ``pyarrow.dataset``, whose first use in a process imports it and ``pyarrow.compute``
-    (issue 13: 0.1-0.3 s of a fresh sweep's load), and cuts a row group into chunks that
+    (0.1-0.3 s of a fresh sweep's load), and cuts a row group into chunks that
     ``matches`` then had to be copied out of.  (``ParquetFile.read``, and batches that
     span row groups, refuse a nested dictionary column of several row groups.)"""
     pf = pq.ParquetFile(part.path, read_dictionary=dictionary)
@@ -325,7 +325,7 @@ def _ints_by_group(part: Part, columns: list[str], meta,
     Polars reads the file row group by row group (the other columns too, as the full path
     reads them), and each group's values are copied into the arrays: one group's decoded
     columns are in memory at a time, where reading the whole file and then copying every
-    column out of its chunks touched twice the memory (issue 13: fresh pages cost more
+    column out of its chunks touched twice the memory (fresh pages cost more
     than the decoding on this machine).  The checks are the full path's, made on the
     groups' statistics (min, max, nulls): any failure is a :class:`Fallback`.  ``groups``
     hears of the arrays and of each group copied."""
@@ -395,7 +395,7 @@ def _load(dirpath: str, model: str | None, info: TraceInfo) -> Trace:
 
     def requests_task():
         # when the loads are read by row groups, the requests side finishes well before the
-        # loads' integer columns are in (issue 13): it reads the loads' worker column too,
+        # loads' integer columns are in: it reads the loads' worker column too,
         # maps every name to its id, and gathers the ranks per worker (facts) of each row
         # group as it comes in, so that only the loads' tails and flags are left after both
         req_out = _requests_side(req_part)

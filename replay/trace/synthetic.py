@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.errors import ConfigError
-from replay.trace.base import MAX_DP_SIZE
+from replay.trace.base import LOADS, MAX_DP_SIZE, REQUESTS, WORKERS
 
 NS = 1_000_000_000
 DAY_S = 86_400
@@ -403,10 +403,10 @@ def generate_trace(
     _check_size(fleet, n_sec, n_requests, partitioned=False)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    part = _generate_part(rng, fleet, os.path.join(out_dir, "requests.parquet"),
-                          os.path.join(out_dir, "loads.parquet"),
+    part = _generate_part(rng, fleet, os.path.join(out_dir, REQUESTS),
+                          os.path.join(out_dir, LOADS),
                           n_requests=n_requests, n_sec=n_sec, start_ns=start_ns, id_prefix="req-")
-    _write(_workers_table(fleet), os.path.join(out_dir, "workers.parquet"))
+    _write(_workers_table(fleet), os.path.join(out_dir, WORKERS))
     return {
         "out_dir": out_dir,
         "requests": n_requests,
@@ -476,7 +476,7 @@ def _remove_stale(out_dir: str, keep: set[str]) -> None:
     """Remove trace files of an earlier run that this set does not rewrite (a
     reader would otherwise pick them up): single-layout ``requests.parquet`` /
     ``loads.parquet`` and Parquet files under ``requests/`` and ``loads/``."""
-    for name in ("requests.parquet", "loads.parquet"):
+    for name in (REQUESTS, LOADS):
         path = os.path.join(out_dir, name)
         if os.path.isfile(path):
             os.remove(path)
@@ -539,7 +539,7 @@ def generate_trace_set(
     os.makedirs(out_dir, exist_ok=True)
     _remove_stale(out_dir, {os.path.join(sub, *p.name.split("/")) for p in parts
                             for sub in ("requests", "loads")})
-    _write(_workers_table(fleet), os.path.join(out_dir, "workers.parquet"))
+    _write(_workers_table(fleet), os.path.join(out_dir, WORKERS))
     id_width = max(4, len(str(len(parts) - 1)))
     load_rows = entries = 0
     counters = None
