@@ -6,7 +6,6 @@ against the recording (fidelity), and predict a closed-loop grid from it.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -76,7 +75,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     )
     from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
     from replay.simulate.calibrate import calibrate as fit  # lazy: loaded when the command runs
-    from replay.simulate.calibrate import refine_decode, write_fleet  # lazy: loaded when the command runs
+    from replay.simulate.calibrate import refine_decode  # lazy: loaded when the command runs
     from replay.simulate.fidelity import recorded_seed, validate  # lazy: loaded when the command runs
     from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
     from replay.simulate.tracelog import read_trace_log  # lazy: loaded when the command runs
@@ -114,53 +113,55 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     if refine:
         refined = refine_decode(rec, cal, seed=recorded_seed(rec) if seed is None else seed,
                                 freshness_ms=freshness_ms)
-    fleet_path.parent.mkdir(parents=True, exist_ok=True)
-    with rundir.writing(fleet_path):
-        write_fleet(cal, fleet_path, source=str(trace_dir))
-    fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
-    if not quiet:
-        click.echo(f"calibrated {len(cal.urls)} workers from {rec.log.n_requests:,} requests "
-                   f"-> {fleet_path}")
-        for line in cal.lines():
-            click.echo(line)
-        missing = cal.not_fitted()
-        if missing:
-            click.echo(f"not fitted from this trace ({len(missing)}): "
-                       + "; ".join(f"{m.name}" + (f" (worker {m.worker})" if m.worker is not None else "")
-                                   + f" = {m.value} [{m.how}]" for m in missing))
-        click.echo("not fitted (not in any trace): chunked_prefill_size = 0, schedule_policy = fcfs")
-        if refined:
-            click.echo("decode speed refined by forced-placement replays:")
-            for line in refined:
+    # the fleet file is written aside and swapped in only when everything below succeeded: a failed
+    # or interrupted validation leaves the previous fleet file exactly as it was
+    with rundir.file_aside(fleet_path) as fleet_tmp:
+        with rundir.writing(fleet_path):
+            fleet_tmp.write_text(cal.to_toml(str(trace_dir)))
+        fleet = load_fleet(fleet_tmp)  # what simulate will read: the file round-trips
+        if not quiet:
+            click.echo(f"calibrated {len(cal.urls)} workers from {rec.log.n_requests:,} requests "
+                       f"-> {fleet_path}")
+            for line in cal.lines():
                 click.echo(line)
-    if validate_dir is None:
-        return
-    vdir = Path(validate_dir)
-    tmp = partial_beside(vdir)
-    try:
-        with grid_progress(2, quiet, "validating") as progress:
-            fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
-                           progress=progress)
-        fid.write(tmp)
-        if not quiet or not fid.good:
-            for line in fid.lines():
-                click.echo(line)
-        table = None
-        if grid is not None:
-            try:
-                seeds = parse_seeds(seeds_text, fid.seed)
-            except ValueError as err:
-                raise ReplayError(str(err)) from None
-            n = len(grid.configs) * (len(seeds) if seeds else 1)
-            with grid_progress(n, quiet) as progress:
-                table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
-                                      freshness_ms=freshness_ms, threads=threads,
-                                      progress=progress, seeds=seeds)
-        move_into_place(tmp, vdir)
-        tmp = None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            missing = cal.not_fitted()
+            if missing:
+                click.echo(f"not fitted from this trace ({len(missing)}): "
+                           + "; ".join(f"{m.name}" + (f" (worker {m.worker})" if m.worker is not None else "")
+                                       + f" = {m.value} [{m.how}]" for m in missing))
+            click.echo("not fitted (not in any trace): chunked_prefill_size = 0, schedule_policy = fcfs")
+            if refined:
+                click.echo("decode speed refined by forced-placement replays:")
+                for line in refined:
+                    click.echo(line)
+        if validate_dir is None:
+            return
+        vdir = Path(validate_dir)
+        tmp = partial_beside(vdir)
+        try:
+            with grid_progress(2, quiet, "validating") as progress:
+                fid = validate(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
+                               progress=progress)
+            fid.write(tmp)
+            if not quiet or not fid.good:
+                for line in fid.lines():
+                    click.echo(line)
+            table = None
+            if grid is not None:
+                try:
+                    seeds = parse_seeds(seeds_text, fid.seed)
+                except ValueError as err:
+                    raise ReplayError(str(err)) from None
+                n = len(grid.configs) * (len(seeds) if seeds else 1)
+                with grid_progress(n, quiet) as progress:
+                    table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
+                                          freshness_ms=freshness_ms, threads=threads,
+                                          progress=progress, seeds=seeds)
+            move_into_place(tmp, vdir)
+            tmp = None
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     if not quiet:
         click.echo(f"validation -> {vdir / 'fidelity.json'}")
     if table is not None and not quiet:
@@ -183,12 +184,9 @@ def _register_outputs() -> None:
     )
 
     def fidelity_dir(path):
-        try:
-            rec = json.loads((path / FIDELITY_JSON).read_text())
-        except (OSError, ValueError):
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
-        if not isinstance(rec, dict) or rec.get("tool") != FIDELITY_TOOL:
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
+        rec = rundir.read_json(path / FIDELITY_JSON)
+        if rec is None or rec.get("tool") != FIDELITY_TOOL:
+            return rundir.unmarked(path, FIDELITY_JSON)
         extra = sorted(n for n in path.iterdir() if n.name not in
                        {FIDELITY_JSON, "forced", "router", "prediction"}
                        and not re.fullmatch(r"\.?.*\.partial-.*", n.name))

@@ -266,11 +266,23 @@ def _foreign_entries(path: Path, allowed: Callable[[str], bool]) -> str | None:
     return None
 
 
+def unmarked(path: Path, record: str) -> str:
+    """Why ``path`` (a folder without router-replay's ``record`` in it) is not the tool's own:
+    the reason names the file it would have destroyed, as the refusal promises."""
+    if (path / record).exists():
+        return f"{path / record} was not written by router-replay (no marker of router-replay's in it)"
+    try:
+        first = sorted(os.listdir(path))[0]
+    except (OSError, IndexError):
+        return f"no {record} of router-replay's in it"
+    return f"no {record} of router-replay's in it; {path / first} was not written by router-replay"
+
+
 def _record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Callable[[Path], str | None]:
     def recognise(path: Path) -> str | None:
         rec = _read_json(path / record)
         if rec is None or rec.get("tool") != marker or rec.get("kind") is not None:
-            return f"no {record} with router-replay's marker in it"
+            return unmarked(path, record)
         return _foreign_entries(path, allowed)
     return recognise
 
@@ -278,7 +290,7 @@ def _record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Cal
 def _names_dir(required: str, names: frozenset[str], what: str) -> Callable[[Path], str | None]:
     def recognise(path: Path) -> str | None:
         if not (path / required).exists():
-            return f"no {required} ({what})"
+            return f"{unmarked(path, required)} ({what})"
         return _foreign_entries(path, names.__contains__)
     return recognise
 
@@ -290,11 +302,17 @@ def _trace_dir(path: Path) -> str | None:
     if why:
         return why
     if not any((path / n).exists() for n in ("requests.parquet", "requests")):
-        return "no requests table"
-    for sub in ("requests", "loads"):
+        return unmarked(path, "requests table")
+    return foreign_below(path, ("requests", "loads"))
+
+
+def foreign_below(path: Path, subs: Iterable[str], suffix: str = ".parquet") -> str | None:
+    """The first file in folders ``subs`` of ``path`` that the tool does not write there
+    (anything but ``suffix`` files), named; None when there is none."""
+    for sub in subs:
         for root, _dirs, files in os.walk(path / sub):
-            for f in files:
-                if not f.endswith(".parquet"):
+            for f in sorted(files):
+                if not f.endswith(suffix):
                     return f"{Path(root) / f} was not written by router-replay"
     return None
 
@@ -445,8 +463,7 @@ def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike, str] | 
             if _inside(out, real):
                 raise ReplayError(f"{given}: lies inside an input of this command ({name}); "
                                   f"choose an output outside it")
-        if k.is_dir:
-            recover(out, say=say)
+        recover(out, say=say)
         _check_kind(out, given, k, force)
         _check_writable(out, given)
         if k.is_dir:
@@ -555,7 +572,10 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
             olds = olds[1:]
         gone = [d[0] for d in found if d[1] == "partial"] + [d[0] for d in olds]
         for p in gone:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:                       # a file output's temporary (:func:`file_aside`)
+                p.unlink(missing_ok=True)
         if gone:
             lines.append(f"{out}: removed {len(gone)} unfinished folder(s) left by killed runs "
                          f"({', '.join(p.name for p in gone[:3])}{' ...' if len(gone) > 3 else ''})")
@@ -667,6 +687,25 @@ def building(out: str | os.PathLike) -> Iterator[Path]:
         tmp = None
     finally:
         discard(tmp)
+
+
+@contextlib.contextmanager
+def file_aside(out: str | os.PathLike) -> Iterator[Path]:
+    """Write a file output aside and swap it in only at the end: yields a new temporary
+    path beside ``out`` (``.<name>.partial-<pid>@<host>-<random>``, so the next
+    :func:`guard` removes it if this process is killed); when the block completes the
+    temporary replaces ``out`` in one rename, on any failure or signal it is removed and
+    ``out`` is left exactly as it was."""
+    out = _real(out)
+    tmp = out.parent / f".{out.name}.partial-{_tag()}-{os.urandom(3).hex()}"
+    try:
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        with writing(out):
+            os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def discard(tmp: Path | None) -> None:
