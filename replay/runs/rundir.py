@@ -720,12 +720,37 @@ def discard(tmp: Path | None) -> None:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _errno_of(err: BaseException) -> int | None:
+_WRITE_FAILED = ("Invalid thrift: transport error",)
+"""What polars' Parquet writer says when a write below it failed: it drops the os error (a full
+disk among them), so the file system is asked instead (:func:`_disk_full`)."""
+
+
+def _disk_full(where: str | os.PathLike | None) -> bool:
+    """Whether the file system holding ``where`` (or its nearest existing parent) is out of
+    space or inodes for this user: under 1 MiB left (a failed write fills it to the last block)."""
+    if where is None:
+        return True     # nothing to ask: a write that failed below the writer is taken for the disk
+    p = _real(where)
+    anc = next((a for a in (p, *p.parents) if a.exists()), None)
+    if anc is None:
+        return False
+    try:
+        st = os.statvfs(anc)
+    except OSError:
+        return False
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    blocks, files = (st.f_bfree, st.f_ffree) if root else (st.f_bavail, st.f_favail)
+    return blocks * st.f_frsize < (1 << 20) or (st.f_files > 0 and files == 0)
+
+
+def _errno_of(err: BaseException, where: str | os.PathLike | None = None) -> int | None:
     if isinstance(err, OSError) and err.errno is not None:
         return err.errno
     text = str(err)
     if "No space left on device" in text or "os error 28" in text:
         return errno.ENOSPC
+    if any(m in text for m in _WRITE_FAILED):
+        return errno.ENOSPC if _disk_full(where) else errno.EIO
     if "Read-only file system" in text or "os error 30" in text:
         return errno.EROFS
     if "Permission denied" in text or "os error 13" in text:
@@ -737,21 +762,25 @@ class NoSpace(ReplayError):
     """The disk (or quota) filled up while writing an output."""
 
 
-def no_space(err: BaseException) -> bool:
-    """Whether ``err`` is a full disk (or quota), whatever library raised it."""
-    return isinstance(err, NoSpace) or (not isinstance(err, ReplayError) and _errno_of(err) in _NO_SPACE)
+def no_space(err: BaseException, where: str | os.PathLike | None = None) -> bool:
+    """Whether ``err`` is a full disk (or quota), whatever library raised it; ``where``, the
+    output being written, lets a writer's error that hides the os error be checked against
+    its file system."""
+    return isinstance(err, NoSpace) or (not isinstance(err, ReplayError) and _errno_of(err, where) in _NO_SPACE)
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
     """A :class:`ReplayError` for a file-system failure while writing ``path``
-    (full disk, read-only file system, permission); ``err`` itself otherwise."""
-    code = _errno_of(err)
+    (full disk, read-only file system, permission, a failed write); ``err`` itself otherwise."""
+    code = _errno_of(err, path)
     if code in _NO_SPACE:
         return NoSpace(f"no space left on device writing {path}")
     if code == errno.EROFS:
         return ReplayError(f"{path}: cannot write (read-only file system)")
     if code in (errno.EACCES, errno.EPERM):
         return ReplayError(f"{path}: cannot write (permission denied)")
+    if code == errno.EIO and not isinstance(err, OSError):
+        return ReplayError(f"{path}: cannot write ({first_line(err)})")
     return err
 
 
