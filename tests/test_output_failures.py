@@ -94,6 +94,46 @@ def test_a_signal_cleans_up_and_keeps_the_old_run(big, gen_trace, tmp_path, sig,
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == old
 
 
+def test_repeated_sighup_at_random_moments_leaves_nothing(big, gen_trace, tmp_path):
+    """SIGHUP, then more SIGHUPs a few milliseconds apart, at random moments of a sweep (before
+    its partial folder exists, while it writes, while it cleans up after the first one): every
+    run ends with exit 129 and one line (or finishes whole), never a partial folder left
+    behind, and the previous run stays as it was.  Seeded, a bounded number of runs."""
+    import random
+    rng = random.Random(20261207)
+    out = tmp_path / "run"
+    ok(invoke("sweep", gen_trace, "--out", out, "--worker-queue-limit", "2", "--no-report", "-q"))
+
+    def state():
+        return {n: (out / n).read_bytes() for n in sorted(os.listdir(out)) if (out / n).is_file()}
+
+    old = state()
+    for i in range(8):
+        proc = cli("sweep", big, "--out", out, "--force", *GRID, "--no-report", "-q")
+        if i % 2:                                           # while it writes its partial folder
+            wait_for_partial(tmp_path, proc)
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:                                               # any moment from its start on
+            time.sleep(rng.uniform(0.0, 3.0))
+        for _ in range(rng.randint(2, 6)):
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(rng.uniform(0.0, 0.03))
+        _, err = proc.communicate(timeout=180)
+        assert hidden(tmp_path) == [], (i, err)
+        assert "Traceback" not in err, (i, err)
+        if proc.returncode == 0:                            # it finished before the first signal
+            old = state()
+            continue
+        if proc.returncode == -signal.SIGHUP:               # before the command began: nothing done
+            assert err == "" and state() == old, (i, err)
+            continue
+        assert proc.returncode == 129, (i, proc.returncode, err)
+        assert err.strip().splitlines() == ["interrupted (SIGHUP): nothing of this run was kept"], (i, err)
+        assert state() == old, i
+
+
 def test_sigint_exit_differs_from_checks_regression_code(big, tmp_path):
     proc = cli("sweep", big, "--out", tmp_path / "run", *GRID, "--no-report", "-q")
     wait_for_partial(tmp_path, proc)

@@ -73,6 +73,16 @@ def _handle_signals() -> None:
             signal.signal(sig, _raise_interrupted)
 
 
+def _ignore_stops() -> None:
+    """On the way out after a signal: further Ctrl-C, SIGTERM or SIGHUP are ignored, so a
+    repeated signal cannot break the one-line exit or the removal of unfinished outputs
+    (``atexit``, :mod:`replay.runs.rundir`)."""
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _interrupted_exit(err: BaseException) -> int:
     """128 + the signal that stopped the command (SIGINT 130, SIGTERM 143, SIGHUP 129):
     distinct from ``check``'s regression code 1 and the bad-input code 2."""
@@ -132,10 +142,14 @@ class _OneLineErrors(click.Group):
             sys.exit(err.exit_code)
         except click.exceptions.Abort as err:
             if isinstance(err.__cause__ or err.__context__, KeyboardInterrupt):
+                if args is None:
+                    _ignore_stops()
                 sys.exit(_interrupted_exit(err))
             click.echo("aborted", err=True)
             sys.exit(1)
         except KeyboardInterrupt as err:     # raised outside click's own handler
+            if args is None:
+                _ignore_stops()
             sys.exit(_interrupted_exit(err))
         code = rv if isinstance(rv, int) else 0
         if args is None and _DONE:

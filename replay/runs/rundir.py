@@ -38,6 +38,7 @@ with :func:`register_kind`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -46,9 +47,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -584,16 +587,68 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
     return lines
 
 
+_STOPS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+_LIVE: dict[Path, int] = {}
+"""This process's unfinished outputs (partial folders, file temporaries) -> the pid that made them:
+removed at exit whatever ended the command (:func:`_discard_live`)."""
+
+
+@contextlib.contextmanager
+def uninterrupted(reraise: bool = True) -> Iterator[None]:
+    """Hold off Ctrl-C, SIGTERM and SIGHUP while the block runs (creating, swapping or removing
+    an unfinished output: a signal in the middle would leave it half done); a signal that
+    arrived meanwhile is delivered when the block ends (dropped with ``reraise=False``).
+    Outside the main thread (where handlers cannot change) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    try:
+        before = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum)) for sig in _STOPS}
+    except ValueError:          # not the main interpreter: signals cannot be held off here
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if got and reraise:
+            signal.raise_signal(got[0])
+
+
+def _discard_live() -> None:
+    with uninterrupted(reraise=False):
+        for path, pid in list(_LIVE.items()):
+            if pid == os.getpid():
+                _remove(path)
+            _LIVE.pop(path, None)
+
+
+atexit.register(_discard_live)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def partial_beside(out: str | os.PathLike) -> Path:
     """A new hidden sibling folder of ``out`` to build in, named with this process's
     pid (so a later run can tell a dead run's folder from a live one), with
-    ordinary permissions (``mkdtemp`` alone leaves it readable by its owner only)."""
+    ordinary permissions (``mkdtemp`` alone leaves it readable by its owner only).
+    Until :func:`move_into_place` or :func:`discard` it is this process's to remove
+    at exit, so a signal landing before the caller holds it loses nothing."""
     out = _real(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_tag()}-", dir=out.parent))
-    except OSError as err:
-        raise write_error(err, out) from None
+    with uninterrupted():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_tag()}-", dir=out.parent))
+        except OSError as err:
+            raise write_error(err, out) from None
+        _LIVE[tmp] = os.getpid()
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
@@ -637,11 +692,12 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
     renames is undone by the next :func:`recover`).
     """
     out = _real(out)
-    with _parent_lock(out.parent):
+    with uninterrupted(), _parent_lock(out.parent):
         _check_unchanged(out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)
+                _LIVE.pop(tmp, None)
                 return
             old = out.parent / f".{out.name}.old-{_tag()}-{os.urandom(3).hex()}"
             out.rename(old)
@@ -656,6 +712,7 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
             if out.is_dir():
                 out.rmdir()
             tmp.rename(out)
+        _LIVE.pop(tmp, None)
 
 
 def _check_unchanged(out: Path) -> None:
@@ -698,20 +755,27 @@ def file_aside(out: str | os.PathLike) -> Iterator[Path]:
     ``out`` is left exactly as it was."""
     out = _real(out)
     tmp = out.parent / f".{out.name}.partial-{_tag()}-{os.urandom(3).hex()}"
+    _LIVE[tmp] = os.getpid()
     try:
         with writing(out):
             out.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
-        with writing(out):
+        with writing(out), uninterrupted():
             os.replace(tmp, out)
+            _LIVE.pop(tmp, None)
     finally:
-        tmp.unlink(missing_ok=True)
+        with uninterrupted():
+            tmp.unlink(missing_ok=True)
+            _LIVE.pop(tmp, None)
 
 
 def discard(tmp: Path | None) -> None:
-    """Remove an unfinished output folder (a failed or interrupted run)."""
+    """Remove an unfinished output folder (a failed or interrupted run); a signal arriving
+    meanwhile waits until it is gone."""
     if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with uninterrupted():
+            shutil.rmtree(tmp, ignore_errors=True)
+            _LIVE.pop(tmp, None)
 
 
 # ---------------------------------------------------------------------------
