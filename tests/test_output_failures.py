@@ -409,3 +409,41 @@ def test_a_nearly_full_disk_is_no_space_left_whichever_writer_hits_it(gen_trace,
         else:
             refused(res, "no space left on device writing", str(disk_2m / name))
         assert os.listdir(disk_2m) == ["filler"], (args[0], os.listdir(disk_2m))
+
+
+SAMPLE_LOG = Path(__file__).resolve().parents[1] / "traces" / "sample-log" / "requests.jsonl"
+SAMPLE_FLEET = Path(__file__).resolve().parents[1] / "traces" / "sample-fleet.toml"
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--seeds", str(2**63)], ["--seeds", "10,000", "TiB"]),
+    (["--seeds", str(10**12)], ["--seeds", "1,000,000,000,000", "TiB"]),
+    (["--dp-size", "1,100000"], ["--dp-size", "100,000", "1,024"]),
+    (["--workers", "0"], ["--workers", "0", ">= 1"]),
+    (["--workers", "0,4"], ["--workers", ">= 1"]),
+])
+def test_simulate_refuses_counts_it_cannot_hold_naming_the_option(tmp_path, args, needles):
+    t0 = time.perf_counter()
+    line = refused(invoke("simulate", SAMPLE_LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "sim",
+                          "--requests", "50", "-q", *args), *needles)
+    assert "sample-fleet.toml" not in line          # the option is to blame, not the fleet file
+    assert os.listdir(tmp_path) == [] and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("seeds, needles", [(str(2**63), ["--seeds", "TiB"]), (str(10**12), ["--seeds", "TiB"]),
+                                            ("0", ["--seeds", "count >= 1"])])
+def test_calibrate_refuses_seeds_before_the_fit(tmp_path, seeds, needles):
+    t0 = time.perf_counter()
+    refused(invoke("calibrate", SAMPLE_TRACE, "--out", tmp_path / "f.toml", "--validate", tmp_path / "v",
+                   "--worker-queue-limit", "2", "--seeds", seeds, "-q"), *needles)
+    assert os.listdir(tmp_path) == [] and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("lag", ["nan", "inf"])
+def test_import_refuses_a_lag_that_is_not_a_number(tmp_path, lag):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n')
+    refused(invoke("import", "--out", tmp_path / "t", "--mooncake", log, "--index-lag-ms", lag),
+            "--index-lag-ms", "finite")
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import check_seeds
 from replay.cli.simulate import grid_progress, grid_table
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
@@ -103,6 +104,11 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     grid = Grid.from_texts(texts) if texts else None
     if seeds_text is not None and grid is None:
         raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
+    check_seeds(seeds_text)
+    try:
+        parse_seeds(seeds_text, 0)     # refused now, not after the fit and the validation
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit(rec, decode_model=decode_model)
     extra = (rec.info.get("extra") or {})
