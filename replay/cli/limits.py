@@ -54,3 +54,17 @@ def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> f
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"must be a finite number, got {value}", ctx=ctx, param=param)
     return value
+
+
+MAX_PORT = 65535
+
+
+def check_rank_ports(dp_size: int | None, bases: dict[str, int | None]) -> None:
+    """``record``: rank ``r`` of an engine listens on ``base + r``; refuse port-base flags whose
+    last rank would be past 65535 (before the previous recording is cleared)."""
+    if not dp_size:
+        return
+    for flag, base in bases.items():
+        if base is not None and base + dp_size - 1 > MAX_PORT:
+            raise ReplayError(f"{flag} {base} with --dp-size {dp_size:,}: rank {dp_size - 1:,} would listen on "
+                              f"port {base + dp_size - 1:,}, above {MAX_PORT}")
