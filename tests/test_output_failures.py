@@ -449,37 +449,9 @@ def test_import_refuses_a_lag_that_is_not_a_number(tmp_path, lag):
     assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
 
 
-@contextlib.contextmanager
-def _server_info(info: dict):
-    """A real HTTP server on loopback answering /server_info with ``info``."""
-    import http.server
-    import json
-    import threading
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            body = json.dumps(info).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
 def test_record_refuses_ports_past_65535_and_ranks_it_cannot_open(tmp_path):
     pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
     out = tmp_path / "rec"
     refused(invoke("record", "--worker", "http://127.0.0.1:9", "--out", out, "--load-port-base", "65535",
                    "--kv-port-base", "65530", "--dp-size", "8", "--page-size", "16", "--duration", "1s"),
@@ -488,8 +460,16 @@ def test_record_refuses_ports_past_65535_and_ranks_it_cannot_open(tmp_path):
     info = {"dp_size": 10**7, "page_size": 16,
             "kv_events": {"dp_size": 10**7, "block_size": 16, "endpoint_port_base": 5557,
                           "load_endpoint_port_base": 5600, "load_topic": ""}}
-    with _server_info(info) as url:
+    from capture_fleet import free_ports, serve_server_info  # needs msgpack, as record does
+
+    port = free_ports(1)[0]
+    server = serve_server_info(port, lambda: info)
+    try:
+        url = f"http://127.0.0.1:{port}"
         line = refused(invoke("record", "--worker", url, "--out", out, "--duration", "1s"), url, "10,000,000 ranks")
+    finally:
+        server.shutdown()
+        server.server_close()
     assert "Too many open files" not in line and not out.exists()
 
 
