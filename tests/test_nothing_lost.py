@@ -322,3 +322,108 @@ def test_a_baseline_of_a_policy_variant_grid_loads_and_a_bad_choice_is_unusable(
     rec["configs"][0]["knobs"]["variant_pin_order"] = "sideways"
     base.write_text(json.dumps(rec))
     refused(invoke("check", run, "--baseline", base), "variant_pin_order", "not one of pressure, locality")
+
+
+# ---------------------------------------------------------------------------
+# import and calibrate: --force replaces only what they wrote; the fleet file is swapped in last
+
+
+def _mooncake(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "log.jsonl"
+    log.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 600, "output_length": 3,
+                                       "hash_ids": [0, i + 1]}) + "\n" for i in range(20)))
+    return log
+
+
+def test_import_force_replaces_only_a_trace_import_wrote(gen_trace, tmp_path):
+    """A folder holding a trace.json is not proof it is import's: a user's hand-made trace (its own
+    trace.json, tables and a file of theirs in loads/) is refused under --force, naming the file."""
+    log = _mooncake(tmp_path / "src")
+    mine = tmp_path / "mine"
+    shutil.copytree(gen_trace, mine)
+    (mine / "trace.json").write_text(json.dumps({"source": "hand-made from our fleet", "page_size": 16}))
+    before = digest_tree(mine)
+    refused(invoke("import", "--out", mine, "--mooncake", log, "--force"), "--force replaces only",
+            f"{mine / 'trace.json'} was not written by router-replay")
+    assert digest_tree(mine) == before
+    # an imported trace with a user's file put in its loads/ folder: that file is not import's to delete
+    imp = tmp_path / "imp"
+    ok(invoke("import", "--out", imp, "--mooncake", log))
+    (imp / "loads").mkdir(exist_ok=True)
+    (imp / "loads" / "notes.txt").write_text("mine")
+    before = digest_tree(imp)
+    refused(invoke("import", "--out", imp, "--mooncake", log, "--force"),
+            f"{imp / 'loads' / 'notes.txt'} was not written by router-replay")
+    assert digest_tree(imp) == before
+    # what import wrote is replaced
+    (imp / "loads" / "notes.txt").unlink()
+    ok(invoke("import", "--out", imp, "--mooncake", log, "--force"))
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+
+
+def test_force_refusals_name_the_foreign_file(trace, tmp_path):
+    """docs/outputs.md: a folder of anything else is refused with --force, naming its first foreign entry."""
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    for args in (["sweep", trace, "--out", foreign, *SMALL], ["generate", foreign, "--requests", "50"],
+                 ["import", "--out", foreign, "--mooncake", _mooncake(tmp_path / "src")]):
+        refused(invoke(*args, "--force"), "--force replaces only", f"{foreign / 'thesis.tex'} was not written")
+    assert digest_tree(foreign) == {"thesis.tex": b"years of work"}
+
+
+SAMPLE = REPO / "traces" / "sample"
+
+
+def _fleet_fixture(tmp_path):
+    fleet = tmp_path / "fleet.toml"
+    ok(invoke("calibrate", SAMPLE, "--out", fleet, "-q"))
+    with open(fleet, "a") as fh:         # still calibrate's file, but not what this fit writes again
+        fh.write("# the previous fit\n")
+    return fleet, fleet.read_bytes()
+
+
+def test_a_refused_calibrate_leaves_the_old_fleet_file(tmp_path):
+    """calibrate --force writes the fleet aside: a run refused after the fit (--seeds 0) keeps the
+    previous fleet file byte for byte and leaves no temporary beside it."""
+    fleet, old = _fleet_fixture(tmp_path)
+    refused(invoke("calibrate", SAMPLE, "--out", fleet, "--validate", tmp_path / "v", "--force", "-q",
+                   "--worker-queue-limit", "2", "--seeds", "0"), "seeds")
+    assert fleet.read_bytes() == old
+    assert os.listdir(tmp_path) == ["fleet.toml"]
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "replay", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_calibrate_interrupted_during_validation_keeps_the_old_fleet_file(tmp_path, sig):
+    import signal
+    import time
+    fleet, old = _fleet_fixture(tmp_path)
+    proc = _cli("calibrate", SAMPLE, "--out", fleet, "--validate", tmp_path / "v", "--force", "-q",
+                "--worker-queue-limit", "1..8")
+    t0 = time.monotonic()
+    while not any(n.startswith(".v.partial-") for n in os.listdir(tmp_path)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    assert fleet.read_bytes() == old
+    if sig == "SIGTERM":
+        assert proc.returncode == 143 and "Traceback" not in err, err
+        assert os.listdir(tmp_path) == ["fleet.toml"]
+        return
+    # kill -9 cannot be cleaned up after: the next calibrate into that fleet file removes its debris
+    assert any(n.startswith(".fleet.toml.partial-") for n in os.listdir(tmp_path))
+    res = invoke("calibrate", SAMPLE, "--out", fleet, "--force", "-q")
+    ok(res)
+    assert "removed 1 unfinished folder(s) left by killed runs (.fleet.toml.partial-" in res.stderr
+    assert [n for n in os.listdir(tmp_path) if "fleet" in n] == ["fleet.toml"] and fleet.read_bytes() != b""

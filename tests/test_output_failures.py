@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,6 +92,46 @@ def test_a_signal_cleans_up_and_keeps_the_old_run(big, gen_trace, tmp_path, sig,
     assert f"interrupted ({signal.Signals(sig).name})" in err and "Traceback" not in err
     assert hidden(tmp_path) == []                       # no partial left
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == old
+
+
+def test_repeated_sighup_at_random_moments_leaves_nothing(big, gen_trace, tmp_path):
+    """SIGHUP, then more SIGHUPs a few milliseconds apart, at random moments of a sweep (before
+    its partial folder exists, while it writes, while it cleans up after the first one): every
+    run ends with exit 129 and one line (or finishes whole), never a partial folder left
+    behind, and the previous run stays as it was.  Seeded, a bounded number of runs."""
+    import random
+    rng = random.Random(20261207)
+    out = tmp_path / "run"
+    ok(invoke("sweep", gen_trace, "--out", out, "--worker-queue-limit", "2", "--no-report", "-q"))
+
+    def state():
+        return {n: (out / n).read_bytes() for n in sorted(os.listdir(out)) if (out / n).is_file()}
+
+    old = state()
+    for i in range(8):
+        proc = cli("sweep", big, "--out", out, "--force", *GRID, "--no-report", "-q")
+        if i % 2:                                           # while it writes its partial folder
+            wait_for_partial(tmp_path, proc)
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:                                               # any moment from its start on
+            time.sleep(rng.uniform(0.0, 3.0))
+        for _ in range(rng.randint(2, 6)):
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(rng.uniform(0.0, 0.03))
+        _, err = proc.communicate(timeout=180)
+        assert hidden(tmp_path) == [], (i, err)
+        assert "Traceback" not in err, (i, err)
+        if proc.returncode == 0:                            # it finished before the first signal
+            old = state()
+            continue
+        if proc.returncode == -signal.SIGHUP:               # before the command began: nothing done
+            assert err == "" and state() == old, (i, err)
+            continue
+        assert proc.returncode == 129, (i, proc.returncode, err)
+        assert err.strip().splitlines() == ["interrupted (SIGHUP): nothing of this run was kept"], (i, err)
+        assert state() == old, i
 
 
 def test_sigint_exit_differs_from_checks_regression_code(big, tmp_path):
@@ -333,3 +374,114 @@ def test_a_full_disk_under_simulate_and_calibrate_is_one_line(small_disk):
     refused(invoke("calibrate", root / "traces" / "sample", "--out", small_disk / "f.toml",
                    "--validate", small_disk / "v", "-q"), "no space left on device writing", str(small_disk / "v"))
     assert [n for n in os.listdir(small_disk) if n != "f.toml"] == []
+
+
+@pytest.fixture()
+def disk_2m(tmp_path):
+    with _tmpfs(tmp_path / "disk2m", "size=2m") as d:
+        yield d
+
+
+def _fill_leaving(disk: Path, kib: int) -> None:
+    """Fill the tmpfs so that about ``kib`` KiB stay free."""
+    (disk / "filler").unlink(missing_ok=True)
+    st = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - kib * 1024))
+
+
+@pytest.mark.parametrize("kib", [1, 8, 64, 400])
+def test_a_nearly_full_disk_is_no_space_left_whichever_writer_hits_it(gen_trace, run_dir, disk_2m, kib):
+    """polars' Parquet writer hides the os error of a failed write ("Invalid thrift: transport
+    error"): on a nearly full disk sweep, compare and report still say "no space left" in one line,
+    exit 2, and keep nothing partial; what fits is written whole."""
+    other = disk_2m.parent / "other"
+    if not other.exists():
+        ok(invoke("sweep", gen_trace, "--out", other, "--worker-queue-limit", "3,5", "-q"))
+    cases = [("run", ["sweep", gen_trace, "--out", disk_2m / "run", *GRID, "-q"]),
+             ("d", ["compare", run_dir, other, "--out", disk_2m / "d"]),
+             ("r.html", ["report", run_dir, "--out", disk_2m / "r.html"])]
+    for name, args in cases:
+        _fill_leaving(disk_2m, kib)
+        res = invoke(*args)
+        if res.exit_code == 0:
+            assert (disk_2m / name).exists()
+            shutil.rmtree(disk_2m / name) if (disk_2m / name).is_dir() else (disk_2m / name).unlink()
+        else:
+            refused(res, "no space left on device writing", str(disk_2m / name))
+        assert os.listdir(disk_2m) == ["filler"], (args[0], os.listdir(disk_2m))
+
+
+SAMPLE_LOG = Path(__file__).resolve().parents[1] / "traces" / "sample-log" / "requests.jsonl"
+SAMPLE_FLEET = Path(__file__).resolve().parents[1] / "traces" / "sample-fleet.toml"
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--seeds", str(2**63)], ["--seeds", "10,000", "TiB"]),
+    (["--seeds", str(10**12)], ["--seeds", "1,000,000,000,000", "TiB"]),
+    (["--dp-size", "1,100000"], ["--dp-size", "100,000", "1,024"]),
+    (["--workers", "0"], ["--workers", "0", ">= 1"]),
+    (["--workers", "0,4"], ["--workers", ">= 1"]),
+])
+def test_simulate_refuses_counts_it_cannot_hold_naming_the_option(tmp_path, args, needles):
+    t0 = time.perf_counter()
+    line = refused(invoke("simulate", SAMPLE_LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "sim",
+                          "--requests", "50", "-q", *args), *needles)
+    assert "sample-fleet.toml" not in line          # the option is to blame, not the fleet file
+    assert os.listdir(tmp_path) == [] and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("seeds, needles", [(str(2**63), ["--seeds", "TiB"]), (str(10**12), ["--seeds", "TiB"]),
+                                            ("0", ["--seeds", "count >= 1"])])
+def test_calibrate_refuses_seeds_before_the_fit(tmp_path, seeds, needles):
+    t0 = time.perf_counter()
+    refused(invoke("calibrate", SAMPLE_TRACE, "--out", tmp_path / "f.toml", "--validate", tmp_path / "v",
+                   "--worker-queue-limit", "2", "--seeds", seeds, "-q"), *needles)
+    assert os.listdir(tmp_path) == [] and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("lag", ["nan", "inf"])
+def test_import_refuses_a_lag_that_is_not_a_number(tmp_path, lag):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n')
+    refused(invoke("import", "--out", tmp_path / "t", "--mooncake", log, "--index-lag-ms", lag),
+            "--index-lag-ms", "finite")
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
+
+
+def test_record_refuses_ports_past_65535_and_ranks_it_cannot_open(tmp_path):
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
+    out = tmp_path / "rec"
+    refused(invoke("record", "--worker", "http://127.0.0.1:9", "--out", out, "--load-port-base", "65535",
+                   "--kv-port-base", "65530", "--dp-size", "8", "--page-size", "16", "--duration", "1s"),
+            "--load-port-base 65535", "65,542", "above 65535")
+    assert not out.exists()
+    info = {"dp_size": 10**7, "page_size": 16,
+            "kv_events": {"dp_size": 10**7, "block_size": 16, "endpoint_port_base": 5557,
+                          "load_endpoint_port_base": 5600, "load_topic": ""}}
+    from capture_fleet import free_ports, serve_server_info  # needs msgpack, as record does
+
+    port = free_ports(1)[0]
+    server = serve_server_info(port, lambda: info)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        line = refused(invoke("record", "--worker", url, "--out", out, "--duration", "1s"), url, "10,000,000 ranks")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Too many open files" not in line and not out.exists()
+
+
+def test_an_empty_recording_is_never_complete(tmp_path):
+    """A recording that received nothing (the engine's publishers never sent) says complete: false."""
+    pytest.importorskip("zmq")
+    import json
+    out = tmp_path / "rec"
+    with socket.socket() as s1, socket.socket() as s2:
+        s1.bind(("127.0.0.1", 0))
+        s2.bind(("127.0.0.1", 0))
+        p1, p2 = s1.getsockname()[1], s2.getsockname()[1]
+    ok(invoke("record", "--worker", "http://127.0.0.1:9", "--out", out, "--load-port-base", p1,
+              "--kv-port-base", p2, "--dp-size", "1", "--page-size", "16", "--duration", "1s"))
+    assert json.loads((out / "record.json").read_text())["complete"] is False

@@ -215,3 +215,26 @@ def test_cli_failure_is_one_line_exit_2(set_dir, tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "window 0 (" in lines[0] and "Traceback" not in res.stderr
     assert not out.exists()
+
+
+def test_a_ray_address_where_nothing_listens_fails_fast_in_one_line(set_dir, tmp_path):
+    """Ray's client waits for a cluster's GCS without end: the sweep gives up in bounded time, one
+    line naming --ray-address, exit 2, nothing written (a real child process, no Ray started)."""
+    import os
+    import socket
+    import time
+
+    with socket.socket() as s:          # a port nothing listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "replay", "sweep", str(set_dir), "--out", str(out),
+                          "--worker-queue-limit", "2", "--executor", "ray", "--ray-address", f"127.0.0.1:{port}",
+                          "-q"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --ray-address 127.0.0.1:{port}: nothing listens"), lines
+    assert time.monotonic() - t0 < 60
+    assert os.listdir(tmp_path) == []

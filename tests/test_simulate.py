@@ -289,7 +289,7 @@ def test_cli_single_and_grid(tmp_path):
 @pytest.mark.parametrize("args, text", [
     (["--out", "{o}", "{missing}"], "no such file"),
     (["--out", "{o}", "{log}", "--fleet", "{badfleet}"], "unknown key 'worker_count'"),
-    (["--out", "{o}", "{log}", "--workers", "0"], "workers must be"),
+    (["--out", "{o}", "{log}", "--workers", "0"], "--workers: 0 is out of range (>= 1)"),
     (["--out", "{o}", "{log}", "--saturation-queue-floor", "2"], "requires --worker-queue-limit"),
     (["--out", "{o}", "{log}", "--max-total-num-tokens", "100"], "more than max_total_num_tokens"),
 ])

@@ -369,7 +369,7 @@ def write_comparison(cmp: Comparison, out: str | os.PathLike, *, force: bool = F
                 try:
                     cmp.changed.sink_parquet(tmp / "changed_requests.parquet")
                 except (pl.exceptions.PolarsError, OSError) as err:
-                    if rundir.no_space(err):
+                    if rundir.no_space(err, tmp):
                         raise
                     raise ReplayError(f"reading {DECISIONS}: {_first_line(err)}") from None
                 cmp.changed = pl.scan_parquet(out / "changed_requests.parquet")

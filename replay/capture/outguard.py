@@ -7,9 +7,10 @@ These are the capture outputs it recognises as its own:
 
 * a recording (``record``): ``record.json`` whose ``tool`` names router-replay,
   beside ``loads/``, ``kv_events/``, ``gaps/`` and ``workers.parquet``;
-* an imported trace (``import``): ``trace.json`` beside the trace tables and
-  ``loads/``;
-* a simulator run in capture formats: ``trace.json`` beside ``recorded/``,
+* an imported trace (``import``): ``trace.json`` whose ``source`` names
+  ``router-replay import``, beside the trace tables and ``loads/`` (Parquet files only);
+* a simulator run in capture formats: ``trace.json`` (its ``source`` names the
+  simulator's capture writer) beside ``recorded/``,
   ``token_export/`` and ``engines/``.
 """
 
@@ -32,18 +33,28 @@ def _recording(path: Path) -> str | None:
     return rundir.foreign_entries(path, RECORDING_NAMES.__contains__)
 
 
-def _with_trace_json(names: frozenset[str]):
+IMPORT_SOURCE = "router-replay import "
+"""How the ``source`` of a trace.json ``import`` wrote begins: its marker (a trace.json alone is
+any trace's, a user's hand-made one included)."""
+CAPTURE_SOURCE = "router-replay simulate -> capture formats"
+"""The ``source`` of the trace.json the simulator's capture writer puts beside its formats."""
+
+
+def _with_trace_json(names: frozenset[str], source: str, parquet_dirs: tuple[str, ...] = ()):
     def recognise(path: Path) -> str | None:
-        if rundir.read_json(path / "trace.json") is None:
-            return "no trace.json written by router-replay"
-        return rundir.foreign_entries(path, names.__contains__)
+        info = rundir.read_json(path / "trace.json")
+        if info is None or not str(info.get("source", "")).startswith(source):
+            return rundir.unmarked(path, "trace.json")
+        return (rundir.foreign_entries(path, names.__contains__)
+                or rundir.foreign_below(path, parquet_dirs))
     return recognise
 
 
 rundir.register_kind("recording", "recording directory", is_dir=True, recognise=_recording)
-rundir.register_kind("imported", "imported trace directory", is_dir=True, recognise=_with_trace_json(IMPORTED_NAMES))
+rundir.register_kind("imported", "imported trace directory", is_dir=True,
+                     recognise=_with_trace_json(IMPORTED_NAMES, IMPORT_SOURCE, ("requests", "loads")))
 rundir.register_kind("capture", "capture directory", is_dir=True, recognise=_with_trace_json(
-    frozenset({"trace.json", "recorded", "token_export", "engines"})))
+    frozenset({"trace.json", "recorded", "token_export", "engines"}), CAPTURE_SOURCE))
 
 
 def clear(out: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -178,7 +179,32 @@ def engine_from_info(url: str, info: dict, ov: Overrides) -> Engine:
     e.kv_topic = topic or ""
     if e.dp_size < 1:
         raise RecordError(f"worker {url}: dp_size {e.dp_size} < 1")
+    check_ranks(e)
     return e
+
+
+MAX_PORT = 65535
+
+
+def check_ranks(e: Engine) -> None:
+    """Refuse, in one line and before any socket opens, an engine whose ranks' ports (base + rank)
+    run past 65535, or whose ranks need more sockets than this process may open (a server_info
+    advertising 10**7 ranks ended in 'Too many open files')."""
+    bases = {"load port base": e.load_port_base, "KV-event port base": e.kv_port_base,
+             "KV-event replay port base": e.replay_port_base}
+    for what, base in bases.items():
+        if base is None:
+            continue
+        if isinstance(base, bool) or not isinstance(base, int) or not 1 <= base <= MAX_PORT:
+            raise RecordError(f"worker {e.url}: {what} {base!r} is not a port (1..{MAX_PORT})")
+        if base + e.dp_size - 1 > MAX_PORT:
+            raise RecordError(f"worker {e.url}: {what} {base} + {e.dp_size:,} ranks reaches port "
+                              f"{base + e.dp_size - 1:,}, above {MAX_PORT}")
+    sockets = e.dp_size * max(1, sum(b is not None for b in bases.values()))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and sockets > soft - 64:
+        raise RecordError(f"worker {e.url}: {e.dp_size:,} ranks need {sockets:,} sockets, more than this "
+                          f"process may open ({soft:,}: ulimit -n)")
 
 
 def discover(url: str, ov: Overrides, timeout_s: float = 3.0) -> Engine:
@@ -256,13 +282,13 @@ class Recorder:
 
     # ------------------------------------------------------------------ setup
     def _discover_all(self, urls: list[str]) -> None:
-        results: dict[str, Engine | str] = {}
+        results: dict[str, Engine | str | RecordError] = {}
 
         def one(u):
             try:
                 results[u] = discover(u, self.ov)
-            except RecordError:
-                raise
+            except RecordError as err:      # an engine this recorder refuses: raised by the main loop
+                results[u] = err
             except (OSError, ValueError, urllib.error.URLError) as err:
                 reason = getattr(err, "reason", None) or err
                 results[u] = f"{type(err).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}"
@@ -292,6 +318,8 @@ class Recorder:
                 return
             if url in self.engines:
                 continue
+            if isinstance(r, RecordError):
+                raise r
             if isinstance(r, str):
                 if url not in self.unreachable:
                     self._warn(f"warning: {url}: no /server_info answer ({r}); still recording the others")
@@ -563,6 +591,10 @@ class Recorder:
     def run(self, duration_s: float | None = None) -> dict:
         import zmq  # optional: an extra dependency
 
+        self._discover_all(self.urls)
+        refused = [r for _u, r in list(self._discovered.queue) if isinstance(r, RecordError)]
+        if refused:             # an engine this recorder cannot follow: refused before anything is written
+            raise refused[0]
         self.out.mkdir(parents=True, exist_ok=True)
         ctx = zmq.Context()
         poller = zmq.Poller()
@@ -571,7 +603,6 @@ class Recorder:
         writer = threading.Thread(target=self._writer, name="record-writer", daemon=True)
         writer.start()
         self._writes.put(("facts", self.facts(False)))
-        self._discover_all(self.urls)
         self._take_discovered(ctx, poller)
         retry = threading.Thread(target=self._retry_loop, daemon=True)
         retry.start()
@@ -617,7 +648,8 @@ class Recorder:
                 while s.pending:
                     self._finish_replay(s, now, "recording stopped before the replay socket answered",
                                         ask_next=False)
-            self._flush(complete=not self._writer_error and bool(self.engines))
+            # an empty recording (nothing received) is never complete
+            self._flush(complete=not self._writer_error and bool(self.engines) and self.rows_total > 0)
             self._writes.put(None)
             writer.join()
             self.stop.set()
@@ -634,7 +666,7 @@ class Recorder:
             raise RecordError(f"{self.out}: cannot write ({why}); "
                               f"the files already renamed into place are complete, record.json says "
                               f"complete: false")
-        return self.facts(True)
+        return self.facts(self.rows_total > 0)
 
     def _status_text(self, rate: float) -> str:
         live = sum(1 for s in self.streams if s.messages)

@@ -59,18 +59,41 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+_ONE_SIGNAL = False
+"""In a real process (not click's CliRunner): the first stop signal ends the command and the
+ones after it are ignored, so none lands in the clean-up (a generator's ``finally``, the removal
+of a partial folder) and prints a traceback."""
+
+
 def _raise_interrupted(signum, _frame):
+    if _ONE_SIGNAL:
+        _ignore_stops()
     raise Interrupted(signum)
 
 
-def _handle_signals() -> None:
-    """SIGTERM and SIGHUP end a command the way SIGINT does (clean up, exit 128 + signal)."""
+def _handle_signals(real_process: bool = False) -> None:
+    """SIGTERM and SIGHUP end a command the way SIGINT does (clean up, exit 128 + signal); in a
+    real process SIGINT goes through the same handler, and only the first signal counts."""
 
+    global _ONE_SIGNAL
     if threading.current_thread() is not threading.main_thread():
         return
+    _ONE_SIGNAL = _ONE_SIGNAL or real_process
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _raise_interrupted)
+    if real_process and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_interrupted)
+
+
+def _ignore_stops() -> None:
+    """On the way out after a signal: further Ctrl-C, SIGTERM or SIGHUP are ignored, so a
+    repeated signal cannot break the one-line exit or the removal of unfinished outputs
+    (``atexit``, :mod:`replay.runs.rundir`)."""
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _interrupted_exit(err: BaseException) -> int:
@@ -120,7 +143,7 @@ class _OneLineErrors(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        _handle_signals()
+        _handle_signals(real_process=args is None)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as err:
@@ -132,10 +155,14 @@ class _OneLineErrors(click.Group):
             sys.exit(err.exit_code)
         except click.exceptions.Abort as err:
             if isinstance(err.__cause__ or err.__context__, KeyboardInterrupt):
+                if args is None:
+                    _ignore_stops()
                 sys.exit(_interrupted_exit(err))
             click.echo("aborted", err=True)
             sys.exit(1)
         except KeyboardInterrupt as err:     # raised outside click's own handler
+            if args is None:
+                _ignore_stops()
             sys.exit(_interrupted_exit(err))
         code = rv if isinstance(rv, int) else 0
         if args is None and _DONE:

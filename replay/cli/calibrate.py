@@ -11,6 +11,7 @@ import json
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import check_seeds
 from replay.cli.simulate import grid_progress, grid_table
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
@@ -74,6 +75,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
     if seeds_text is not None and not texts:
         raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
+    check_seeds(seeds_text)
     grid = Grid.from_texts(texts) if texts else None
     if as_json:
         quiet = True

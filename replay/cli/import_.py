@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import finite
 from replay.cli.progress import Progress
 from replay.errors import ReplayError
 
@@ -37,7 +38,7 @@ def _pairs(values, flag: str) -> list[tuple[str, str]]:
 @click.option("--v1-loads", multiple=True, metavar="URL=PATH", help="Polled /v1/loads answers, one JSON a line.")
 @click.option("--prometheus", multiple=True, metavar="URL=PATH", help="Prometheus text scrapes of an engine.")
 @click.option("--page-size", type=click.IntRange(1), help="Block size to hash with (default: recorded).")
-@click.option("--index-lag-ms", type=click.FloatRange(0), default=0.0, show_default=True,
+@click.option("--index-lag-ms", type=click.FloatRange(0), default=0.0, show_default=True, callback=finite,
               help="The router's KV-event processing delay: an event counts from ts + lag.")
 @click.option("--matches", type=click.Choice(["auto", "events", "placement", "none"]), default="auto",
               show_default=True, help="Where matches come from (auto: KV events, else the placement model).")

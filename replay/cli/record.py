@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import check_rank_ports
 from replay.cli.progress import PipedStatus
 from replay.errors import ReplayError
 
@@ -97,6 +98,8 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     flush = parse_seconds(flush_interval, "--flush-interval")
     retry_s = parse_seconds(retry, "--retry")
     replay_timeout_s = parse_seconds(replay_timeout, "--replay-timeout")
+    check_rank_ports(dp_size, {"--load-port-base": load_port_base, "--kv-port-base": kv_port_base,
+                               "--replay-port-base": replay_port_base})
     rundir.guard([(out, "recording")], force=force)
     outguard.clear(Path(out))
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,

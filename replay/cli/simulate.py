@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import check_fleet_sizes, check_seeds
 from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
@@ -112,6 +113,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
 
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
+    check_fleet_sizes(workers_l, dp_l)
+    check_seeds(seeds_text)
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
     planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
     if capture_out:

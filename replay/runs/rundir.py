@@ -38,6 +38,7 @@ with :func:`register_kind`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -46,9 +47,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -273,11 +276,23 @@ def _foreign_entries(path: Path, allowed: Callable[[str], bool]) -> str | None:
     return None
 
 
+def unmarked(path: Path, record: str) -> str:
+    """Why ``path`` (a folder without router-replay's ``record`` in it) is not the tool's own:
+    the reason names the file it would have destroyed, as the refusal promises."""
+    if (path / record).exists():
+        return f"{path / record} was not written by router-replay (no marker of router-replay's in it)"
+    try:
+        first = sorted(os.listdir(path))[0]
+    except (OSError, IndexError):
+        return f"no {record} of router-replay's in it"
+    return f"no {record} of router-replay's in it; {path / first} was not written by router-replay"
+
+
 def _record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Callable[[Path], str | None]:
     def recognise(path: Path) -> str | None:
         rec = _read_json(path / record)
         if rec is None or rec.get("tool") != marker or rec.get("kind") is not None:
-            return f"no {record} with router-replay's marker in it"
+            return unmarked(path, record)
         return _foreign_entries(path, allowed)
     return recognise
 
@@ -285,7 +300,7 @@ def _record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Cal
 def _names_dir(required: str, names: frozenset[str], what: str) -> Callable[[Path], str | None]:
     def recognise(path: Path) -> str | None:
         if not (path / required).exists():
-            return f"no {required} ({what})"
+            return f"{unmarked(path, required)} ({what})"
         return _foreign_entries(path, names.__contains__)
     return recognise
 
@@ -297,11 +312,17 @@ def _trace_dir(path: Path) -> str | None:
     if why:
         return why
     if not any((path / n).exists() for n in (REQUESTS, "requests")):
-        return "no requests table"
-    for sub in ("requests", "loads"):
+        return unmarked(path, "requests table")
+    return foreign_below(path, ("requests", "loads"))
+
+
+def foreign_below(path: Path, subs: Iterable[str], suffix: str = ".parquet") -> str | None:
+    """The first file in folders ``subs`` of ``path`` that the tool does not write there
+    (anything but ``suffix`` files), named; None when there is none."""
+    for sub in subs:
         for root, _dirs, files in os.walk(path / sub):
-            for f in files:
-                if not f.endswith(".parquet"):
+            for f in sorted(files):
+                if not f.endswith(suffix):
                     return f"{Path(root) / f} was not written by router-replay"
     return None
 
@@ -452,8 +473,7 @@ def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike, str] | 
             if _inside(out, real):
                 raise ReplayError(f"{given}: lies inside an input of this command ({name}); "
                                   f"choose an output outside it")
-        if k.is_dir:
-            recover(out, say=say)
+        recover(out, say=say)
         _check_kind(out, given, k, force)
         _check_writable(out, given)
         if k.is_dir:
@@ -562,7 +582,10 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
             olds = olds[1:]
         gone = [d[0] for d in found if d[1] == "partial"] + [d[0] for d in olds]
         for p in gone:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:                       # a file output's temporary (:func:`file_aside`)
+                p.unlink(missing_ok=True)
         if gone:
             lines.append(f"{out}: removed {len(gone)} unfinished folder(s) left by killed runs "
                          f"({', '.join(p.name for p in gone[:3])}{' ...' if len(gone) > 3 else ''})")
@@ -571,16 +594,68 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
     return lines
 
 
+_STOPS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+_LIVE: dict[Path, int] = {}
+"""This process's unfinished outputs (partial folders, file temporaries) -> the pid that made them:
+removed at exit whatever ended the command (:func:`_discard_live`)."""
+
+
+@contextlib.contextmanager
+def uninterrupted(reraise: bool = True) -> Iterator[None]:
+    """Hold off Ctrl-C, SIGTERM and SIGHUP while the block runs (creating, swapping or removing
+    an unfinished output: a signal in the middle would leave it half done); a signal that
+    arrived meanwhile is delivered when the block ends (dropped with ``reraise=False``).
+    Outside the main thread (where handlers cannot change) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    try:
+        before = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum)) for sig in _STOPS}
+    except ValueError:          # not the main interpreter: signals cannot be held off here
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if got and reraise:
+            signal.raise_signal(got[0])
+
+
+def _discard_live() -> None:
+    with uninterrupted(reraise=False):
+        for path, pid in list(_LIVE.items()):
+            if pid == os.getpid():
+                _remove(path)
+            _LIVE.pop(path, None)
+
+
+atexit.register(_discard_live)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def partial_beside(out: str | os.PathLike) -> Path:
     """A new hidden sibling folder of ``out`` to build in, named with this process's
     pid (so a later run can tell a dead run's folder from a live one), with
-    ordinary permissions (``mkdtemp`` alone leaves it readable by its owner only)."""
+    ordinary permissions (``mkdtemp`` alone leaves it readable by its owner only).
+    Until :func:`move_into_place` or :func:`discard` it is this process's to remove
+    at exit, so a signal landing before the caller holds it loses nothing."""
     out = _real(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_tag()}-", dir=out.parent))
-    except OSError as err:
-        raise write_error(err, out) from None
+    with uninterrupted():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{_tag()}-", dir=out.parent))
+        except OSError as err:
+            raise write_error(err, out) from None
+        _LIVE[tmp] = os.getpid()
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
@@ -624,11 +699,12 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
     renames is undone by the next :func:`recover`).
     """
     out = _real(out)
-    with _parent_lock(out.parent):
+    with uninterrupted(), _parent_lock(out.parent):
         _check_unchanged(out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)
+                _LIVE.pop(tmp, None)
                 return
             old = out.parent / f".{out.name}.old-{_tag()}-{os.urandom(3).hex()}"
             out.rename(old)
@@ -643,6 +719,7 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
             if out.is_dir():
                 out.rmdir()
             tmp.rename(out)
+        _LIVE.pop(tmp, None)
 
 
 def _check_unchanged(out: Path) -> None:
@@ -676,10 +753,36 @@ def building(out: str | os.PathLike) -> Iterator[Path]:
         discard(tmp)
 
 
+@contextlib.contextmanager
+def file_aside(out: str | os.PathLike) -> Iterator[Path]:
+    """Write a file output aside and swap it in only at the end: yields a new temporary
+    path beside ``out`` (``.<name>.partial-<pid>@<host>-<random>``, so the next
+    :func:`guard` removes it if this process is killed); when the block completes the
+    temporary replaces ``out`` in one rename, on any failure or signal it is removed and
+    ``out`` is left exactly as it was."""
+    out = _real(out)
+    tmp = out.parent / f".{out.name}.partial-{_tag()}-{os.urandom(3).hex()}"
+    _LIVE[tmp] = os.getpid()
+    try:
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        with writing(out), uninterrupted():
+            os.replace(tmp, out)
+            _LIVE.pop(tmp, None)
+    finally:
+        with uninterrupted():
+            tmp.unlink(missing_ok=True)
+            _LIVE.pop(tmp, None)
+
+
 def discard(tmp: Path | None) -> None:
-    """Remove an unfinished output folder (a failed or interrupted run)."""
+    """Remove an unfinished output folder (a failed or interrupted run); a signal arriving
+    meanwhile waits until it is gone."""
     if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with uninterrupted():
+            shutil.rmtree(tmp, ignore_errors=True)
+            _LIVE.pop(tmp, None)
 
 
 # ---------------------------------------------------------------------------
@@ -688,12 +791,37 @@ def discard(tmp: Path | None) -> None:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _errno_of(err: BaseException) -> int | None:
+_WRITE_FAILED = ("Invalid thrift: transport error",)
+"""What polars' Parquet writer says when a write below it failed: it drops the os error (a full
+disk among them), so the file system is asked instead (:func:`_disk_full`)."""
+
+
+def _disk_full(where: str | os.PathLike | None) -> bool:
+    """Whether the file system holding ``where`` (or its nearest existing parent) is out of
+    space or inodes for this user: under 1 MiB left (a failed write fills it to the last block)."""
+    if where is None:
+        return True     # nothing to ask: a write that failed below the writer is taken for the disk
+    p = _real(where)
+    anc = next((a for a in (p, *p.parents) if a.exists()), None)
+    if anc is None:
+        return False
+    try:
+        st = os.statvfs(anc)
+    except OSError:
+        return False
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    blocks, files = (st.f_bfree, st.f_ffree) if root else (st.f_bavail, st.f_favail)
+    return blocks * st.f_frsize < (1 << 20) or (st.f_files > 0 and files == 0)
+
+
+def _errno_of(err: BaseException, where: str | os.PathLike | None = None) -> int | None:
     if isinstance(err, OSError) and err.errno is not None:
         return err.errno
     text = str(err)
     if "No space left on device" in text or "os error 28" in text:
         return errno.ENOSPC
+    if any(m in text for m in _WRITE_FAILED):
+        return errno.ENOSPC if _disk_full(where) else errno.EIO
     if "Read-only file system" in text or "os error 30" in text:
         return errno.EROFS
     if "Permission denied" in text or "os error 13" in text:
@@ -705,21 +833,25 @@ class NoSpace(ReplayError):
     """The disk (or quota) filled up while writing an output."""
 
 
-def no_space(err: BaseException) -> bool:
-    """Whether ``err`` is a full disk (or quota), whatever library raised it."""
-    return isinstance(err, NoSpace) or (not isinstance(err, ReplayError) and _errno_of(err) in _NO_SPACE)
+def no_space(err: BaseException, where: str | os.PathLike | None = None) -> bool:
+    """Whether ``err`` is a full disk (or quota), whatever library raised it; ``where``, the
+    output being written, lets a writer's error that hides the os error be checked against
+    its file system."""
+    return isinstance(err, NoSpace) or (not isinstance(err, ReplayError) and _errno_of(err, where) in _NO_SPACE)
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
     """A :class:`ReplayError` for a file-system failure while writing ``path``
-    (full disk, read-only file system, permission); ``err`` itself otherwise."""
-    code = _errno_of(err)
+    (full disk, read-only file system, permission, a failed write); ``err`` itself otherwise."""
+    code = _errno_of(err, path)
     if code in _NO_SPACE:
         return NoSpace(f"no space left on device writing {path}")
     if code == errno.EROFS:
         return ReplayError(f"{path}: cannot write (read-only file system)")
     if code in (errno.EACCES, errno.EPERM):
         return ReplayError(f"{path}: cannot write (permission denied)")
+    if code == errno.EIO and not isinstance(err, OSError):
+        return ReplayError(f"{path}: cannot write ({first_line(err)})")
     return err
 
 

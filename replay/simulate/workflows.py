@@ -7,10 +7,8 @@ The command parses its flags, calls one function here and prints what it returns
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ import polars as pl
 from replay.config import Grid
 from replay.errors import ParamError, ReplayError
 from replay.runs import rundir
-from replay.simulate.calibrate import Calibration, refine_decode, write_fleet
+from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
 from replay.simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER, Fidelity, recorded_seed
 from replay.simulate.fidelity import validate as validate_fleet
@@ -57,12 +55,9 @@ def _register_calibrate_outputs() -> None:
     ``force`` replaces only a validation directory or fleet file calibrate wrote."""
 
     def fidelity_dir(path: Path) -> str | None:
-        try:
-            rec = json.loads((path / FIDELITY_JSON).read_text())
-        except (OSError, ValueError):
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
-        if not isinstance(rec, dict) or rec.get("tool") != FIDELITY_TOOL:
-            return f"no {FIDELITY_JSON} written by router-replay calibrate"
+        rec = rundir.read_json(path / FIDELITY_JSON)
+        if rec is None or rec.get("tool") != FIDELITY_TOOL:
+            return rundir.unmarked(path, FIDELITY_JSON)
         extra = sorted(n for n in path.iterdir() if n.name not in
                        {FIDELITY_JSON, "forced", "router", "prediction"}
                        and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
@@ -119,6 +114,10 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
         rundir.refuse_existing(Path(validate_dir), force, "validation directory")
     _register_calibrate_outputs()
     rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
+    try:
+        parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit_fleet(rec, decode_model=decode_model)
     extra = (rec.info.get("extra") or {})
@@ -129,40 +128,42 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     if refine:
         refined = refine_decode(rec, cal, seed=recorded_seed(rec) if seed is None else seed,
                                 freshness_ms=freshness_ms)
-    fleet_path.parent.mkdir(parents=True, exist_ok=True)
-    with rundir.writing(fleet_path):
-        write_fleet(cal, fleet_path, source=str(trace_dir))
-    fleet = load_fleet(fleet_path)  # what simulate will read: the file round-trips
-    done = Calibrated(rec, cal, fleet_path, fleet, refined)
-    if on_fit is not None:
-        on_fit(done)
-    if validate_dir is None:
-        return done
-    vdir = Path(validate_dir)
-    tmp: Path | None = rundir.partial_beside(vdir)
-    try:
-        with progress(2, "validating") as step:
-            fid = validate_fleet(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
-                                 progress=step)
-        fid.write(tmp)
-        if on_fidelity is not None:
-            on_fidelity(fid)
-        table = None
-        if grid is not None:
-            try:
-                seed_list = parse_seeds(seeds, fid.seed)
-            except ValueError as err:
-                raise ReplayError(str(err)) from None
-            n = len(grid.configs) * (len(seed_list) if seed_list else 1)
-            with progress(n, "simulating") as step:
-                table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
-                                      freshness_ms=freshness_ms, threads=threads,
-                                      progress=step, seeds=seed_list)
-        rundir.move_into_place(tmp, vdir)
-        tmp = None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    # the fleet file is written aside and swapped in only when everything below succeeded: a failed
+    # or interrupted validation leaves the previous fleet file exactly as it was
+    with rundir.file_aside(fleet_path) as fleet_tmp:
+        with rundir.writing(fleet_path):
+            fleet_tmp.write_text(cal.to_toml(str(trace_dir)))
+        fleet = load_fleet(fleet_tmp)  # what simulate will read: the file round-trips
+        done = Calibrated(rec, cal, fleet_path, fleet, refined)
+        if on_fit is not None:
+            on_fit(done)
+        if validate_dir is None:
+            return done
+        vdir = Path(validate_dir)
+        tmp: Path | None = rundir.partial_beside(vdir)
+        try:
+            with progress(2, "validating") as step:
+                fid = validate_fleet(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
+                                     progress=step)
+            fid.write(tmp)
+            if on_fidelity is not None:
+                on_fidelity(fid)
+            table = None
+            if grid is not None:
+                try:
+                    seed_list = parse_seeds(seeds, fid.seed)
+                except ValueError as err:
+                    raise ReplayError(str(err)) from None
+                n = len(grid.configs) * (len(seed_list) if seed_list else 1)
+                with progress(n, "simulating") as step:
+                    table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
+                                          freshness_ms=freshness_ms, threads=threads,
+                                          progress=step, seeds=seed_list)
+            rundir.move_into_place(tmp, vdir)
+            tmp = None
+        finally:
+            if tmp is not None:
+                rundir.discard(tmp)
     done.validate_dir, done.fidelity, done.prediction = vdir, fid, table
     return done
 

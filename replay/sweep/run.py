@@ -255,7 +255,7 @@ def run_sweep(
             tmp_dir = None
         return SweepResult(summary, out_path, run, grid, source, timings)
     except (OSError, pl.exceptions.PolarsError, RuntimeError) as err:
-        if tmp_dir is None or not rundir.no_space(err):   # the decisions writer ran out of disk
+        if tmp_dir is None or not rundir.no_space(err, out_path):   # the decisions writer ran out of disk
             raise
         raise rundir.write_error(err, out_path) from None
     finally:
@@ -329,7 +329,7 @@ def _write_report(build_report: Callable[..., Any], tmp_dir: Path, run: dict) ->
     try:
         build_report(tmp_dir, tmp_dir / REPORT)
     except Exception as err:  # the sweep's results stand without their report
-        if rundir.no_space(err):
+        if rundir.no_space(err, tmp_dir):
             raise
         (tmp_dir / REPORT).unlink(missing_ok=True)
         run["report"] = None
