@@ -253,12 +253,13 @@ class RealEngine:
     """One engine of ``dp_size`` x ``attn_dp_size`` publishing ranks, block size page x dcp."""
 
     def __init__(self, *, dp_size=1, attn_dp_size=1, page_size=4, dcp_size=1, topic="", model="real-model",
-                 max_total_num_tokens=4096, load_auto=False, buffer_steps=None):
+                 max_total_num_tokens=4096, max_running_requests=64, load_auto=False, buffer_steps=None):
         self.m = m = load()
         self.ranks = dp_size * attn_dp_size
         self.block = page_size * dcp_size
         self.model = model
         self.cap = max_total_num_tokens
+        self.max_running = max_running_requests
         self.kv_base = free_block(self.ranks)
         self.replay_base = free_block(self.ranks)
         self.load_base = free_block(self.ranks)
@@ -303,7 +304,7 @@ class RealEngine:
         tree = SimpleNamespace(take_events=take_events)
         kv = m.kv_publisher.SchedulerKvEventsPublisher(
             kv_events_config=self.cfg, tree_cache=tree, send_metrics_from_scheduler=None,
-            max_running_requests=64, max_total_num_tokens=self.cap, get_stats=lambda: None)
+            max_running_requests=self.max_running, max_total_num_tokens=self.cap, get_stats=lambda: None)
         ld = m.load_publisher.SchedulerLoadPublisher(kv_events_config=self.cfg,
                                                      load_publish_endpoint=self.server_args.load_publish_endpoint
                                                      .replace("auto", f"tcp://*:{self.load_base}"),
@@ -376,7 +377,7 @@ class RealEngine:
                 timestamp=time.time(), dp_rank=rank, num_running_reqs=running, num_waiting_reqs=waiting,
                 num_waiting_uncached_tokens=waiting_uncached, num_used_tokens=used,
                 num_total_tokens=used if total is None else total, max_total_num_tokens=self.cap,
-                max_running_requests=64, total_prefill_uncached_tokens=prefill_uncached,
+                max_running_requests=self.max_running, total_prefill_uncached_tokens=prefill_uncached,
                 total_prefill_busy_us=busy_us)
 
         self.load_pubs[rank].publish_load_stat(snap, force=force)

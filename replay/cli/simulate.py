@@ -185,8 +185,9 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
             from replay.capture import outguard  # noqa: F401 - registers the capture output kinds; lazy: loaded when the command runs
             from replay.capture.from_sim import write_capture  # lazy: loaded when the command runs
 
-            with rundir.writing(capture_out):
-                write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force)
+            with rundir.writing(capture_out), grid_progress(req_log.n_requests, quiet, "capture formats") as bar:
+                write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force,
+                              progress=bar)
             if not quiet:
                 click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
                            "docs/capture.md)")
