@@ -299,8 +299,13 @@ def test_calibrate_validate_simulate_recommend(chain):
     fid = json.loads((d / "fit" / "fidelity.json").read_text())
     parts = {p["name"]: p for p in fid["parts"]}
     assert fid["good"] and fid["score"] == 1.0
-    for name in ("waiting_mae", "waiting_corr", "waiting_p99", "hit_rate", "latency", "router_flags", "agreement"):
+    for name in ("waiting_mae", "waiting_p99", "hit_rate", "latency", "router_flags", "agreement"):
         assert parts[name]["passed"] is True, (name, parts[name])
+    # the queue's correlation is scored only where a rank's recorded queue varies: under SGLang's
+    # round-robin dispatch this light fleet's queues barely move, and the part must say so, not pass
+    corr = parts["waiting_corr"]
+    assert corr["passed"] is True or (corr["value"] is None and corr["passed"] is None
+                                      and "varies" in corr["detail"]), corr
     assert parts["router_flags"]["value"] >= 0.99 and parts["agreement"]["value"] >= 0.95
     # the capacities the engines published are the hidden ones
     _, per = _hidden_fleet()
