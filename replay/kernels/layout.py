@@ -158,3 +158,200 @@ Accumulators = namedtuple("Accumulators", ("acc", "hist_wait", "hist_div", "stat
 Accumulators.__doc__ = """Per thread block ``b``: ``acc[b, c, ACC_*]`` (config-major), ``hist_wait[b, v, c]``,
 ``hist_div[b, bucket, c]`` (``kernels/accumulate.py``) and ``stats[b]``
 (cache-rung evaluations, domain-rung evaluations)."""
+
+
+# ---------------------------------------------------------------------------
+# The simulator (``kernels/sim.py``): its state, grouped into named tuples of
+# arrays, and the columns of its matrices.  The event loop's locals that change
+# size (the load rows, the match entries) stay outside the tuples.
+
+SimRequests = namedtuple("SimRequests", ("ts", "input_tokens", "output_tokens", "private", "full",
+                                         "h_off", "h_ids", "btok", "parent", "forced"),
+                         module=__name__)
+SimRequests.__doc__ = """The requests of one simulation, sorted by ``ts`` (ns), int64: ``input_tokens``,
+``output_tokens``; ``full`` leading blocks of each are full (only those are cached, published
+and matched), ``private`` = its tokens outside them; CSR prefix blocks ``h_ids[h_off[i]:h_off[i+1]]``
+(dense ids: ``btok`` tokens, ``parent`` block, -1 at the root); ``forced[i] >= 0`` places
+request ``i`` on that worker without asking the router (-1: the router decides)."""
+
+SimFleet = namedtuple("SimFleet", ("n_workers", "fleet", "in_fleet", "dp_size", "rank_off",
+                                   "prefill_tps", "decode_ns", "decode_slope", "max_running",
+                                   "capacity", "phase", "chunk", "policy", "engine", "dispatch",
+                                   "publish_ns", "pub_delay", "pub_idle", "heap_cap"),
+                      module=__name__)
+SimFleet.__doc__ = """The fleet: workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones
+(``in_fleet[w]``), the router's ``dp_size`` per worker; ranks of worker ``w`` are
+``rank_off[w]..rank_off[w+1]``, and per rank: ``prefill_tps`` (float), ``decode_ns`` (one decode
+step), ``decode_slope`` (ns per running request beyond the first), ``max_running``,
+``capacity`` (KV tokens), ``phase`` (interval publishing), ``chunk`` (chunked_prefill_size, 0
+off), ``policy`` (POLICY_*), ``engine[r, EN_*]``.  Scalars: ``dispatch`` (LB_*),
+``publish_ns``, ``pub_delay`` (> 0: on-change publishing), ``pub_idle``, ``heap_cap`` (LRU heap
+entries per rank)."""
+
+SimState = namedtuple("SimState", ("rs", "st", "rq", "run_ids", "rinf", "stats", "rr", "dpc_last"),
+                      module=__name__)
+SimState.__doc__ = """The engine's state: per-rank scalars ``rs[r, RS_*]``, per-request state
+``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``, each rank's running requests ``run_ids[r, :RS_RUN_N]``,
+the router's live in-flight count per worker ``rinf``, run statistics ``stats[SS_*]``, and the
+workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``)."""
+
+SimCache = namedtuple("SimCache", ("present", "lock", "nchild", "last_use", "hk", "hb", "ev", "lag"),
+                      module=__name__)
+SimCache.__doc__ = """The ranks' prefix caches, per (rank, block): ``present`` (int8), ``lock``
+(running requests holding it), ``nchild`` (cached children), ``last_use``; each rank's LRU
+min-heap of evictable leaves ``(hk, hb)[r, :RS_HN]`` (lazy deletion); and the KV index's lag queue
+``ev`` (``ev[0]`` values held, 4 per event from ``ev[1]``), its events due ``lag`` ns after
+the change."""
+
+RouterView = namedtuple("RouterView", ("idx", "idxr", "table", "inflight", "snap", "est", "oldest",
+                                       "dirty", "audit", "scratch", "cand", "seen", "depth",
+                                       "tmp_w", "tmp_d"), module=__name__)
+RouterView.__doc__ = """What the router sees: its KV index per (block, worker) ``idx`` and, for the
+``router`` dispatch, per (block, rank) ``idxr``; the sweep's rank ``table``, in-flight counts,
+snapshot (``snap``, ``est``, ``oldest``, ``dirty``) over the written samples; and the decision's
+scratch (``audit``, ``scratch``, ``cand``, ``seen``, and the match walk's ``depth``,
+``tmp_w``, ``tmp_d``)."""
+
+SimOutputs = namedtuple("SimOutputs", ("rq", "m_off", "m_worker", "m_blocks", "loads", "n_rows",
+                                       "stats", "rs", "order", "phs", "t0"), module=__name__)
+SimOutputs.__doc__ = """One simulation's result: ``rq[i, RQ_*]``, the CSR match entries
+(``m_off``, ``m_worker``, ``m_blocks``), the load rows ``loads[LD_*, :]`` (on-change) or the
+interval change records, ``n_rows`` load rows, ``stats[SS_*]``, the final ``rs``, and the
+interval publishers' cyclic ``order``, phases ``phs`` and first stamp ``t0``."""
+
+# per-rank scalars
+RS_WORKER = 0
+RS_LOCAL = 1          # rank number inside its worker
+RS_CAP = 2            # max_total_num_tokens
+RS_MAXRUN = 3
+RS_DECODE_NS = 4      # one decode step
+RS_USED = 5           # KV tokens in use: every cached block + running requests' private tokens
+RS_EVICTABLE = 6      # tokens of cached blocks no running request holds
+RS_QHEAD = 7
+RS_QTAIL = 8
+RS_QLEN = 9
+RS_QWU = 10           # sum of waiting requests' uncached estimates
+RS_QTOK = 11          # sum of waiting requests' input tokens
+RS_RUN_N = 12
+RS_KIND = 13          # 0 idle, 1 prefill step, 2 decode step
+RS_END = 14           # end of the current step (INF when idle)
+RS_STEP_TOK = 15
+RS_STEP_DUR = 16
+RS_PTOK = 17          # total_prefill_uncached_tokens (monotonic)
+RS_PBUSY_NS = 18      # prefill busy time (ns; published in us)
+RS_NEXT_SAMPLE = 19
+RS_HN = 20            # LRU heap size
+RS_MAX_USED = 21      # largest RS_USED seen
+RS_MAX_QLEN = 22
+RS_STEP_START = 23    # start of the current step
+RS_STEP_K = 24        # decode steps the current step stands for (see _start_step)
+RS_DECODE_SLOPE = 25  # ns a decode step grows by per running request beyond the first
+RS_CHUNK = 26         # chunked_prefill_size (0: off)
+RS_CHUNK_REQ = 27     # request whose prefill continues in the next step (-1: none)
+RS_POLICY = 28        # waiting-queue order: POLICY_FCFS or POLICY_LPM
+RS_PUB_DELAY = 29     # on-change publishing: delay from a change to its sample (0: interval mode)
+RS_PUB_IDLE = 30      # on-change publishing: heartbeat after this long without a change
+RS_DUE_KIND = 31      # what RS_NEXT_SAMPLE is: DUE_CHANGE or DUE_HEARTBEAT
+RS_HB_PENDING = 32    # time of a heartbeat not yet written (-1: none; see _flush_heartbeats)
+RS_HB_INF = 33        # router_inflight when that heartbeat was due
+RS_LAST_ROW = 34      # index of the rank's latest written sample (-1: none)
+RS_MAXPF = 35         # max_prefill_tokens: prompt tokens one prefill step may admit
+RS_DEC_COUNT = 36     # decode steps run so far (the engine's load snapshot: every 15th)
+RS_DS_TS = 37         # the engine's latest load snapshot for its DP controller: stamp,
+RS_DS_REQ = 38        # running + waiting requests,
+RS_DS_TOK = 39        # KV tokens in use + waiting requests' tokens
+RS_BUD_TS = 40        # the DP controller's view of the rank: stamp of the snapshot applied,
+RS_BUD_REQ = 41       # requests (+1 per dispatch since),
+RS_BUD_TOK = 42       # tokens (+prompt per dispatch since)
+RS_NO_DECAY = 43      # the current decode step retracted: the ratio does not decay
+RS_RATIO = 44         # new_token_ratio, in units of 1e-9 (integer: the same in jit and plain Python)
+RS_NR_INIT = 45       # its initial value, floor and decay per decode step (1e-9 units)
+RS_NR_MIN = 46
+RS_NR_DECAY = 47
+RS_MIXED = 48         # enable_mixed_chunk
+RS_STEP_MIX = 49      # the current prefill step carries the running decodes (mixed chunk)
+RS_NCOLS = 50
+
+# in-worker data-parallel dispatch (the fleet's load_balance_method)
+LB_ROUND_ROBIN = 0
+LB_TOTAL_REQUESTS = 1
+LB_TOTAL_TOKENS = 2
+LB_BOOTSTRAP_ROOM = 3   # a seeded draw per request
+LB_ROUTER = 4           # the router picks the rank from its own per-rank view
+LB_PREFIX_AFFINITY = 5  # the rank holding the longest cached prefix, then the least loaded
+DPC_REFRESH_NS = 20_000_000   # the controller re-reads the ranks' snapshots at most this often
+SNAPSHOT_DECODE_STEPS = 15    # a rank writes its snapshot after every 15th decode step
+CLIP_MAX_NEW = 4096           # the new-token reservation is clipped at this many tokens
+BOOTSTRAP_DRAW = 1 << 40      # the draw index of follow_bootstrap_room's per-request room
+RETRACT_DECODE_STEPS = 20     # the ratio after a retraction counts this many steps per request
+RATIO_ONE = 1_000_000_000     # new_token_ratio 1.0 in RS_RATIO units
+# columns of the per-rank engine options ``rank_eng``
+EN_MAXPF = 0
+EN_NR_INIT = 1
+EN_NR_MIN = 2
+EN_NR_DECAY = 3
+EN_MIXED = 4
+EN_NCOLS = 5
+
+POLICY_FCFS = 0
+POLICY_LPM = 1
+LPM_MAX_QUEUE = 128   # SGLang falls back to FCFS order above this many waiting requests
+DUE_CHANGE = 0
+DUE_HEARTBEAT = 1
+
+# per-request state
+ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
+ST_QNEXT = 1
+ST_REMAIN = 2
+ST_PRIVATE = 3        # tokens outside cacheable blocks (partial tail + output), reserved on admission
+ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
+ST_PF_LEFT = 5        # prompt tokens still to compute (chunked prefill)
+ST_FULL = 6           # leading blocks the cache may hold: the full ones (CAPTURE.md s.2: full pages only)
+ST_OUT = 7            # output tokens produced so far (a retracted request recomputes them)
+ST_GENKV = 8          # KV tokens held for output (one per decode step; freed on retraction)
+ST_SEQ = 9            # tokens when queued (prompt + output so far: num_total_tokens' share)
+ST_NCOLS = 10
+
+# per-request outputs
+RQ_WORKER = 0
+RQ_RANK = 1
+RQ_REASON = 2
+RQ_DECISION = 3
+RQ_FAILURE = 4
+RQ_CACHED_TOKENS = 5
+RQ_CACHED_BLOCKS = 6
+RQ_ADMIT = 7
+RQ_FIRST = 8
+RQ_DONE = 9
+RQ_BEST = 10
+RQ_COMPLETIONS = 11   # times the request completed (conservation: exactly 1)
+RQ_NCOLS = 12
+
+# load sample columns (the loads.parquet columns, in order)
+LD_TS = 0
+LD_WORKER = 1
+LD_RANK = 2
+LD_RUNNING = 3
+LD_WAITING = 4
+LD_TOKENS = 5
+LD_MAXTOT = 6
+LD_WU = 7
+LD_TOTAL = 8
+LD_MAXRUN = 9
+LD_PTOK = 10
+LD_PBUSY = 11
+LD_INFLIGHT = 12
+LD_NCOLS = 13
+
+# run statistics
+SS_EVENTS = 0
+SS_STEPS = 1
+SS_EVICTIONS = 2
+SS_REBUILDS = 3
+SS_KV_OVER = 4        # max(used - capacity) over ranks and time (<= 0 when the cap holds)
+SS_NEG_QUEUE = 5      # times a queue length went negative (must stay 0)
+SS_INDEX_EVENTS = 6
+SS_RETRACTIONS = 7    # running requests retracted because decode ran out of KV
+SS_CHUNKED = 8        # prefill steps that cut a prompt (chunked prefill)
+SS_RECOMPUTED = 9     # tokens retracted requests computed again (prompt + output so far)
+SS_NCOLS = 10

@@ -13,10 +13,14 @@ at ``t`` sees every sample stamped ``<= t`` and nothing later, exactly the
 replay's visibility rule; and since the router reads loads only through the
 samples it wrote, ``sweep`` on the written trace reproduces every decision.
 
-State lives in flat arrays: per-rank scalars ``rs[r, RS_*]``, per-request
-``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``, per-(rank, block) cache arrays,
-a per-rank LRU heap of evictable leaf blocks (lazy deletion, rebuilt when
-full), and a per-(worker, block) KV index fed through a lag queue.
+State lives in flat arrays grouped into the named tuples of
+``replay.kernels.layout`` (which also declares every column constant), passed
+to the helpers as ``q`` (``SimRequests``), ``f`` (``SimFleet``), ``c``
+(``SimCache``: per-(rank, block) cache arrays, a per-rank LRU heap of evictable
+leaf blocks with lazy deletion, rebuilt when full, and the KV index's lag
+queue), ``s`` (``SimState``: per-rank scalars ``rs[r, RS_*]``, per-request
+``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``) and ``v`` (``RouterView``: the
+router's per-(block, worker) KV index and its load snapshot).
 """
 
 from __future__ import annotations
@@ -26,7 +30,133 @@ import numpy as np
 
 from replay.kernels._jit import JIT, njit
 from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
-from replay.kernels.layout import LoadColumns
+from replay.kernels.layout import (
+    BOOTSTRAP_DRAW,
+    CLIP_MAX_NEW,
+    DPC_REFRESH_NS,
+    DUE_CHANGE,
+    DUE_HEARTBEAT,
+    EN_MAXPF,
+    EN_MIXED,
+    EN_NR_DECAY,
+    EN_NR_INIT,
+    EN_NR_MIN,
+    LB_BOOTSTRAP_ROOM,
+    LB_ROUND_ROBIN,
+    LB_ROUTER,
+    LB_TOTAL_REQUESTS,
+    LB_TOTAL_TOKENS,
+    LD_INFLIGHT,
+    LD_MAXRUN,
+    LD_MAXTOT,
+    LD_NCOLS,
+    LD_PBUSY,
+    LD_PTOK,
+    LD_RANK,
+    LD_RUNNING,
+    LD_TOKENS,
+    LD_TOTAL,
+    LD_TS,
+    LD_WAITING,
+    LD_WORKER,
+    LD_WU,
+    LPM_MAX_QUEUE,
+    POLICY_LPM,
+    RATIO_ONE,
+    RETRACT_DECODE_STEPS,
+    RQ_ADMIT,
+    RQ_BEST,
+    RQ_CACHED_BLOCKS,
+    RQ_CACHED_TOKENS,
+    RQ_COMPLETIONS,
+    RQ_DECISION,
+    RQ_DONE,
+    RQ_FAILURE,
+    RQ_FIRST,
+    RQ_NCOLS,
+    RQ_RANK,
+    RQ_REASON,
+    RQ_WORKER,
+    RS_BUD_REQ,
+    RS_BUD_TOK,
+    RS_BUD_TS,
+    RS_CAP,
+    RS_CHUNK,
+    RS_CHUNK_REQ,
+    RS_DEC_COUNT,
+    RS_DECODE_NS,
+    RS_DECODE_SLOPE,
+    RS_DS_REQ,
+    RS_DS_TOK,
+    RS_DS_TS,
+    RS_DUE_KIND,
+    RS_END,
+    RS_EVICTABLE,
+    RS_HB_INF,
+    RS_HB_PENDING,
+    RS_HN,
+    RS_KIND,
+    RS_LAST_ROW,
+    RS_LOCAL,
+    RS_MAX_QLEN,
+    RS_MAX_USED,
+    RS_MAXPF,
+    RS_MAXRUN,
+    RS_MIXED,
+    RS_NCOLS,
+    RS_NEXT_SAMPLE,
+    RS_NO_DECAY,
+    RS_NR_DECAY,
+    RS_NR_INIT,
+    RS_NR_MIN,
+    RS_PBUSY_NS,
+    RS_POLICY,
+    RS_PTOK,
+    RS_PUB_DELAY,
+    RS_PUB_IDLE,
+    RS_QHEAD,
+    RS_QLEN,
+    RS_QTAIL,
+    RS_QTOK,
+    RS_QWU,
+    RS_RATIO,
+    RS_RUN_N,
+    RS_STEP_DUR,
+    RS_STEP_K,
+    RS_STEP_MIX,
+    RS_STEP_START,
+    RS_STEP_TOK,
+    RS_USED,
+    RS_WORKER,
+    SNAPSHOT_DECODE_STEPS,
+    SS_CHUNKED,
+    SS_EVENTS,
+    SS_EVICTIONS,
+    SS_INDEX_EVENTS,
+    SS_KV_OVER,
+    SS_NCOLS,
+    SS_NEG_QUEUE,
+    SS_REBUILDS,
+    SS_RECOMPUTED,
+    SS_RETRACTIONS,
+    SS_STEPS,
+    ST_FULL,
+    ST_GENKV,
+    ST_NCOLS,
+    ST_OUT,
+    ST_PF_LEFT,
+    ST_PRIVATE,
+    ST_QNEXT,
+    ST_REMAIN,
+    ST_SEQ,
+    ST_STATUS,
+    ST_UNC_ENQ,
+    LoadColumns,
+    RouterView,
+    SimCache,
+    SimOutputs,
+    SimState,
+)
 from replay.kernels.rng import draw_nb
 from replay.kernels.snapshot import (
     R_AT,
@@ -55,144 +185,6 @@ INF = np.int64(1) << 62
 # the smallest helpers of the hot loops are inlined (no call, no reference counting of
 # their array arguments); inlining the larger ones doubled the compile time for 15%
 inline = numba.njit(inline="always", **JIT)
-
-# per-rank scalars
-RS_WORKER = 0
-RS_LOCAL = 1          # rank number inside its worker
-RS_CAP = 2            # max_total_num_tokens
-RS_MAXRUN = 3
-RS_DECODE_NS = 4      # one decode step
-RS_USED = 5           # KV tokens in use: every cached block + running requests' private tokens
-RS_EVICTABLE = 6      # tokens of cached blocks no running request holds
-RS_QHEAD = 7
-RS_QTAIL = 8
-RS_QLEN = 9
-RS_QWU = 10           # sum of waiting requests' uncached estimates
-RS_QTOK = 11          # sum of waiting requests' input tokens
-RS_RUN_N = 12
-RS_KIND = 13          # 0 idle, 1 prefill step, 2 decode step
-RS_END = 14           # end of the current step (INF when idle)
-RS_STEP_TOK = 15
-RS_STEP_DUR = 16
-RS_PTOK = 17          # total_prefill_uncached_tokens (monotonic)
-RS_PBUSY_NS = 18      # prefill busy time (ns; published in us)
-RS_NEXT_SAMPLE = 19
-RS_HN = 20            # LRU heap size
-RS_MAX_USED = 21      # largest RS_USED seen
-RS_MAX_QLEN = 22
-RS_STEP_START = 23    # start of the current step
-RS_STEP_K = 24        # decode steps the current step stands for (see _start_step)
-RS_DECODE_SLOPE = 25  # ns a decode step grows by per running request beyond the first
-RS_CHUNK = 26         # chunked_prefill_size (0: off)
-RS_CHUNK_REQ = 27     # request whose prefill continues in the next step (-1: none)
-RS_POLICY = 28        # waiting-queue order: POLICY_FCFS or POLICY_LPM
-RS_PUB_DELAY = 29     # on-change publishing: delay from a change to its sample (0: interval mode)
-RS_PUB_IDLE = 30      # on-change publishing: heartbeat after this long without a change
-RS_DUE_KIND = 31      # what RS_NEXT_SAMPLE is: DUE_CHANGE or DUE_HEARTBEAT
-RS_HB_PENDING = 32    # time of a heartbeat not yet written (-1: none; see _flush_heartbeats)
-RS_HB_INF = 33        # router_inflight when that heartbeat was due
-RS_LAST_ROW = 34      # index of the rank's latest written sample (-1: none)
-RS_MAXPF = 35         # max_prefill_tokens: prompt tokens one prefill step may admit
-RS_DEC_COUNT = 36     # decode steps run so far (the engine's load snapshot: every 15th)
-RS_DS_TS = 37         # the engine's latest load snapshot for its DP controller: stamp,
-RS_DS_REQ = 38        # running + waiting requests,
-RS_DS_TOK = 39        # KV tokens in use + waiting requests' tokens
-RS_BUD_TS = 40        # the DP controller's view of the rank: stamp of the snapshot applied,
-RS_BUD_REQ = 41       # requests (+1 per dispatch since),
-RS_BUD_TOK = 42       # tokens (+prompt per dispatch since)
-RS_NO_DECAY = 43      # the current decode step retracted: the ratio does not decay
-RS_RATIO = 44         # new_token_ratio, in units of 1e-9 (integer: the same in jit and plain Python)
-RS_NR_INIT = 45       # its initial value, floor and decay per decode step (1e-9 units)
-RS_NR_MIN = 46
-RS_NR_DECAY = 47
-RS_MIXED = 48         # enable_mixed_chunk
-RS_STEP_MIX = 49      # the current prefill step carries the running decodes (mixed chunk)
-RS_NCOLS = 50
-
-# in-worker data-parallel dispatch (the fleet's load_balance_method)
-LB_ROUND_ROBIN = 0
-LB_TOTAL_REQUESTS = 1
-LB_TOTAL_TOKENS = 2
-LB_BOOTSTRAP_ROOM = 3   # a seeded draw per request
-LB_ROUTER = 4           # the router picks the rank from its own per-rank view
-LB_PREFIX_AFFINITY = 5  # the rank holding the longest cached prefix, then the least loaded
-DPC_REFRESH_NS = 20_000_000   # the controller re-reads the ranks' snapshots at most this often
-SNAPSHOT_DECODE_STEPS = 15    # a rank writes its snapshot after every 15th decode step
-CLIP_MAX_NEW = 4096           # the new-token reservation is clipped at this many tokens
-BOOTSTRAP_DRAW = 1 << 40      # the draw index of follow_bootstrap_room's per-request room
-RETRACT_DECODE_STEPS = 20     # the ratio after a retraction counts this many steps per request
-RATIO_ONE = 1_000_000_000     # new_token_ratio 1.0 in RS_RATIO units
-# columns of the per-rank engine options ``rank_eng``
-EN_MAXPF = 0
-EN_NR_INIT = 1
-EN_NR_MIN = 2
-EN_NR_DECAY = 3
-EN_MIXED = 4
-EN_NCOLS = 5
-
-POLICY_FCFS = 0
-POLICY_LPM = 1
-LPM_MAX_QUEUE = 128   # SGLang falls back to FCFS order above this many waiting requests
-DUE_CHANGE = 0
-DUE_HEARTBEAT = 1
-
-# per-request state
-ST_STATUS = 0         # 0 not arrived, 1 waiting, 2 prefilling, 3 decoding, 4 done
-ST_QNEXT = 1
-ST_REMAIN = 2
-ST_PRIVATE = 3        # tokens outside cacheable blocks (partial tail + output), reserved on admission
-ST_UNC_ENQ = 4        # uncached estimate when queued (num_waiting_uncached_tokens)
-ST_PF_LEFT = 5        # prompt tokens still to compute (chunked prefill)
-ST_FULL = 6           # leading blocks the cache may hold: the full ones (CAPTURE.md s.2: full pages only)
-ST_OUT = 7            # output tokens produced so far (a retracted request recomputes them)
-ST_GENKV = 8          # KV tokens held for output (one per decode step; freed on retraction)
-ST_SEQ = 9            # tokens when queued (prompt + output so far: num_total_tokens' share)
-ST_NCOLS = 10
-
-# per-request outputs
-RQ_WORKER = 0
-RQ_RANK = 1
-RQ_REASON = 2
-RQ_DECISION = 3
-RQ_FAILURE = 4
-RQ_CACHED_TOKENS = 5
-RQ_CACHED_BLOCKS = 6
-RQ_ADMIT = 7
-RQ_FIRST = 8
-RQ_DONE = 9
-RQ_BEST = 10
-RQ_COMPLETIONS = 11   # times the request completed (conservation: exactly 1)
-RQ_NCOLS = 12
-
-# load sample columns (the loads.parquet columns, in order)
-LD_TS = 0
-LD_WORKER = 1
-LD_RANK = 2
-LD_RUNNING = 3
-LD_WAITING = 4
-LD_TOKENS = 5
-LD_MAXTOT = 6
-LD_WU = 7
-LD_TOTAL = 8
-LD_MAXRUN = 9
-LD_PTOK = 10
-LD_PBUSY = 11
-LD_INFLIGHT = 12
-LD_NCOLS = 13
-
-# run statistics
-SS_EVENTS = 0
-SS_STEPS = 1
-SS_EVICTIONS = 2
-SS_REBUILDS = 3
-SS_KV_OVER = 4        # max(used - capacity) over ranks and time (<= 0 when the cap holds)
-SS_NEG_QUEUE = 5      # times a queue length went negative (must stay 0)
-SS_INDEX_EVENTS = 6
-SS_RETRACTIONS = 7    # running requests retracted because decode ran out of KV
-SS_CHUNKED = 8        # prefill steps that cut a prompt (chunked prefill)
-SS_RECOMPUTED = 9     # tokens retracted requests computed again (prompt + output so far)
-SS_NCOLS = 10
-
 
 @inline
 def _grow2(a, need):
@@ -275,8 +267,10 @@ def _evictable_leaf(present, lock, nchild, r, b):
 
 
 @inline
-def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
+def _push_leaf(c, s, r, b):
     """Offer block ``b`` to rank ``r``'s LRU heap; rebuild the heap from the cache when full."""
+    hk, hb, present, lock, nchild, last_use = c.hk, c.hb, c.present, c.lock, c.nchild, c.last_use
+    rs, stats = s.rs, s.stats
     if rs[r, RS_HN] >= hk.shape[1]:
         stats[SS_REBUILDS] += 1
         rs[r, RS_HN] = 0
@@ -288,9 +282,11 @@ def _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats):
 
 
 @inline
-def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t, lag, w,
-               stats):
+def _evict_one(q, c, s, r, t, w):
     """Evict rank ``r``'s least recently used evictable leaf; False when there is none."""
+    hk, hb, present, lock, nchild, last_use, ev, lag = (c.hk, c.hb, c.present, c.lock, c.nchild,
+                                                        c.last_use, c.ev, c.lag)
+    rs, stats, btok, parent = s.rs, s.stats, q.btok, q.parent
     while rs[r, RS_HN] > 0:
         key, b = _heap_pop(hk, hb, rs, r)
         if not _evictable_leaf(present, lock, nchild, r, b) or last_use[r, b] != key:
@@ -304,7 +300,7 @@ def _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
         if p >= 0:
             nchild[r, p] -= 1
             if _evictable_leaf(present, lock, nchild, r, p):
-                _push_leaf(hk, hb, rs, r, p, present, lock, nchild, last_use, stats)
+                _push_leaf(c, s, r, p)
         return True
     return False
 
@@ -335,9 +331,7 @@ def _unlock(r, b, lock, rs, btok):
 
 
 @njit
-def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, present, lock,
-               nchild, last_use, hk, hb, ev, lag, stats, chunking, rem_chunk, rem_input, offset,
-               first):
+def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     """SGLang's prefill admission of waiting request ``i`` on rank ``r``.
 
     Its longest cached run of full blocks is its prefix; ``extend`` = its
@@ -352,6 +346,9 @@ def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, 
     The whole prompt is allocated on admission (its blocks are stored, locked,
     so a later request of the same step shares them).  Returns ``(take,
     reserve)``; ``take`` < 0 when not admitted."""
+    req_L, req_out, h_off, h_ids, btok = q.input_tokens, q.output_tokens, q.h_off, q.h_ids, q.btok
+    st, rq, rs, stats = s.st, s.rq, s.rs, s.stats
+    present, lock, nchild, last_use, ev, lag = c.present, c.lock, c.nchild, c.last_use, c.ev, c.lag
     lo = h_off[i]
     n = st[i, ST_FULL]
     d = 0
@@ -382,8 +379,7 @@ def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, 
     w = rs[r, RS_WORKER]
     if ok:
         while rs[r, RS_CAP] - rs[r, RS_USED] < need:
-            if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev, t,
-                              lag, w, stats):
+            if not _evict_one(q, c, s, r, t, w):
                 break
         ok = rs[r, RS_CAP] - rs[r, RS_USED] >= need
     if not ok:
@@ -393,7 +389,7 @@ def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, 
         if d > 0:
             b = h_ids[lo + d - 1]
             if _evictable_leaf(present, lock, nchild, r, b):
-                _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
+                _push_leaf(c, s, r, b)
         return -1, 0
     for j in range(d):
         last_use[r, h_ids[lo + j]] = t
@@ -424,9 +420,11 @@ def _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs, 
 
 
 @inline
-def _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats):
+def _release(q, c, s, r, i, t):
     """Request ``i`` leaves rank ``r``'s batch at ``t``: its blocks are unlocked (stamped
     ``t``; the deepest offered to the LRU heap) and its private and output KV freed."""
+    h_off, h_ids, btok = q.h_off, q.h_ids, q.btok
+    st, rs, lock, present, nchild, last_use = s.st, s.rs, c.lock, c.present, c.nchild, c.last_use
     lo = h_off[i]
     n = st[i, ST_FULL]
     for j in range(n):
@@ -436,22 +434,23 @@ def _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_us
     if n > 0:
         b = h_ids[lo + n - 1]
         if _evictable_leaf(present, lock, nchild, r, b):
-            _push_leaf(hk, hb, rs, r, b, present, lock, nchild, last_use, stats)
+            _push_leaf(c, s, r, b)
     rs[r, RS_USED] -= st[i, ST_PRIVATE] + st[i, ST_GENKV]
     st[i, ST_GENKV] = 0
 
 
 @inline
-def _cached_on(r, i, h_off, h_ids, btok, st, present):
+def _cached_on(q, c, s, r, i):
     """Tokens of request ``i``'s longest cached run of full blocks on rank ``r``."""
+    h_off, h_ids, btok, st, present = q.h_off, q.h_ids, q.btok, s.st, c.present
     lo = h_off[i]
     n = st[i, ST_FULL]
-    c = 0
+    tok = 0
     d = 0
     while d < n and present[r, h_ids[lo + d]] == 1:
-        c += btok[h_ids[lo + d]]
+        tok += btok[h_ids[lo + d]]
         d += 1
-    return c
+    return tok
 
 
 @inline
@@ -472,12 +471,12 @@ def _enqueue(r, i, st, rs):
 
 
 @njit
-def _retract(r, t, req_L, req_out, h_off, h_ids, btok, st, rs, run_ids, present, lock, nchild,
-             last_use, hk, hb, stats):
+def _retract(q, c, s, r, t):
     """Decode ran out of KV on rank ``r``: retract one running request (SGLang's
     ``length`` order: the fewest output tokens, then the longest prompt, then
     the latest arrival), free its private KV and unlock its prefix, and queue
     it at the tail to recompute its prompt and output so far."""
+    req_L, st, rs, run_ids, stats = q.input_tokens, s.st, s.rs, s.run_ids, s.stats
     best = -1
     bx = -1
     for x in range(rs[r, RS_RUN_N]):
@@ -491,9 +490,9 @@ def _retract(r, t, req_L, req_out, h_off, h_ids, btok, st, rs, run_ids, present,
     last = rs[r, RS_RUN_N] - 1
     run_ids[r, bx] = run_ids[r, last]
     rs[r, RS_RUN_N] = last
-    _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats)
+    _release(q, c, s, r, i, t)
     st[i, ST_SEQ] = req_L[i] + st[i, ST_OUT]
-    st[i, ST_UNC_ENQ] = max(st[i, ST_SEQ] - _cached_on(r, i, h_off, h_ids, btok, st, present), 0)
+    st[i, ST_UNC_ENQ] = max(st[i, ST_SEQ] - _cached_on(q, c, s, r, i), 0)
     _enqueue(r, i, st, rs)
     stats[SS_RETRACTIONS] += 1
 
@@ -512,10 +511,11 @@ def _changed(r, t, rs):
 
 
 @njit
-def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
+def _lpm_order(q, c, s, r):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
     (ties: arrival order), SGLang's ``lpm`` policy; above ``LPM_MAX_QUEUE``
     waiting requests the order is left alone (SGLang's fallback to FCFS)."""
+    h_off, h_ids, btok, st, rs, present = q.h_off, q.h_ids, q.btok, s.st, s.rs, c.present
     n = rs[r, RS_QLEN]
     if n < 2 or n > LPM_MAX_QUEUE:
         return
@@ -527,17 +527,17 @@ def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
         lo = h_off[i]
         m = st[i, ST_FULL]
         d = 0
-        c = 0
+        tok = 0
         while d < m and present[r, h_ids[lo + d]] == 1:
-            c += btok[h_ids[lo + d]]
+            tok += btok[h_ids[lo + d]]
             d += 1
         # insertion: descending cached tokens, then ascending request index
         x = k
-        while x > 0 and (key[x - 1] < c or (key[x - 1] == c and ids[x - 1] > i)):
+        while x > 0 and (key[x - 1] < tok or (key[x - 1] == tok and ids[x - 1] > i)):
             key[x] = key[x - 1]
             ids[x] = ids[x - 1]
             x -= 1
-        key[x] = c
+        key[x] = tok
         ids[x] = i
         k += 1
         i = st[i, ST_QNEXT]
@@ -549,14 +549,15 @@ def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
 
 
 @njit
-def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
-                present, lock, nchild, last_use, hk, hb, ev, lag, stats):
+def _start_step(q, f, c, s, r, t):
     """Start rank ``r``'s next step at ``t``, SGLang's scheduler (docs/simulator.md):
     a prefill step if any prompt tokens are to compute (an unfinished chunked
     prompt first, then admissions in queue order while the chunk and
     ``max_prefill_tokens`` budgets, the running cap and the KV reservation
     allow), else a decode step if anything runs (retracting when its KV does
     not fit), else idle (new_token_ratio back to its initial value)."""
+    req_out, prefill_tps = q.output_tokens, f.prefill_tps
+    st, rq, rs, run_ids, stats = s.st, s.rq, s.rs, s.run_ids, s.stats
     tokens = 0
     admitted = 0
     chunking = rs[r, RS_CHUNK] > 0
@@ -577,23 +578,22 @@ def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, s
     offset = float(res) * float(rs[r, RS_RATIO]) * 1e-9
     if mixed:
         offset += n_dec
-    c = rs[r, RS_CHUNK_REQ]
-    if c >= 0:
-        take = min(st[c, ST_PF_LEFT], rem_chunk) if rem_chunk > 0 else min(st[c, ST_PF_LEFT], 1)
-        st[c, ST_PF_LEFT] -= take
+    cr = rs[r, RS_CHUNK_REQ]
+    if cr >= 0:
+        take = min(st[cr, ST_PF_LEFT], rem_chunk) if rem_chunk > 0 else min(st[cr, ST_PF_LEFT], 1)
+        st[cr, ST_PF_LEFT] -= take
         tokens += take
         rem_chunk -= take
         rem_input -= take
-        if st[c, ST_PF_LEFT] == 0:
+        if st[cr, ST_PF_LEFT] == 0:
             rs[r, RS_CHUNK_REQ] = -1
     if rs[r, RS_POLICY] == POLICY_LPM and rem_chunk > 0 and rem_input > 0:
-        _lpm_order(r, h_off, h_ids, btok, st, rs, present)
+        _lpm_order(q, c, s, r)
     while (rem_chunk > 0 and rem_input > 0 and rs[r, RS_QHEAD] >= 0
            and rs[r, RS_RUN_N] < rs[r, RS_MAXRUN]):
         i = rs[r, RS_QHEAD]
-        take, reserve = _try_admit(r, i, t, req_L, req_out, h_off, h_ids, btok, parent, st, rq, rs,
-                                   present, lock, nchild, last_use, hk, hb, ev, lag, stats,
-                                   chunking, rem_chunk, rem_input, offset, admitted == 0)
+        take, reserve = _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset,
+                                   admitted == 0)
         if take < 0:
             break
         rs[r, RS_QHEAD] = st[i, ST_QNEXT]
@@ -648,13 +648,11 @@ def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, s
         w = rs[r, RS_WORKER]
         if rs[r, RS_CAP] - rs[r, RS_USED] < n:
             while rs[r, RS_CAP] - rs[r, RS_USED] < n:
-                if not _evict_one(r, hk, hb, rs, present, lock, nchild, last_use, parent, btok, ev,
-                                  t, lag, w, stats):
+                if not _evict_one(q, c, s, r, t, w):
                     break
             retracted = False
             while rs[r, RS_CAP] - rs[r, RS_USED] < rs[r, RS_RUN_N] and rs[r, RS_RUN_N] > 1:
-                _retract(r, t, req_L, req_out, h_off, h_ids, btok, st, rs, run_ids, present, lock,
-                         nchild, last_use, hk, hb, stats)
+                _retract(q, c, s, r, t)
                 retracted = True
             if retracted:
                 _changed(r, t, rs)
@@ -703,9 +701,9 @@ def _cut_decode(r, t, rs):
 
 
 @inline
-def _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk, hb,
-              rinf, stats):
-    _release(r, i, t, h_off, h_ids, btok, st, rs, lock, present, nchild, last_use, hk, hb, stats)
+def _complete(q, c, s, r, i, t):
+    st, rq, rinf = s.st, s.rq, s.rinf
+    _release(q, c, s, r, i, t)
     st[i, ST_STATUS] = 4
     rq[i, RQ_DONE] = t
     rq[i, RQ_COMPLETIONS] += 1
@@ -721,10 +719,10 @@ def _snapshot(r, t, rs):
 
 
 @njit
-def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
-              present, lock, nchild, last_use, hk, hb, ev, lag, rinf, stats):
+def _end_step(q, f, c, s, r, t):
     """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens and their KV,
     completions, the load snapshot), start the next."""
+    req_out, st, rq, rs, run_ids, stats = q.output_tokens, s.st, s.rq, s.rs, s.run_ids, s.stats
     kind = rs[r, RS_KIND]
     if kind == 1:
         rs[r, RS_PTOK] += rs[r, RS_STEP_TOK]
@@ -749,8 +747,7 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
             rs[r, RS_USED] += dec_k
             finished = st[i, ST_REMAIN] <= 0
         if finished:
-            _complete(r, i, t, h_off, h_ids, btok, st, rq, rs, lock, present, nchild, last_use, hk,
-                      hb, rinf, stats)
+            _complete(q, c, s, r, i, t)
             done += 1
             last = rs[r, RS_RUN_N] - 1
             run_ids[r, k] = run_ids[r, last]
@@ -774,8 +771,7 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
         _changed(r, t, rs)
     if kind == 1:
         _snapshot(r, t, rs)
-    _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
-                present, lock, nchild, last_use, hk, hb, ev, lag, stats)
+    _start_step(q, f, c, s, r, t)
     return done
 
 
@@ -802,7 +798,7 @@ def _write_sample(loads, tail, nl, t, r, rs, rinf):
 
 
 @inline
-def _interval_sample(g, t, r, rs, rinf, cur, recs, nr, table, view_inflight, dirty):
+def _interval_sample(s, v, g, t, r, cur, recs, nr):
     """Interval publishing: rank ``r``'s sample number ``g`` (of the whole run, in
     written order) stamped ``t``.  It is applied to the router's rank table as
     ``kernels.snapshot.advance_dirty_nb`` applies a written sample (every simulated
@@ -811,6 +807,7 @@ def _interval_sample(g, t, r, rs, rinf, cur, recs, nr, table, view_inflight, dir
     sample: the rows are expanded from these records afterwards
     (:func:`expand_interval_nb`), so memory grows with the changes, not with the
     span.  Returns the new record count."""
+    rs, rinf, table, view_inflight, dirty = s.rs, s.rinf, v.table, v.inflight, v.dirty
     w = rs[r, RS_WORKER]
     loc = rs[r, RS_LOCAL]
     busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
@@ -935,10 +932,11 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
 
 
 @njit
-def _dispatch(method, w, i, t, n, lo, req_L, h_ids, rank_off, rs, present, rr, dpc_last, idxr,
-              table, seed):
+def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
     or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
+    method, req_L, h_ids, rank_off = f.dispatch, q.input_tokens, q.h_ids, f.rank_off
+    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, v.idxr, v.table
     r0 = rank_off[w]
     nr = rank_off[w + 1] - r0
     if nr <= 1:
@@ -997,39 +995,28 @@ def _dispatch(method, w, i, t, n, lo, req_L, h_ids, rank_off, rs, present, rr, d
 
 
 @njit
-def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, btok, parent,
-                n_workers, fleet, in_fleet, dp_size, rank_off, prefill_tps, rank_decode_ns,
-                rank_maxrun, rank_cap, rank_phase, knobs, seed, freshness, publish_ns,
-                lag_ns, heap_cap, rank_decode_slope, rank_chunk, rank_policy, pub_delay, pub_idle,
-                forced, rank_eng, dispatch, cache_log=None):
-    """Run one closed-loop simulation.
+def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
+    """Run one closed-loop simulation of requests ``q`` (``layout.SimRequests``) on
+    fleet ``f`` (``layout.SimFleet``), the router deciding under ``knobs``, the
+    ``kernels.layout.KnobArrays`` of one config (``replay.sweep.engine.encode_configs``),
+    with ``seed``, the snapshot's ``freshness`` (ns) and the KV index's lag ``lag_ns``.
 
-    Requests (sorted by ``req_ts``, ns) hold CSR prefix blocks ``h_ids`` (dense,
-    ``btok`` tokens each, ``parent`` ids); ``req_full`` = how many leading
-    blocks are full (only those are cached, published and matched; the router
-    still counts every block as queried); ``req_private`` = tokens outside
-    those blocks (a partial last block, input beyond the hashed blocks, output).
-    Workers ``0..n_workers-1`` (replay ids), ``fleet`` the routable ones; ranks
-    of worker ``w`` are ``rank_off[w]..rank_off[w+1]``.  ``knobs`` is the
-    ``kernels.layout.KnobArrays`` of one config (``replay.sweep.engine.encode_configs``).
-    Engine options per rank:
-    ``rank_decode_slope`` (ns per extra running request in a decode step),
-    ``rank_chunk`` (chunked_prefill_size, 0 off), ``rank_policy`` (POLICY_*),
-    ``rank_eng[r, EN_*]`` (max_prefill_tokens, new_token_ratio's initial value,
-    floor and decay per decode step in 1e-9 units, enable_mixed_chunk);
-    ``dispatch`` (LB_*) picks the rank inside a worker.
-    ``pub_delay`` > 0 selects on-change publishing (a sample ``pub_delay`` after
-    a change, a heartbeat after ``pub_idle`` without one) instead of one sample
-    every ``publish_ns``.  ``forced[i] >= 0`` places request ``i`` on that
-    worker without asking the router (validation against a recording).
+    Only a request's full blocks are cached, published and matched (the router
+    still counts every block as queried).  ``f.pub_delay`` > 0 selects on-change
+    publishing (a sample ``pub_delay`` after a change, a heartbeat after
+    ``pub_idle`` without one) instead of one sample every ``publish_ns``.
 
-    Returns ``(rq, m_off, m_worker, m_blocks, loads, n_loads, stats, rs)``.
+    Returns a ``layout.SimOutputs``.
 
     ``cache_log`` (optional, a typed list of int64): every cache store and
     eviction is appended as four values ``(ts + index lag, worker, block,
     +/-(local rank + 1))``, + for a store, - for an eviction, in the order the
     KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
+    req_ts, req_L, req_private, req_full = q.ts, q.input_tokens, q.private, q.full
+    h_off, h_ids, btok, forced = q.h_off, q.h_ids, q.btok, q.forced
+    n_workers, fleet, in_fleet, dp_size, rank_off = f.n_workers, f.fleet, f.in_fleet, f.dp_size, f.rank_off
+    publish_ns, pub_delay, pub_idle, rank_phase = f.publish_ns, f.pub_delay, f.pub_idle, f.phase
     N = req_ts.shape[0]
     R = rank_off[n_workers]
     B = btok.shape[0]
@@ -1044,29 +1031,29 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             rs[r, RS_WORKER] = w
             rs[r, RS_LOCAL] = r - rank_off[w]
     for r in range(R):
-        rs[r, RS_CAP] = rank_cap[r]
-        rs[r, RS_MAXRUN] = rank_maxrun[r]
-        rs[r, RS_DECODE_NS] = rank_decode_ns[r]
+        rs[r, RS_CAP] = f.capacity[r]
+        rs[r, RS_MAXRUN] = f.max_running[r]
+        rs[r, RS_DECODE_NS] = f.decode_ns[r]
         rs[r, RS_QHEAD] = -1
         rs[r, RS_QTAIL] = -1
         rs[r, RS_END] = INF
-        rs[r, RS_DECODE_SLOPE] = rank_decode_slope[r]
-        rs[r, RS_CHUNK] = rank_chunk[r]
+        rs[r, RS_DECODE_SLOPE] = f.decode_slope[r]
+        rs[r, RS_CHUNK] = f.chunk[r]
         rs[r, RS_CHUNK_REQ] = -1
-        rs[r, RS_POLICY] = rank_policy[r]
+        rs[r, RS_POLICY] = f.policy[r]
         rs[r, RS_PUB_DELAY] = pub_delay
         rs[r, RS_PUB_IDLE] = pub_idle
         rs[r, RS_HB_PENDING] = -1
         rs[r, RS_LAST_ROW] = -1
-        rs[r, RS_MAXPF] = rank_eng[r, EN_MAXPF]
-        rs[r, RS_NR_INIT] = rank_eng[r, EN_NR_INIT]
-        rs[r, RS_RATIO] = rank_eng[r, EN_NR_INIT]
-        rs[r, RS_NR_MIN] = rank_eng[r, EN_NR_MIN]
-        rs[r, RS_NR_DECAY] = rank_eng[r, EN_NR_DECAY]
-        rs[r, RS_MIXED] = rank_eng[r, EN_MIXED]
+        rs[r, RS_MAXPF] = f.engine[r, EN_MAXPF]
+        rs[r, RS_NR_INIT] = f.engine[r, EN_NR_INIT]
+        rs[r, RS_RATIO] = f.engine[r, EN_NR_INIT]
+        rs[r, RS_NR_MIN] = f.engine[r, EN_NR_MIN]
+        rs[r, RS_NR_DECAY] = f.engine[r, EN_NR_DECAY]
+        rs[r, RS_MIXED] = f.engine[r, EN_MIXED]
         rs[r, RS_DS_TS] = -1
         rs[r, RS_BUD_TS] = -2
-        max_run = max(max_run, rank_maxrun[r])
+        max_run = max(max_run, f.max_running[r])
     st = np.zeros((N, ST_NCOLS), dtype=np.int64)
     rq = np.full((N, RQ_NCOLS), -1, dtype=np.int64)
     rq[:, RQ_COMPLETIONS] = 0
@@ -1080,7 +1067,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
     rr = np.zeros(n_workers, dtype=np.int64)
     dpc_last = np.full(n_workers, -INF, dtype=np.int64)
     # the router's per-rank KV index (dispatch "router" only)
-    idxr = np.zeros((B, R) if dispatch == LB_ROUTER else (1, 1), dtype=np.int32)
+    idxr = np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32)
     present = np.zeros((R, B), dtype=np.int8)
     # lock, nchild and last_use are written when a block is stored on a rank and read only
     # while it is present there; the heaps only below their sizes: no zero fill (about
@@ -1088,8 +1075,8 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
     lock = np.empty((R, B), dtype=np.int32)
     nchild = np.empty((R, B), dtype=np.int32)
     last_use = np.empty((R, B), dtype=np.int64)
-    hk = np.empty((R, heap_cap), dtype=np.int64)
-    hb = np.empty((R, heap_cap), dtype=np.int64)
+    hk = np.empty((R, f.heap_cap), dtype=np.int64)
+    hb = np.empty((R, f.heap_cap), dtype=np.int64)
     # block-major, so one block's holders are one cache line (the matches walk below)
     idx = np.zeros((B, n_workers), dtype=np.int32)
     depth = np.zeros(max(nf, 1), dtype=np.int64)
@@ -1130,6 +1117,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
+    s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last)
+    c = SimCache(present, lock, nchild, last_use, hk, hb, ev, lag_ns)
+    v = RouterView(idx, idxr, table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
+                   seen, depth, tmp_w, tmp_d)
     # --- clocks
     if N > 0 and on_change:
         for r in range(R):  # every rank publishes once just before the first request
@@ -1172,9 +1163,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             t = t_step
             for r in range(R):
                 if rs[r, RS_END] == t:
-                    n_done += _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok,
-                                        parent, st, rq, rs, run_ids, present, lock, nchild,
-                                        last_use, hk, hb, ev, lag_ns, rinf, stats)
+                    n_done += _end_step(q, f, c, s, r, t)
         elif t_samp <= t_arr and on_change:
             t = t_samp
             loads = _grow2(loads, nl + 2 * R)
@@ -1206,8 +1195,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
                 t = t0 + phs[j] + (g // R) * publish_ns
                 if t >= limit:
                     break
-                nl = _interval_sample(g, t, order[j], rs, rinf, cur, loads, nl, table,
-                                      view_inflight, dirty)
+                nl = _interval_sample(s, v, g, t, order[j], cur, loads, nl)
                 g += 1
                 cnt += 1
                 if cnt == 2 * R:
@@ -1232,7 +1220,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
                 idx[ev[ev_head + 3], ev[ev_head + 2]] += 1 if ev[ev_head + 4] > 0 else -1
-                if dispatch == LB_ROUTER:
+                if f.dispatch == LB_ROUTER:
                     sgn = ev[ev_head + 4]
                     rr_ = rank_off[ev[ev_head + 2]] + (sgn if sgn > 0 else -sgn) - 1
                     idxr[ev[ev_head + 3], rr_] += 1 if sgn > 0 else -1
@@ -1311,9 +1299,8 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
                 n_done += 1
                 continue
             rinf[w] += 1
-            r = _dispatch(dispatch, w, i, t, n, lo, req_L, h_ids, rank_off, rs, present, rr,
-                          dpc_last, idxr, table, seed)
-            cached = _cached_on(r, i, h_off, h_ids, btok, st, present)
+            r = _dispatch(q, f, c, s, v, w, i, t, n, lo, seed)
+            cached = _cached_on(q, c, s, r, i)
             rq[i, RQ_RANK] = r
             st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
             if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
@@ -1321,13 +1308,12 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             _enqueue(r, i, st, rs)
             _changed(r, t, rs)
             if rs[r, RS_KIND] == 0:
-                _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
-                            run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
+                _start_step(q, f, c, s, r, t)
             else:
                 _cut_decode(r, t, rs)
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
     n_rows = nl if on_change else g_next
-    return (rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], n_rows, stats, rs,
-            order, phs, t0)
+    return SimOutputs(rq, m_off, m_worker[:nm].copy(), m_blocks[:nm].copy(), loads[:, :nl], n_rows,
+                      stats, rs, order, phs, t0)

@@ -34,6 +34,7 @@ from replay import __version__
 from replay import labels as L_
 from replay.config import Grid, RouterConfig
 from replay.errors import ParamError, ReplayError
+from replay.kernels import layout as kl
 from replay.kernels import sim as nb
 from replay.runs import names
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
@@ -62,7 +63,7 @@ CHUNK_ROWS = 1024 * 1024
 class LoadRows:
     """The load rows (``loads.parquet``) of one simulation, made on demand, chunk by chunk.
 
-    On-change publishing writes its rows in the kernel (``rows``, ``[nb.LD_*, n]``);
+    On-change publishing writes its rows in the kernel (``rows``, ``[kl.LD_*, n]``);
     interval publishing's rows grow with the span (idle time included), so the
     kernel keeps only each rank's changes (``recs``) and
     :func:`nb.expand_interval_nb` makes the rows from them, ``CHUNK_ROWS`` at a
@@ -82,22 +83,22 @@ class LoadRows:
 
     def _table(self, block: np.ndarray) -> pa.Table:
         return pa.table({
-            "ts": pa.array(block[nb.LD_TS]),
+            "ts": pa.array(block[kl.LD_TS]),
             # decoded from a dictionary in C++: a million Python strings would dominate
             "worker": pa.DictionaryArray.from_arrays(
-                pa.array(block[nb.LD_WORKER].astype(np.int32)), pa.array(self.urls, type=pa.string())
+                pa.array(block[kl.LD_WORKER].astype(np.int32)), pa.array(self.urls, type=pa.string())
             ).dictionary_decode(),
-            "dp_rank": pa.array(block[nb.LD_RANK]),
-            "num_running_reqs": pa.array(block[nb.LD_RUNNING]),
-            "num_waiting_reqs": pa.array(block[nb.LD_WAITING]),
-            "num_tokens": pa.array(block[nb.LD_TOKENS]),
-            "max_total_num_tokens": pa.array(block[nb.LD_MAXTOT]),
-            "num_waiting_uncached_tokens": pa.array(block[nb.LD_WU]),
-            "num_total_tokens": pa.array(block[nb.LD_TOTAL]),
-            "max_running_requests": pa.array(block[nb.LD_MAXRUN]),
-            "total_prefill_uncached_tokens": pa.array(block[nb.LD_PTOK]),
-            "total_prefill_busy_us": pa.array(block[nb.LD_PBUSY]),
-            "router_inflight": pa.array(block[nb.LD_INFLIGHT]),
+            "dp_rank": pa.array(block[kl.LD_RANK]),
+            "num_running_reqs": pa.array(block[kl.LD_RUNNING]),
+            "num_waiting_reqs": pa.array(block[kl.LD_WAITING]),
+            "num_tokens": pa.array(block[kl.LD_TOKENS]),
+            "max_total_num_tokens": pa.array(block[kl.LD_MAXTOT]),
+            "num_waiting_uncached_tokens": pa.array(block[kl.LD_WU]),
+            "num_total_tokens": pa.array(block[kl.LD_TOTAL]),
+            "max_running_requests": pa.array(block[kl.LD_MAXRUN]),
+            "total_prefill_uncached_tokens": pa.array(block[kl.LD_PTOK]),
+            "total_prefill_busy_us": pa.array(block[kl.LD_PBUSY]),
+            "router_inflight": pa.array(block[kl.LD_INFLIGHT]),
         })
 
     def chunks(self, size: int = CHUNK_ROWS) -> Iterator[pa.Table]:
@@ -112,7 +113,7 @@ class LoadRows:
         p = 0
         for lo in range(0, max(self.n_rows, 1), size):
             hi = min(lo + size, self.n_rows)
-            block = np.empty((nb.LD_NCOLS, hi - lo), dtype=np.int64)
+            block = np.empty((kl.LD_NCOLS, hi - lo), dtype=np.int64)
             p = nb.expand_interval_nb(self.recs, self.order, self.phs, self.t0, self.publish_ns,
                                       self.rank_worker, self.rank_local, lo, hi, cur, p, block)
             t = self._table(block)
@@ -152,8 +153,8 @@ class SimResult:
         return self._loads
 
 
-LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (nb.LB_ROUND_ROBIN, nb.LB_TOTAL_REQUESTS, nb.LB_TOTAL_TOKENS,
-                                          nb.LB_BOOTSTRAP_ROOM, nb.LB_ROUTER, nb.LB_PREFIX_AFFINITY),
+LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (kl.LB_ROUND_ROBIN, kl.LB_TOTAL_REQUESTS, kl.LB_TOTAL_TOKENS,
+                                          kl.LB_BOOTSTRAP_ROOM, kl.LB_ROUTER, kl.LB_PREFIX_AFFINITY),
                     strict=True))
 
 
@@ -200,21 +201,21 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
     slope = np.array([max(0, round(workers[w].decode_step_ms_per_request * 1e6)) for w in rw],
                      dtype=np.int64)
     chunk = np.array([workers[w].chunked_prefill_size for w in rw], dtype=np.int64)
-    policy = np.array([nb.POLICY_LPM if workers[w].schedule_policy == "lpm" else nb.POLICY_FCFS
+    policy = np.array([kl.POLICY_LPM if workers[w].schedule_policy == "lpm" else kl.POLICY_FCFS
                        for w in rw], dtype=np.int64)
     # new_token_ratio (SGLang's scheduler): initial min(0.7 x conservativeness, 1), floor
     # initial x 0.14, falling linearly to it over 600 decode steps; 1e-9 units
     sp = fleet.spec
-    eng = np.zeros((rw.shape[0], nb.EN_NCOLS), dtype=np.int64)
+    eng = np.zeros((rw.shape[0], kl.EN_NCOLS), dtype=np.int64)
     for r, w in enumerate(rw):
         ws = workers[w]
         init = min(sp.init_new_token_ratio * ws.schedule_conservativeness, 1.0)
         floor = init * sp.min_new_token_ratio_factor
-        eng[r, nb.EN_MAXPF] = ws.max_prefill_tokens
-        eng[r, nb.EN_NR_INIT] = round(init * nb.RATIO_ONE)
-        eng[r, nb.EN_NR_MIN] = round(floor * nb.RATIO_ONE)
-        eng[r, nb.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * nb.RATIO_ONE)
-        eng[r, nb.EN_MIXED] = int(ws.enable_mixed_chunk)
+        eng[r, kl.EN_MAXPF] = ws.max_prefill_tokens
+        eng[r, kl.EN_NR_INIT] = round(init * kl.RATIO_ONE)
+        eng[r, kl.EN_NR_MIN] = round(floor * kl.RATIO_ONE)
+        eng[r, kl.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * kl.RATIO_ONE)
+        eng[r, kl.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
     on_change = fleet.spec.publish_policy == "on_change"
     # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
@@ -224,49 +225,45 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
     pub_idle = int(fleet.spec.idle_publish_ms) * 1_000_000
     # the router's snapshot uses dp_size 1 for decode peers (no samples, never fleet)
     dp_view = np.where(dp > 0, dp, 1).astype(np.int64)
-    return dict(req_ts=np.ascontiguousarray(log.ts_ns + START_NS, dtype=np.int64),
-                req_L=np.ascontiguousarray(log.input_tokens, dtype=np.int64),
-                req_out=np.ascontiguousarray(log.output_tokens, dtype=np.int64),
-                req_private=np.ascontiguousarray(private, dtype=np.int64),
-                req_full=np.ascontiguousarray(full, dtype=np.int64),
-                h_off=np.ascontiguousarray(log.hash_off, dtype=np.int64),
-                h_ids=np.ascontiguousarray(log.hash_ids, dtype=np.int64),
-                btok=np.ascontiguousarray(log.block_tokens, dtype=np.int64),
-                parent=np.ascontiguousarray(log.block_parent, dtype=np.int64),
-                n_workers=nw, fleet=fleet_ids, in_fleet=in_fleet, dp_size=dp_view,
-                rank_off=rank_off, prefill_tps=prefill_tps, rank_decode_ns=decode_ns,
-                rank_maxrun=maxrun, rank_cap=cap, rank_phase=phase.astype(np.int64),
-                publish_ns=publish_ns, heap_cap=int(heap_cap), rank_decode_slope=slope,
-                rank_chunk=chunk, rank_policy=policy, pub_delay=int(pub_delay),
-                pub_idle=int(pub_idle), rank_worker=rw.astype(np.int64), rank_local=rank_local,
-                rank_eng=eng, dispatch=int(dispatch))
+    req = kl.SimRequests(
+        ts=np.ascontiguousarray(log.ts_ns + START_NS, dtype=np.int64),
+        input_tokens=np.ascontiguousarray(log.input_tokens, dtype=np.int64),
+        output_tokens=np.ascontiguousarray(log.output_tokens, dtype=np.int64),
+        private=np.ascontiguousarray(private, dtype=np.int64),
+        full=np.ascontiguousarray(full, dtype=np.int64),
+        h_off=np.ascontiguousarray(log.hash_off, dtype=np.int64),
+        h_ids=np.ascontiguousarray(log.hash_ids, dtype=np.int64),
+        btok=np.ascontiguousarray(log.block_tokens, dtype=np.int64),
+        parent=np.ascontiguousarray(log.block_parent, dtype=np.int64),
+        forced=np.full(log.n_requests, -1, dtype=np.int64))
+    sim_fleet = kl.SimFleet(
+        n_workers=nw, fleet=fleet_ids, in_fleet=in_fleet, dp_size=dp_view, rank_off=rank_off,
+        prefill_tps=prefill_tps, decode_ns=decode_ns, decode_slope=slope, max_running=maxrun,
+        capacity=cap, phase=phase.astype(np.int64), chunk=chunk, policy=policy, engine=eng,
+        dispatch=int(dispatch), publish_ns=publish_ns, pub_delay=int(pub_delay),
+        pub_idle=int(pub_idle), heap_cap=int(heap_cap))
+    return dict(req=req, fleet=sim_fleet, rank_worker=rw.astype(np.int64), rank_local=rank_local)
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
-                forced: np.ndarray | None = None, cache_log=None):
+                forced: np.ndarray | None = None, cache_log=None) -> kl.SimOutputs:
     enc = encode_configs([config])
-    k = inputs
-    if forced is None:
-        forced = np.full(k["req_ts"].shape[0], -1, dtype=np.int64)
-    return nb.simulate_nb(k["req_ts"], k["req_L"], k["req_out"], k["req_private"], k["req_full"], k["h_off"],
-                          k["h_ids"], k["btok"], k["parent"], k["n_workers"], k["fleet"],
-                          k["in_fleet"], k["dp_size"], k["rank_off"], k["prefill_tps"],
-                          k["rank_decode_ns"], k["rank_maxrun"], k["rank_cap"], k["rank_phase"],
-                          enc.knobs, int(seed), int(freshness_ms) * 1_000_000, k["publish_ns"],
-                          int(index_lag_ms) * 1_000_000, k["heap_cap"], k["rank_decode_slope"],
-                          k["rank_chunk"], k["rank_policy"], k["pub_delay"], k["pub_idle"],
-                          np.ascontiguousarray(forced, dtype=np.int64), k["rank_eng"],
-                          k["dispatch"],
+    req = inputs["req"]
+    if forced is not None:
+        req = req._replace(forced=np.ascontiguousarray(forced, dtype=np.int64))
+    return nb.simulate_nb(req, inputs["fleet"], enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
+                          int(index_lag_ms) * 1_000_000,
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
-def _load_rows(fleet: Fleet, inputs: dict, out: tuple) -> LoadRows:
-    """The load rows of a kernel run ``out`` (:func:`nb.simulate_nb`'s tuple)."""
-    loads, n_rows, order, phs, t0 = out[4], int(out[5]), out[8], out[9], int(out[10])
-    if inputs["pub_delay"] > 0:  # on-change: the kernel wrote the rows
-        return LoadRows(list(fleet.urls), n_rows, rows=loads)
-    return LoadRows(list(fleet.urls), n_rows, recs=loads, order=order, phs=phs, t0=t0,
-                    publish_ns=int(inputs["publish_ns"]), rank_worker=inputs["rank_worker"],
+def _load_rows(fleet: Fleet, inputs: dict, out: kl.SimOutputs) -> LoadRows:
+    """The load rows of a kernel run ``out``."""
+    n_rows = int(out.n_rows)
+    if inputs["fleet"].pub_delay > 0:  # on-change: the kernel wrote the rows
+        return LoadRows(list(fleet.urls), n_rows, rows=out.loads)
+    return LoadRows(list(fleet.urls), n_rows, recs=out.loads, order=out.order, phs=out.phs,
+                    t0=int(out.t0), publish_ns=int(inputs["fleet"].publish_ns),
+                    rank_worker=inputs["rank_worker"],
                     rank_local=inputs["rank_local"])
 
 
@@ -278,9 +275,9 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         ok = (a >= 0) & (b >= 0)
         return pa.array(np.where(ok, (a - b) / 1e6, np.nan), mask=~ok)
 
-    ts = inputs["req_ts"]
+    ts = inputs["req"].ts
     qb = np.diff(log.hash_off)
-    sel = rq[:, nb.RQ_WORKER]
+    sel = rq[:, kl.RQ_WORKER]
     struct = pa.StructArray.from_arrays(
         [pa.array(urls[m_w].tolist() if m_w.size else [], type=pa.string()),
          pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
@@ -293,16 +290,16 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
         "query_blocks": pa.array(qb.astype(np.int64)),
         "matches": matches,
-        "best_prefix_blocks": pa.array(rq[:, nb.RQ_BEST]),
+        "best_prefix_blocks": pa.array(rq[:, kl.RQ_BEST]),
         "selected_worker": sel_names,
         # the optional closed-loop columns (traces/README.md), so a simulated trace
         # can be calibrated and simulated again
         "hash_ids": pa.ListArray.from_arrays(pa.array(log.hash_off, type=pa.int32()),
                                              pa.array(log.block_key[log.hash_ids], type=pa.int64())),
         "output_tokens": pa.array(log.output_tokens.astype(np.int64)),
-        "cached_tokens": pa.array(rq[:, nb.RQ_CACHED_TOKENS], mask=sel < 0, type=pa.int64()),
-        "ttft_ms": ms(rq[:, nb.RQ_FIRST], ts),
-        "latency_ms": ms(np.where(sel >= 0, rq[:, nb.RQ_DONE], -1), ts),
+        "cached_tokens": pa.array(rq[:, kl.RQ_CACHED_TOKENS], mask=sel < 0, type=pa.int64()),
+        "ttft_ms": ms(rq[:, kl.RQ_FIRST], ts),
+        "latency_ms": ms(np.where(sel >= 0, rq[:, kl.RQ_DONE], -1), ts),
     })
     workers = pa.table({
         "worker": pa.array(fleet.urls, type=pa.string()),
@@ -316,25 +313,25 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
     outcomes = pa.table({
         "request_id": pa.array(np.arange(n, dtype=np.int64)),
         "worker": sel_names,
-        "dp_rank": pa.array(np.where(rq[:, nb.RQ_RANK] >= 0,
-                                     rq[:, nb.RQ_RANK] - inputs["rank_off"][np.maximum(sel, 0)], -1)),
+        "dp_rank": pa.array(np.where(rq[:, kl.RQ_RANK] >= 0,
+                                     rq[:, kl.RQ_RANK] - inputs["fleet"].rank_off[np.maximum(sel, 0)], -1)),
         "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
         "output_tokens": pa.array(log.output_tokens.astype(np.int64)),
-        "cached_tokens": pa.array(np.maximum(rq[:, nb.RQ_CACHED_TOKENS], 0)),
-        "cached_blocks": pa.array(np.maximum(rq[:, nb.RQ_CACHED_BLOCKS], 0)),
+        "cached_tokens": pa.array(np.maximum(rq[:, kl.RQ_CACHED_TOKENS], 0)),
+        "cached_blocks": pa.array(np.maximum(rq[:, kl.RQ_CACHED_BLOCKS], 0)),
         "query_blocks": pa.array(qb.astype(np.int64)),
         "arrival_ts": pa.array(arrive),
-        "admit_ts": pa.array(rq[:, nb.RQ_ADMIT]),
-        "first_token_ts": pa.array(rq[:, nb.RQ_FIRST]),
-        "completion_ts": pa.array(rq[:, nb.RQ_DONE]),
-        "queue_wait_ms": ms(rq[:, nb.RQ_ADMIT], arrive),
-        "ttft_ms": ms(rq[:, nb.RQ_FIRST], arrive),
-        "latency_ms": ms(rq[:, nb.RQ_DONE], arrive),
-        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, nb.RQ_REASON].tolist()],
+        "admit_ts": pa.array(rq[:, kl.RQ_ADMIT]),
+        "first_token_ts": pa.array(rq[:, kl.RQ_FIRST]),
+        "completion_ts": pa.array(rq[:, kl.RQ_DONE]),
+        "queue_wait_ms": ms(rq[:, kl.RQ_ADMIT], arrive),
+        "ttft_ms": ms(rq[:, kl.RQ_FIRST], arrive),
+        "latency_ms": ms(rq[:, kl.RQ_DONE], arrive),
+        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, kl.RQ_REASON].tolist()],
                            type=pa.string()),
-        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, nb.RQ_DECISION].tolist()],
+        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, kl.RQ_DECISION].tolist()],
                              type=pa.string()),
-        "completions": pa.array(rq[:, nb.RQ_COMPLETIONS]),
+        "completions": pa.array(rq[:, kl.RQ_COMPLETIONS]),
     })
     return requests, workers, outcomes
 
@@ -342,10 +339,10 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
 def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
     n = log.n_requests
     L = log.input_tokens.astype(np.int64)
-    cached = np.maximum(rq[:, nb.RQ_CACHED_TOKENS], 0)
+    cached = np.maximum(rq[:, kl.RQ_CACHED_TOKENS], 0)
     ttft = outcomes["ttft_ms"].to_numpy(zero_copy_only=False)
     wait = outcomes["queue_wait_ms"].to_numpy(zero_copy_only=False)
-    done = rq[:, nb.RQ_DONE]
+    done = rq[:, kl.RQ_DONE]
     span_ns = int(done.max() - (log.ts_ns[0] + START_NS)) if n else 0
 
     def q(a, p):
@@ -354,10 +351,10 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
 
     row: dict[str, Any] = {
         "requests": n,
-        "routed": int((rq[:, nb.RQ_WORKER] >= 0).sum()),
-        "failed": int((rq[:, nb.RQ_WORKER] < 0).sum()),
+        "routed": int((rq[:, kl.RQ_WORKER] >= 0).sum()),
+        "failed": int((rq[:, kl.RQ_WORKER] < 0).sum()),
         "true_hit_rate": float(cached.sum() / L.sum()) if L.sum() else None,
-        "block_hit_rate": (float(np.maximum(rq[:, nb.RQ_CACHED_BLOCKS], 0).sum() / log.hash_ids.size)
+        "block_hit_rate": (float(np.maximum(rq[:, kl.RQ_CACHED_BLOCKS], 0).sum() / log.hash_ids.size)
                            if log.hash_ids.size else None),
         "cold_prefill_tokens": int((L - cached).sum()),
         "ttft_ms_mean": float(np.nanmean(ttft)) if n else None,
@@ -370,12 +367,12 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
         "throughput_req_s": n / (span_ns / 1e9) if span_ns > 0 else None,
         "throughput_output_tok_s": (float(log.output_tokens.sum()) / (span_ns / 1e9)
                                     if span_ns > 0 else None),
-        "evictions": int(stats[nb.SS_EVICTIONS]),
+        "evictions": int(stats[kl.SS_EVICTIONS]),
     }
-    dec = rq[:, nb.RQ_DECISION]
+    dec = rq[:, kl.RQ_DECISION]
     for code, name in enumerate(L_.DECISIONS):
         row[name] = int((dec == code).sum())
-    reason = rq[:, nb.RQ_REASON]
+    reason = rq[:, kl.RQ_REASON]
     for code, name in enumerate(L_.POLICY_REASONS):
         pr = np.array([L_.reason_to_policy_reason(int(r)) if r >= 0 else -1 for r in range(7)])
         row[f"policy_{name}"] = int(np.isin(reason, np.nonzero(pr == code)[0]).sum())
@@ -464,14 +461,14 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
 
         log_list = List.empty_list(types.int64)
     kout = _run_kernel(inputs, config, seed, freshness_ms, index_lag_ms, forced, log_list)
-    rq, m_off, m_w, m_b, stats, rs = kout[0], kout[1], kout[2], kout[3], kout[6], kout[7]
+    rq, m_off, m_w, m_b, stats, rs = kout.rq, kout.m_off, kout.m_worker, kout.m_blocks, kout.stats, kout.rs
     seconds = time.perf_counter() - t0
     load_rows = _load_rows(fleet, inputs, kout)
     req_t, workers_t, out_t = _tables(log, fleet, rq, m_off, m_w, m_b, inputs)
-    stat = {name.lower(): int(stats[getattr(nb, name)]) for name in dir(nb) if name.startswith("SS_")
+    stat = {name.lower(): int(stats[getattr(kl, name)]) for name in dir(kl) if name.startswith("SS_")
             and name != "SS_NCOLS"}
-    stat["max_kv_used_minus_capacity"] = int((rs[:, nb.RS_MAX_USED] - rs[:, nb.RS_CAP]).max())
-    stat["max_queue_len"] = int(rs[:, nb.RS_MAX_QLEN].max())
+    stat["max_kv_used_minus_capacity"] = int((rs[:, kl.RS_MAX_USED] - rs[:, kl.RS_CAP]).max())
+    stat["max_queue_len"] = int(rs[:, kl.RS_MAX_QLEN].max())
     stat["load_rows"] = load_rows.n_rows
     summary = _summary(log, rq, out_t, stats)
     res = SimResult(config, pl.from_arrow(req_t), load_rows, pl.from_arrow(workers_t),
