@@ -107,7 +107,9 @@ RS_NR_MIN = 46
 RS_NR_DECAY = 47
 RS_MIXED = 48         # enable_mixed_chunk
 RS_STEP_MIX = 49      # the current prefill step carries the running decodes (mixed chunk)
-RS_NCOLS = 50
+RS_PUB_SGL = 50       # SGLang's LoadStat cadence (publish_policy "sglang"; see _publish_sgl)
+RS_PUB_CNT = 51       # decode steps since the rank's last LoadStat (sglang cadence)
+RS_NCOLS = 52
 
 # in-worker data-parallel dispatch (the fleet's load_balance_method)
 LB_ROUND_ROBIN = 0
@@ -128,7 +130,9 @@ EN_NR_INIT = 1
 EN_NR_MIN = 2
 EN_NR_DECAY = 3
 EN_MIXED = 4
-EN_NCOLS = 5
+EN_PUB_SGL = 5        # 1: SGLang's LoadStat cadence (on-change publishing must be on)
+EN_NCOLS = 6
+STALL_PUBLISH_NS = 50_000_000  # sglang cadence: a stalled rank (queued work, no batch) re-publishes
 
 POLICY_FCFS = 0
 POLICY_LPM = 1
@@ -511,6 +515,15 @@ def _changed(r, t, rs):
             rs[r, RS_DUE_KIND] = DUE_CHANGE
 
 
+@inline
+def _publish_sgl(r, t, rs):
+    """SGLang's LoadStat cadence: rank ``r`` publishes at ``t`` (after a prefill step,
+    after its 15th decode step since the last one, or on going idle); the decode
+    count restarts, as the engine's throttle counter does."""
+    rs[r, RS_PUB_CNT] = 0
+    _changed(r, t, rs)
+
+
 @njit
 def _lpm_order(r, h_off, h_ids, btok, st, rs, present):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
@@ -617,7 +630,7 @@ def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, s
         rem_chunk -= take
         rem_input -= take
         admitted += 1
-    if admitted > 0:
+    if admitted > 0 and rs[r, RS_PUB_SGL] == 0:  # sglang cadence: published at the step's end
         _changed(r, t, rs)
     if tokens > 0:
         rs[r, RS_NO_DECAY] = 0
@@ -657,7 +670,8 @@ def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, s
                          nchild, last_use, hk, hb, stats)
                 retracted = True
             if retracted:
-                _changed(r, t, rs)
+                if rs[r, RS_PUB_SGL] == 0:
+                    _changed(r, t, rs)
                 num = 0
                 den = 1
                 for x in range(rs[r, RS_RUN_N]):
@@ -675,6 +689,8 @@ def _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, s
                 k = min(k, st[run_ids[r, x], ST_REMAIN])
             k = max(k, 1)
             k = max(min(k, (rs[r, RS_CAP] - rs[r, RS_USED]) // n), 1)
+            if rs[r, RS_PUB_SGL] == 1:  # the event ends where the engine publishes
+                k = max(min(k, SNAPSHOT_DECODE_STEPS - rs[r, RS_PUB_CNT]), 1)
         dur = rs[r, RS_DECODE_NS] + rs[r, RS_DECODE_SLOPE] * (n - 1)
         rs[r, RS_KIND] = 2
         rs[r, RS_STEP_DUR] = dur
@@ -770,12 +786,20 @@ def _end_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st,
         rs[r, RS_DEC_COUNT] = before + dec_k
         if rs[r, RS_DEC_COUNT] // SNAPSHOT_DECODE_STEPS > before // SNAPSHOT_DECODE_STEPS:
             _snapshot(r, t, rs)   # REPLAY CHOICE: stamped at the event's end (see _start_step)
-    if kind == 1 or done > 0:
+    sgl = rs[r, RS_PUB_SGL] == 1
+    if sgl:
+        if kind == 2:
+            rs[r, RS_PUB_CNT] += dec_k
+        if kind == 1 or rs[r, RS_PUB_CNT] >= SNAPSHOT_DECODE_STEPS:
+            _publish_sgl(r, t, rs)
+    elif kind == 1 or done > 0:
         _changed(r, t, rs)
     if kind == 1:
         _snapshot(r, t, rs)
     _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs, run_ids,
                 present, lock, nchild, last_use, hk, hb, ev, lag, stats)
+    if sgl and rs[r, RS_KIND] == 0:
+        _publish_sgl(r, t, rs)   # idle (or stalled): the idle loop publishes at once
     return done
 
 
@@ -1064,6 +1088,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
         rs[r, RS_NR_MIN] = rank_eng[r, EN_NR_MIN]
         rs[r, RS_NR_DECAY] = rank_eng[r, EN_NR_DECAY]
         rs[r, RS_MIXED] = rank_eng[r, EN_MIXED]
+        rs[r, RS_PUB_SGL] = rank_eng[r, EN_PUB_SGL]
         rs[r, RS_DS_TS] = -1
         rs[r, RS_BUD_TS] = -2
         max_run = max(max_run, rank_maxrun[r])
@@ -1181,6 +1206,10 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             tail = _grow1(tail, nl + 2 * R)
             for r in range(R):
                 if rs[r, RS_NEXT_SAMPLE] != t:
+                    continue
+                if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT and rs[r, RS_PUB_SGL] == 1 and (
+                        rs[r, RS_KIND] != 0):
+                    rs[r, RS_NEXT_SAMPLE] = INF  # busy: SGLang publishes at step ends only
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT:
                     rs[r, RS_HB_PENDING] = t   # a pending one it supersedes is dropped
@@ -1319,10 +1348,15 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
             if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
                 _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
             _enqueue(r, i, st, rs)
-            _changed(r, t, rs)
+            if rs[r, RS_PUB_SGL] == 0:
+                _changed(r, t, rs)
             if rs[r, RS_KIND] == 0:
                 _start_step(r, t, req_L, req_out, prefill_tps, h_off, h_ids, btok, parent, st, rq, rs,
                             run_ids, present, lock, nchild, last_use, hk, hb, ev, lag_ns, stats)
+                if rs[r, RS_PUB_SGL] == 1 and rs[r, RS_KIND] == 0:
+                    # stalled (queued, nothing admitted): SGLang's idle loop re-publishes a
+                    # changed load every 50 ms; the arrival shows at the next of those
+                    _changed(r, t + STALL_PUBLISH_NS, rs)
             else:
                 _cut_decode(r, t, rs)
     if cache_log is not None:

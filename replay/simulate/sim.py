@@ -216,7 +216,9 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
         eng[r, nb.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * nb.RATIO_ONE)
         eng[r, nb.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
-    on_change = fleet.spec.publish_policy == "on_change"
+    # "sglang" is on-change publishing at the engine's own moments (kernels.sim._publish_sgl)
+    eng[:, nb.EN_PUB_SGL] = int(sp.publish_policy == "sglang")
+    on_change = sp.publish_policy in ("on_change", "sglang")
     # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
     # throttles to every few scheduler steps; a recorder stamps receive time),
     # so a sample never shares its stamp with the arrival that caused it.
