@@ -4,9 +4,15 @@ It shares no code with ``replay.kernels.sim``: plain Python, its own event loop,
 router.  Ranks run FCFS queues with chunked prefill and *mixed* steps (running decodes ride
 in every prefill step), a step time that grows with the batch, a page-granular prefix cache
 with LRU eviction of unreferenced leaves, round-robin data-parallel dispatch, and LoadStat
-samples after every step plus a heartbeat every second while nothing changes.  Its router
-sends a request to the worker holding the longest cached prefix when that worker has fewer
-than ``queue_limit`` waiting requests, else to the least loaded worker.
+samples after every step plus a heartbeat every second while nothing changes (or, with
+``cadence="sglang"``, after each prefill step, after every 15th decode step since the last
+sample and on going idle).  Its router sends a request to the worker holding the longest
+cached prefix when that worker has fewer than ``queue_limit`` waiting requests, else to the
+least loaded worker; or, given ``router`` (a ``RouterConfig``), the production router does:
+``replay.reference.select_prefill`` (the router's spec, held equal to the sweep's kernels)
+on the samples this engine published and the prefix each worker truly holds.  The router
+is the product under test, not the engine model: the engine shares nothing with the
+simulator.
 
 :func:`run` writes a trace directory (requests, loads, workers, outcomes with ``dp_rank``)
 that ``replay.simulate.tracelog.read_trace_log`` reads."""
@@ -14,12 +20,15 @@ that ``replay.simulate.tracelog.read_trace_log`` reads."""
 from __future__ import annotations
 
 import heapq
+import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+
+from replay.reference import DrawStream, LoadTable, NativeTail, PrefixSignal, RankSample, select_prefill
 
 
 @dataclass
@@ -52,10 +61,12 @@ class _Rank:
 
 
 def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: int = 4,
-        heartbeat_s: float = 1.0, sticky: bool = False) -> None:
+        heartbeat_s: float = 1.0, sticky: bool = False, router=None, seed: int = 0,
+        cadence: str = "step") -> None:
     """``sticky``: a worker sends a request to rank ``first block id mod dp`` (a
     session-affine dispatch SGLang does not have and the simulator cannot express)
-    instead of round robin."""
+    instead of round robin.  ``router``: a ``RouterConfig`` the production router
+    routes with (draws seeded by ``seed``); ``cadence``: "step" or "sglang"."""
     bs = log.block_size
     ts = log.ts_ns / 1e9
     L, OUT = log.input_tokens, log.output_tokens
@@ -73,6 +84,13 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
     where = np.zeros((log.n_requests, 2), dtype=np.int64)
     samples: list[tuple] = []
     last_pub: dict[tuple[int, int], tuple[float, tuple]] = {}
+    table = LoadTable()
+    for w in range(n_workers):
+        table.expect(w, range(dp))
+    inflight = dict.fromkeys(range(n_workers), 0)
+    since = {}                               # decode steps since a rank's last sample
+    seen_inflight = dict.fromkeys(range(n_workers), (-1.0, 0))   # the router's count: its latest row's
+    signals: list = [None] * log.n_requests
     events: list[tuple] = [(float(ts[i]), 1, i, -1, -1) for i in range(log.n_requests)]
     heapq.heapify(events)
 
@@ -109,11 +127,49 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
         rk = ranks[w][r]
         stat = (len(rk.running) + (1 if rk.chunked is not None else 0), len(rk.queue),
                 used(rk) - evictable(rk), sum(int(L[i]) for i in rk.queue), rk.ptok,
-                int(rk.pbusy_us))
+                int(rk.pbusy_us), sum(int(L[i]) - match(rk, i) * bs for i in rk.queue))
         prev = last_pub.get((w, r))
+        since[(w, r)] = 0
         if force or prev is None or prev[1] != stat:
-            last_pub[(w, r)] = (t, stat)
-            samples.append((t, w, r, *stat))
+            last_pub[(w, r)] = (t, stat, inflight[w])
+            samples.append((t, w, r, *stat[:6], inflight[w], stat[6]))
+            see(w, r, stat, t)
+            seen_inflight[w] = (t, inflight[w])
+
+    def see(w, r, stat, t):
+        """The router's table takes a sample stamped ``t``."""
+        native = NativeTail(waiting_uncached=stat[6], total_tokens=stat[2] + stat[3],
+                            max_running_requests=eng.max_running, prefill_tokens=stat[4],
+                            prefill_busy_us=stat[5])
+        table.set(w, r, RankSample(running=stat[0], waiting=stat[1], num_tokens=stat[2],
+                                   max_total_num_tokens=eng.kv_tokens, native=native), int(round(t * 1e9)))
+
+    def route(i, t):
+        """The production router's pick for request ``i`` at ``t``."""
+        for (w, r), (t0, stat, inf) in last_pub.items():   # the heartbeats due by now
+            k = int((t - t0) // heartbeat_s)
+            if k >= 1:
+                see(w, r, stat, t0 + k * heartbeat_s)
+                if t0 + k * heartbeat_s >= seen_inflight[w][0]:   # a row repeats its sample's count
+                    seen_inflight[w] = (t0 + k * heartbeat_s, inf)
+        depth = {}
+        for w in range(n_workers):
+            d = 0
+            while d < len(blocks[i]) and any(blocks[i][d] in rk.present for rk in ranks[w]):
+                d += 1
+            if d:
+                depth[w] = d
+        order = sorted(depth.items(), key=lambda x: (-x[1], x[0]))
+        q = -(-int(L[i]) // bs)
+        signal = PrefixSignal(query_blocks=q, matches=order,
+                              best_prefix_blocks=order[0][1] if order else 0,
+                              outcome="Matched" if order else "Empty") if q > 0 else None
+        signals[i] = order
+        snap = table.capture(int(round(t * 1e9)), {w: v for w, (_, v) in seen_inflight.items()})
+        sel = select_prefill(int(L[i]), signal, list(range(n_workers)), snap, router, DrawStream(seed, i))
+        if sel.worker is None:    # nothing admitted: the least in flight
+            return min(range(n_workers), key=lambda w: (inflight[w], w))
+        return int(sel.worker)
 
     def start(w, r, t):
         rk = ranks[w][r]
@@ -177,6 +233,7 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
     def finish(w, r, t):
         rk = ranks[w][r]
         pre, dec, tokens, dur = rk._step
+        sgl = cadence == "sglang"
         if tokens:
             rk.ptok += tokens
             rk.pbusy_us += dur * 1e6
@@ -194,10 +251,20 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
                 ref(rk, b, -1)
                 rk.present[b] = t
             rk.private -= int(L[i]) - len(blocks[i]) * bs + int(OUT[i])
+            inflight[w] -= 1
         rk.busy_until = -1.0
+        if sgl:      # at the batch result: a prefill step, or the 15th decode step since
+            since[(w, r)] = since.get((w, r), 0) + (0 if tokens else 1)
+            if tokens or since[(w, r)] >= 15:
+                publish(w, r, t, force=True)
         start(w, r, t)
-        publish(w, r, t)
+        if not sgl or rk.busy_until < 0:
+            publish(w, r, t)
 
+    if log.n_requests:      # every rank publishes once just before the first request
+        for w in range(n_workers):
+            for r in range(dp):
+                publish(w, r, float(ts[0]) - 1e-3, force=True)
     while events:
         t, kind, a, b, _ = heapq.heappop(events)
         if kind == 0:
@@ -205,14 +272,18 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
             continue
         i = a
         # the router: the deepest true prefix if that worker is not over the limit
-        best, depth = -1, 0
-        for w in range(n_workers):
-            d = max(match(ranks[w][r], i) for r in range(dp))
-            if d > depth:
-                best, depth = w, d
-        if best < 0 or sum(len(rk.queue) for rk in ranks[best]) >= queue_limit:
-            best = min(range(n_workers), key=lambda w: (sum(len(rk.queue) + len(rk.running)
-                                                             for rk in ranks[w]), w))
+        if router is not None:
+            best = route(i, t)
+        else:
+            best, depth = -1, 0
+            for w in range(n_workers):
+                d = max(match(ranks[w][r], i) for r in range(dp))
+                if d > depth:
+                    best, depth = w, d
+            if best < 0 or sum(len(rk.queue) for rk in ranks[best]) >= queue_limit:
+                best = min(range(n_workers), key=lambda w: (sum(len(rk.queue) + len(rk.running)
+                                                                 for rk in ranks[w]), w))
+        inflight[best] += 1
         if sticky:
             r = int(log.hash_ids[log.hash_off[i]]) % dp if log.hash_off[i + 1] > log.hash_off[i] else 0
         else:
@@ -223,7 +294,8 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
         rk.queue.append(i)
         if rk.busy_until < 0:
             start(best, r, t)
-        publish(best, r, t)
+        if cadence != "sglang":
+            publish(best, r, t)
     # heartbeats: an unchanged load re-sent every heartbeat_s between samples
     per: dict[tuple[int, int], list[tuple]] = {}
     for s in samples:
@@ -243,7 +315,7 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
     t0 = 1_767_225_600 * 10**9
     arr = np.array(rows, dtype=np.float64)
     pl.DataFrame({
-        "ts": (arr[:, 0] * 1e9).astype(np.int64) + t0,
+        "ts": np.round(arr[:, 0] * 1e9).astype(np.int64) + t0,
         "worker": [urls[int(w)] for w in arr[:, 1]], "dp_rank": arr[:, 2].astype(np.int32),
         "num_running_reqs": arr[:, 3].astype(np.int64), "num_waiting_reqs": arr[:, 4].astype(np.int64),
         "num_tokens": arr[:, 5].astype(np.int64),
@@ -252,6 +324,8 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
         "max_running_requests": np.full(len(rows), eng.max_running, dtype=np.int64),
         "total_prefill_uncached_tokens": arr[:, 7].astype(np.int64),
         "total_prefill_busy_us": arr[:, 8].astype(np.int64),
+        "router_inflight": arr[:, 9].astype(np.int64),
+        "num_waiting_uncached_tokens": arr[:, 10].astype(np.int64),
     }).write_parquet(out / "loads.parquet")
     hashes = [list(map(int, log.hash_ids[log.hash_off[i]:log.hash_off[i + 1]]))
               for i in range(log.n_requests)]
@@ -262,6 +336,16 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
         "selected_worker": [urls[w] for w in where[:, 0]],
         "dp_rank": where[:, 1].astype(np.int32), "cached_tokens": cached,
         "ttft_ms": (first - ts) * 1e3, "latency_ms": (done - ts) * 1e3,
+        # what the router saw (the prefix each worker held); only when it is the production router
+        **({} if router is None else {
+            "query_blocks": -(-L // bs),
+            "matches": pl.Series([[{"worker": urls[w], "blocks": d} for w, d in m or []] for m in signals],
+                                 dtype=pl.List(pl.Struct({"worker": pl.String, "blocks": pl.Int64}))),
+            "best_prefix_blocks": [m[0][1] if m else 0 for m in signals]}),
     }).write_parquet(out / "requests.parquet")
+    if router is not None:   # the production router's flags and seed, as a recorder notes them
+        (out / "trace.json").write_text(json.dumps({
+            "source": "tests/sglang_like.py", "page_size": bs, "router": router.given_flags(),
+            "extra": {"seed": seed}}))
     pl.DataFrame({"worker": urls, "role": ["plain"] * n_workers, "dp_size": [dp] * n_workers,
                   "page_size": [bs] * n_workers}).write_parquet(out / "workers.parquet")

@@ -250,3 +250,47 @@ def test_trace_dir_with_full_blocks_only_simulates_like_the_complete_one(tmp_pat
     assert a["ttft_ms"].to_list() == b["ttft_ms"].to_list()
     r = run("calibrate", full, "--out", tmp_path / "fit.toml")
     assert r.exit_code == 0, r.output
+
+
+# ---------------------------------------------------------------------------
+# generate's traces carry complete hash_ids and output_tokens
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block=st.sampled_from([1, 16, 64, 512]), n=st.integers(0, 120), seed=st.integers(0, 2**16))
+def test_generated_traces_follow_the_rule_and_close_the_loop(tmp_path_factory, block, n, seed):
+    from replay.trace.synthetic import generate_trace
+    tmp = tmp_path_factory.mktemp("gen")
+    d = tmp / "g"
+    generate_trace(d, n_requests=n, n_workers=3, dp_size=2, seed=seed, block_size=block, rate_per_s=20.0)
+    rl = request_log(d)
+    L = rl["input_tokens"].to_numpy()
+    assert rl["hash_ids"].list.len().to_numpy().tolist() == (-(-L // block)).tolist()
+    assert (rl["output_tokens"].to_numpy() >= 1).all()
+    assert check_block_counts(rl["hash_ids"].list.len().to_numpy(), L, block, full_only_ok=False).bad is None
+    v = run("validate", d, "--json")
+    assert v.exit_code == 0, v.output
+    assert json.loads(v.output)["hash_ids_full_blocks_only"] == 0
+    if n == 0:
+        return
+    s = run("sweep", d, "--out", tmp / "run", "--worker-queue-limit", 2, "--no-report", "-q")
+    assert s.exit_code == 0, s.output
+    c = run("calibrate", d, "--out", tmp / "fit.toml")
+    assert c.exit_code == 0, c.output
+    r = run("simulate", d, "--fleet", tmp / "fit.toml", "--out", tmp / "sim", "--worker-queue-limit", 2, "-q")
+    assert r.exit_code == 0, r.output
+    assert pl.read_parquet(tmp / "sim" / "requests.parquet")["hash_ids"].list.len().to_list() == \
+        rl["hash_ids"].list.len().to_list()
+
+
+def test_generated_hash_ids_share_a_groups_prefix_and_form_a_tree(tmp_path):
+    from replay.trace.synthetic import generate_trace
+    generate_trace(tmp_path / "g", n_requests=400, n_workers=3, dp_size=2, seed=5)
+    rl = request_log(tmp_path / "g")
+    firsts = [h[0] for h in rl["hash_ids"].to_list() if h]
+    assert len(set(firsts)) < len(firsts) / 2       # system prompts shared across a group
+    ids = rl["hash_ids"].explode().drop_nulls()
+    parents: dict[int, int] = {}
+    for h in rl["hash_ids"].to_list():               # one parent per block: a tree
+        for j in range(1, len(h)):
+            assert parents.setdefault(h[j], h[j - 1]) == h[j - 1]
+    assert ids.n_unique() > 400

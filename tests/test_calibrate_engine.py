@@ -132,3 +132,18 @@ def test_busy_only_queue_parts_and_dispatch_part(tmp_path):
     d = {p.name: p for p in fid.parts}["dispatch"]
     assert d.passed is False and "prefix_affinity" in d.detail
     assert "dispatch" in fid.failing
+
+
+@pytest.mark.parametrize("policy", ["sglang", "on_change", "interval"])
+def test_sglang_cadence_told_from_on_change_and_interval(tmp_path, policy):
+    # the same busy traffic recorded with each publishing policy: only SGLang's own cadence
+    # (prefill steps, every 15th decode step, never an arrival) is classified as "sglang",
+    # and its chunk size is still read from the per-step samples
+    trace, _ = _prod(tmp_path, policy, publish_policy=policy, chunked_prefill_size=1536)
+    cal = calibrate(read_trace_log(trace))
+    f = _fitted(cal, "publish_policy")
+    assert cal.publish["publish_policy"] == policy, f.how
+    if policy == "sglang":
+        assert "SGLang's cadence" in f.how
+        assert cal.publish["idle_publish_ms"] == 1000
+        assert cal.engine["chunked_prefill_size"] == 1536

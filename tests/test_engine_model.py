@@ -13,6 +13,7 @@ from test_simulate import _log
 from replay.errors import ReplayError
 from replay.simulate import FleetSpec, build_fleet, load_fleet, simulate
 from replay.simulate.fleet import default_chunked_prefill_size
+from replay.simulate.sim import START_NS
 
 
 def _fleet(**kw):
@@ -143,3 +144,37 @@ def test_chunk_default_resolution(tmp_path):
     f.write_text("workers = 1\nload_balance_method = \"least_loaded\"\n")
     with pytest.raises(ReplayError, match="load_balance_method must be"):
         load_fleet(f)
+
+
+# A t=0 1024 tokens (two 512-token blocks), 40 out; C t=1100 50 tokens, 2 out; B t=3000 100, 2.
+CADENCE = [(0, 1024, 40, [1, 2]), (1100, 50, 2, [4]), (3000, 100, 2, [3])]
+
+
+def test_sglang_loadstat_cadence():
+    """publish_policy "sglang": a LoadStat after each prefill step, after every 15th decode
+    step since the last one, on going idle, and a 1 s heartbeat while idle; never on an
+    arrival or mid-step.  Samples are stamped 1 us after the moment."""
+    r = simulate(_log(CADENCE), _fleet(publish_policy="sglang"))
+    got = [((t - START_NS) / 1e6, run, wait, tok) for t, run, wait, tok in r.loads.select(
+        ["ts", "num_running_reqs", "num_waiting_reqs", "num_tokens"]).iter_rows()]
+    assert got == [
+        (-0.001, 0, 0, 0),        # every rank publishes just before the first request
+        # A prefills 0-1024 (the heartbeat due at 999 is dropped: the rank is busy)
+        (1024.001, 1, 0, 1024),
+        # A decodes from 1024 in 10 ms steps; C arrives at 1100 (not published), is admitted
+        # after the 8th step (1104) and prefills 1104-1154: published after the prefill with
+        # A's 8 output tokens and C's 50 (C's 1100 arrival is never a sample of its own)
+        (1154.001, 2, 0, 1024 + 8 + 50),
+        # the counter restarts: C finishes at the 1st decode step after (1164, not
+        # published); the 15th is at 1304, A holding 8 + 1 + 14 = 23 decoded tokens' KV
+        (1304.001, 1, 0, 1024 + 23),
+        (1454.001, 1, 0, 1024 + 38),   # 15 steps later
+        (1464.001, 0, 0, 0),           # A's last step: the rank goes idle and publishes at once
+        (2464.001, 0, 0, 0),           # the idle heartbeat, 1 s on (written once B arrives)
+        (3100.001, 1, 0, 100),         # B prefills 3000-3100
+    ]
+    assert r.outcomes["ttft_ms"].to_list() == pytest.approx([1024, 54, 100])
+    # on_change publishes the arrival and the admission instead (1 ms after each change)
+    oc = simulate(_log(CADENCE), _fleet(publish_policy="on_change")).loads
+    assert (oc["ts"] - START_NS).to_list()[:5] == [-1_000_000, 1_000_000, 1_001_000_000,
+                                                   1_025_000_000, 1_101_000_000]

@@ -100,7 +100,8 @@ def test_committed_sample_matches_its_regeneration_command(tmp_path):
     assert res.exit_code == 0, res.output
     a, b = load_trace(SAMPLE), load_trace(tmp_path / "s")
     for f in ("request_id", "req_ts", "req_input_tokens", "match_offsets", "match_worker", "match_blocks",
-              "load_ts", "load_worker", "load_waiting", "load_has_tail", "load_prefill_busy_us"):
+              "load_ts", "load_worker", "load_waiting", "load_has_tail", "load_prefill_busy_us",
+              "hash_offsets", "hash_values", "req_output_tokens"):
         assert np.array_equal(getattr(a, f), getattr(b, f)), f
     assert sum(os.path.getsize(SAMPLE / n) for n in os.listdir(SAMPLE)) < 1 << 20
 

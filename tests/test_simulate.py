@@ -411,6 +411,8 @@ def _fleet(**kw):
 @pytest.mark.parametrize("engine", [
     {"publish_policy": "on_change"},
     {"publish_policy": "on_change", "idle_publish_ms": 250},
+    {"publish_policy": "sglang"},
+    {"publish_policy": "sglang", "chunked_prefill_size": 512, "decode_step_ms_per_request": 0.3},
     {"chunked_prefill_size": 1024},
     {"schedule_policy": "lpm"},
     {"decode_step_ms_per_request": 0.5},

@@ -7,6 +7,7 @@ against the recording (fidelity), and predict a closed-loop grid from it.
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -27,15 +28,20 @@ flags, and writes DIR/fidelity.json (score, parts, per-rank figures).  Router
 knobs given with --validate (values as for `sweep`) add a closed-loop
 prediction grid in DIR/prediction/, printed after the fidelity verdict.
 
+TRACE_DIR may also be the per-request file of SGLang's bench_serving
+(--output-details): only the prefill and decode speeds are fitted from it, and
+the command says what the file cannot tell (docs/calibration.md).
+
 \b
 Example:
   router-replay calibrate traces/sample --out runs/fleet.toml \\
       --validate runs/fit --worker-queue-limit 2,4,8 --saturation-queue-floor none,1,2
+  router-replay calibrate bench_results.jsonl --out runs/bench-fleet.toml
 """
 
 
 @click.command(epilog=_EXAMPLE)
-@click.argument("trace_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("trace_dir", type=click.Path(path_type=str))
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=str),
               help="Fleet file to write (TOML).")
 @click.option("--validate", "validate_dir", type=click.Path(file_okay=False, path_type=str),
@@ -71,6 +77,10 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     from replay.simulate.workflows import calibrate_trace  # lazy: loaded when the command runs
 
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
+    if os.path.isfile(trace_dir):
+        _bench_file(trace_dir, out, force, quiet, as_json, validate=validate_dir, refine=refine,
+                    seeds=seeds_text, knobs=texts)
+        return
     if texts and validate_dir is None:
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
     if seeds_text is not None and not texts:
@@ -121,6 +131,33 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             click.echo(f"WARNING: {fid.verdict()}; the prediction below comes from that model")
         click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / 'prediction'}")
         for line in grid_table(table, grid):
+            click.echo(line)
+
+
+def _bench_file(path, out, force, quiet, as_json, **given) -> None:
+    """calibrate on a bench_serving per-request file: the two speeds it supports."""
+    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.simulate.benchfit import calibrate_bench_file  # lazy: loaded when the command runs
+    from replay.simulate.formats import detect_format  # lazy: loaded when the command runs
+
+    fmt = detect_format(path)
+    if fmt != "bench-serving":
+        raise ReplayError(f"{path}: a {fmt} log; calibrate reads a trace directory or a bench_serving "
+                          "per-request file (simulate the log, then calibrate the trace it writes)")
+    for name, flag in (("validate", "--validate"), ("refine", "--refine"), ("seeds", "--seeds")):
+        if given[name]:
+            raise ReplayError(f"{flag}: a bench_serving file has no placement or loads to check a "
+                              "model against; simulate the file with the fitted fleet instead")
+    if given["knobs"]:
+        raise ReplayError(f"{next(iter(given['knobs']))}: router knobs make a prediction grid, which "
+                          "needs a trace directory")
+    fit = calibrate_bench_file(path, out, force=force)
+    if as_json:
+        click.echo(json.dumps({"fleet": str(out), "requests": fit.requests, "source": "bench_serving",
+                               "fitted": [s.__dict__ for s in fit.speeds]}))
+    elif not quiet:
+        click.echo(f"-> {out}")
+        for line in fit.lines():
             click.echo(line)
 
 

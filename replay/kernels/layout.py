@@ -270,7 +270,9 @@ RS_NR_MIN = 46
 RS_NR_DECAY = 47
 RS_MIXED = 48         # enable_mixed_chunk
 RS_STEP_MIX = 49      # the current prefill step carries the running decodes (mixed chunk)
-RS_NCOLS = 50
+RS_PUB_SGL = 50       # SGLang's LoadStat cadence (publish_policy "sglang"; see kernels/sim._publish_sgl)
+RS_PUB_CNT = 51       # decode steps since the rank's last LoadStat (sglang cadence)
+RS_NCOLS = 52
 
 # in-worker data-parallel dispatch (the fleet's load_balance_method)
 LB_ROUND_ROBIN = 0
@@ -291,7 +293,9 @@ EN_NR_INIT = 1
 EN_NR_MIN = 2
 EN_NR_DECAY = 3
 EN_MIXED = 4
-EN_NCOLS = 5
+EN_PUB_SGL = 5        # 1: SGLang's LoadStat cadence (on-change publishing must be on)
+EN_NCOLS = 6
+STALL_PUBLISH_NS = 50_000_000  # sglang cadence: a stalled rank (queued work, no batch) re-publishes
 
 POLICY_FCFS = 0
 POLICY_LPM = 1

@@ -41,6 +41,7 @@ from replay.kernels.layout import (
     EN_NR_DECAY,
     EN_NR_INIT,
     EN_NR_MIN,
+    EN_PUB_SGL,
     LB_BOOTSTRAP_ROOM,
     LB_ROUND_ROBIN,
     LB_ROUTER,
@@ -112,8 +113,10 @@ from replay.kernels.layout import (
     RS_PBUSY_NS,
     RS_POLICY,
     RS_PTOK,
+    RS_PUB_CNT,
     RS_PUB_DELAY,
     RS_PUB_IDLE,
+    RS_PUB_SGL,
     RS_QHEAD,
     RS_QLEN,
     RS_QTAIL,
@@ -151,6 +154,7 @@ from replay.kernels.layout import (
     ST_SEQ,
     ST_STATUS,
     ST_UNC_ENQ,
+    STALL_PUBLISH_NS,
     LoadColumns,
     RouterView,
     SimCache,
@@ -510,6 +514,15 @@ def _changed(r, t, rs):
             rs[r, RS_DUE_KIND] = DUE_CHANGE
 
 
+@inline
+def _publish_sgl(r, t, rs):
+    """SGLang's LoadStat cadence: rank ``r`` publishes at ``t`` (after a prefill step,
+    after its 15th decode step since the last one, or on going idle); the decode
+    count restarts, as the engine's throttle counter does."""
+    rs[r, RS_PUB_CNT] = 0
+    _changed(r, t, rs)
+
+
 @njit
 def _lpm_order(q, c, s, r):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
@@ -617,7 +630,7 @@ def _start_step(q, f, c, s, r, t):
         rem_chunk -= take
         rem_input -= take
         admitted += 1
-    if admitted > 0:
+    if admitted > 0 and rs[r, RS_PUB_SGL] == 0:  # sglang cadence: published at the step's end
         _changed(r, t, rs)
     if tokens > 0:
         rs[r, RS_NO_DECAY] = 0
@@ -655,7 +668,8 @@ def _start_step(q, f, c, s, r, t):
                 _retract(q, c, s, r, t)
                 retracted = True
             if retracted:
-                _changed(r, t, rs)
+                if rs[r, RS_PUB_SGL] == 0:
+                    _changed(r, t, rs)
                 num = 0
                 den = 1
                 for x in range(rs[r, RS_RUN_N]):
@@ -673,6 +687,8 @@ def _start_step(q, f, c, s, r, t):
                 k = min(k, st[run_ids[r, x], ST_REMAIN])
             k = max(k, 1)
             k = max(min(k, (rs[r, RS_CAP] - rs[r, RS_USED]) // n), 1)
+            if rs[r, RS_PUB_SGL] == 1:  # the event ends where the engine publishes
+                k = max(min(k, SNAPSHOT_DECODE_STEPS - rs[r, RS_PUB_CNT]), 1)
         dur = rs[r, RS_DECODE_NS] + rs[r, RS_DECODE_SLOPE] * (n - 1)
         rs[r, RS_KIND] = 2
         rs[r, RS_STEP_DUR] = dur
@@ -767,11 +783,19 @@ def _end_step(q, f, c, s, r, t):
         rs[r, RS_DEC_COUNT] = before + dec_k
         if rs[r, RS_DEC_COUNT] // SNAPSHOT_DECODE_STEPS > before // SNAPSHOT_DECODE_STEPS:
             _snapshot(r, t, rs)   # REPLAY CHOICE: stamped at the event's end (see _start_step)
-    if kind == 1 or done > 0:
+    sgl = rs[r, RS_PUB_SGL] == 1
+    if sgl:
+        if kind == 2:
+            rs[r, RS_PUB_CNT] += dec_k
+        if kind == 1 or rs[r, RS_PUB_CNT] >= SNAPSHOT_DECODE_STEPS:
+            _publish_sgl(r, t, rs)
+    elif kind == 1 or done > 0:
         _changed(r, t, rs)
     if kind == 1:
         _snapshot(r, t, rs)
     _start_step(q, f, c, s, r, t)
+    if sgl and rs[r, RS_KIND] == 0:
+        _publish_sgl(r, t, rs)   # idle (or stalled): the idle loop publishes at once
     return done
 
 
@@ -1062,6 +1086,7 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
         st[i, ST_FULL] = req_full[i]
         st[i, ST_QNEXT] = -1
         st[i, ST_SEQ] = req_L[i]
+        rs[r, RS_PUB_SGL] = f.engine[r, EN_PUB_SGL]
     run_ids = np.zeros((R, max_run), dtype=np.int64)
     # the DP controllers: round-robin counters and last snapshot refresh, per worker
     rr = np.zeros(n_workers, dtype=np.int64)
@@ -1170,6 +1195,10 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             tail = _grow1(tail, nl + 2 * R)
             for r in range(R):
                 if rs[r, RS_NEXT_SAMPLE] != t:
+                    continue
+                if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT and rs[r, RS_PUB_SGL] == 1 and (
+                        rs[r, RS_KIND] != 0):
+                    rs[r, RS_NEXT_SAMPLE] = INF  # busy: SGLang publishes at step ends only
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT:
                     rs[r, RS_HB_PENDING] = t   # a pending one it supersedes is dropped
@@ -1306,9 +1335,14 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
                 _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
             _enqueue(r, i, st, rs)
-            _changed(r, t, rs)
+            if rs[r, RS_PUB_SGL] == 0:
+                _changed(r, t, rs)
             if rs[r, RS_KIND] == 0:
                 _start_step(q, f, c, s, r, t)
+                if rs[r, RS_PUB_SGL] == 1 and rs[r, RS_KIND] == 0:
+                    # stalled (queued, nothing admitted): SGLang's idle loop re-publishes a
+                    # changed load every 50 ms; the arrival shows at the next of those
+                    _changed(r, t + STALL_PUBLISH_NS, rs)
             else:
                 _cut_decode(r, t, rs)
     if cache_log is not None:

@@ -282,6 +282,9 @@ def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[
                 [Fitted("publish_policy", None, "interval", n, 1 - regular, True,
                         f"{regular:.1%} of sample gaps {while_busy} equal the median"),
                  Fitted("publish_interval_ms", None, ms, n, None, True, "median gap between samples")])
+    sgl = _sglang_cadence(ranks)
+    if sgl is not None:
+        return sgl
     long = g_all[g_all >= 100 * NS_PER_MS]
     if long.size:
         vals, counts = np.unique(np.round(long / NS_PER_MS).astype(np.int64), return_counts=True)
@@ -295,6 +298,58 @@ def _publish(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[
                     f"irregular sample gaps {while_busy} (only {regular:.1%} equal the median): "
                     "on change"),
              Fitted("idle_publish_ms", None, idle, int(long.size), None, fitted, how)])
+
+
+SGLANG_SHORT_SHARE = 0.05   # decode-only samples closer than half their median gap: at most this share
+
+
+def _sglang_cadence(ranks: dict[tuple[int, int], _Rank]) -> tuple[dict[str, Any], list[Fitted]] | None:
+    """SGLang's own LoadStat cadence, if the recording shows it (docs/calibration.md).
+
+    A sample taken while a rank stays busy and whose prefill counter did not move is a
+    decode-only sample.  SGLang publishes those only every 15th decode step since its last
+    sample, so their gaps are all about 15 steps (longer with a bigger batch); an engine
+    that publishes on every change also publishes arrivals and completions, so many such
+    gaps are much shorter.  And SGLang never publishes an arrival: the first sample after
+    an idle one is the end of a prefill step (the counter moved), where an on-change engine
+    publishes the arrival itself.  ``None``: not that cadence (either sign fails where it
+    has ``MIN_BUSY_GAPS`` samples; neither has them), or no native prefill counters."""
+    dec = []
+    idle = []
+    wake = wake_same = 0
+    for rk in ranks.values():
+        if rk.ptok is None or rk.busy is None or rk.ts.shape[0] < 3:
+            continue
+        gap = np.diff(rk.ts)
+        same = rk.ptok[1:] == rk.ptok[:-1]
+        stay = rk.busy[:-1] & (rk.running[1:] > 0) & same
+        dec.append(gap[stay])
+        idle.append(gap[~rk.busy[:-1]])
+        woke = ~rk.busy[:-1] & rk.busy[1:]
+        wake += int(woke.sum())
+        wake_same += int((woke & same).sum())
+    q = np.concatenate(dec) if dec else np.zeros(0, dtype=np.int64)
+    if q.shape[0] < MIN_BUSY_GAPS and wake < MIN_BUSY_GAPS:
+        return None
+    med = float(np.median(q)) if q.shape[0] else 0.0
+    short = float(np.mean(q < 0.5 * med)) if q.shape[0] >= MIN_BUSY_GAPS else 0.0
+    woke_alone = wake_same / wake if wake >= MIN_BUSY_GAPS else 0.0
+    if short > SGLANG_SHORT_SHARE or woke_alone > SGLANG_SHORT_SHARE:
+        return None
+    gi = np.concatenate(idle) if idle else np.zeros(0, dtype=np.int64)
+    long = gi[gi >= 100 * NS_PER_MS]
+    if long.size:
+        vals, counts = np.unique(np.round(long / NS_PER_MS).astype(np.int64), return_counts=True)
+        hb, how, fitted = int(vals[np.argmax(counts)]), "most common gap of 100 ms or more while idle", True
+    else:
+        hb, how, fitted = 1000, "no idle gap of 100 ms or more (SGLang's 1 s)", False
+    n = int(q.shape[0])
+    return ({"publish_policy": "sglang", "idle_publish_ms": hb},
+            [Fitted("publish_policy", None, "sglang", n, short, True,
+                    f"decode-only samples {med / NS_PER_MS:.0f} ms apart (median), {short:.1%} closer "
+                    f"than half that; {woke_alone:.1%} of {wake:,} wake-ups published before a prefill "
+                    "step: SGLang's cadence (prefill steps, every 15th decode step)"),
+             Fitted("idle_publish_ms", None, hb, int(long.size), None, fitted, how)])
 
 
 def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
@@ -377,7 +432,7 @@ def calibrate(rec: RecordedTrace, *, decode_model: str = "auto") -> Calibration:
     fitted.append(f)
     if f.fitted:
         engine["load_balance_method"] = method
-    chunk, f = _chunk(ranks, publish["publish_policy"] == "on_change")
+    chunk, f = _chunk(ranks, publish["publish_policy"] in ("on_change", "sglang"))
     fitted.append(f)
     if f.fitted:
         engine["chunked_prefill_size"] = chunk

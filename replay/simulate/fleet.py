@@ -24,9 +24,10 @@ Format (TOML; the same keys in a JSON object)::
     retraction_policy = "length"     # which running request decode retracts when KV runs out
     enable_mixed_chunk = false       # running decodes ride in prefill steps
     decode_step_ms_per_request = 0.0 # a decode step grows by this per running request beyond the first
-    publish_policy = "interval"      # "interval": every publish_interval_ms; "on_change": as SGLang
+    publish_policy = "interval"      # "interval": every publish_interval_ms; "on_change": 1 ms after
+                                     # each change; "sglang": SGLang's own LoadStat cadence
     publish_interval_ms = 100        # interval policy (the --publish-interval-ms flag overrides it)
-    idle_publish_ms = 1000           # on_change policy: a heartbeat after this long without a change
+    idle_publish_ms = 1000           # on_change and sglang: a heartbeat after this long without a change
 
     [[worker]]                       # optional per-worker overrides, by index
     index = 3
@@ -76,7 +77,7 @@ class WorkerSpec:
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-PUBLISH_POLICIES = ("interval", "on_change")
+PUBLISH_POLICIES = ("interval", "on_change", "sglang")
 # in-worker data-parallel dispatch: SGLang's --load-balance-method values (``auto``
 # resolves to round_robin without prefill/decode disaggregation), the DP-aware
 # router's choice, and this simulator's original rule

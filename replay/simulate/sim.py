@@ -52,6 +52,9 @@ OUTCOMES = names.OUTCOMES
 SIM_JSON = names.SIM_JSON
 TRACE_JSON = names.TRACE_JSON
 PUBLISH_DELAY_NS = 1_000_000
+# "sglang": the engine publishes at the step's end; 1 us later, so the sample is never stamped
+# with an arrival it did not see, and the next step (at least one token long) has not ended
+SGLANG_PUBLISH_DELAY_NS = 1_000
 MAX_MS = 10**9  # about 11.6 days: intervals beyond this are refused (int64 ns stay far from overflow)
 # load rows are made and written this many at a time: pyarrow's default row group
 # length, so loads.parquet streamed chunk by chunk has the row groups (and bytes) of one
@@ -217,11 +220,14 @@ def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) ->
         eng[r, kl.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * kl.RATIO_ONE)
         eng[r, kl.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
-    on_change = fleet.spec.publish_policy == "on_change"
+    # "sglang" is on-change publishing at the engine's own moments (kernels.sim._publish_sgl)
+    eng[:, kl.EN_PUB_SGL] = int(sp.publish_policy == "sglang")
+    on_change = sp.publish_policy in ("on_change", "sglang")
     # REPLAY CHOICE: on-change samples are stamped 1 ms after the change (SGLang
     # throttles to every few scheduler steps; a recorder stamps receive time),
     # so a sample never shares its stamp with the arrival that caused it.
-    pub_delay = PUBLISH_DELAY_NS if on_change else 0
+    pub_delay = (SGLANG_PUBLISH_DELAY_NS if sp.publish_policy == "sglang" else PUBLISH_DELAY_NS
+                 ) if on_change else 0
     pub_idle = int(fleet.spec.idle_publish_ms) * 1_000_000
     # the router's snapshot uses dp_size 1 for decode peers (no samples, never fleet)
     dp_view = np.where(dp > 0, dp, 1).astype(np.int64)

@@ -18,7 +18,14 @@ the router's cache-aware decision under worker-queue limits of 2..16:
 * stale gaps: per-rank publisher pauses of 6-20 s and one fleet-wide pause;
 * decode peers in the load table (role ``decode`` in ``workers.parquet``),
   a few unknown match addresses, zero-block and duplicate match entries,
-  ``selected_worker`` on part of the requests, optional ``router_inflight``.
+  ``selected_worker`` on part of the requests, optional ``router_inflight``;
+* the closed-loop columns (traces/README.md): ``hash_ids``, one id per block
+  (``ceil(input_tokens / block_size)``, the partial last block included; the
+  group's system-prompt blocks are shared by every request of the group, the
+  rest are the request's own) and ``output_tokens`` (lognormal, median 200),
+  with ``page_size`` in ``workers.parquet``, so the block-count rule applies and
+  ``calibrate`` and ``simulate TRACE_DIR`` read the trace.  They are drawn from
+  a generator of their own, so every other column is what it was without them.
 
 Everything is a pure function of the arguments (``seed`` included).
 
@@ -201,6 +208,8 @@ def _requests(rng: np.random.Generator, fleet: _Fleet, *, n_requests: int, n_sec
     req_ids = pa.compute.binary_join_element_wise(
         id_prefix, pa.array(np.arange(n_requests)).cast(pa.string()), "")
     qb = pa.array(query_blocks, pa.int64(), mask=(req_k == 0) & (rng.random(n_requests) < 0.05))
+    hash_ids, output_tokens = _closed_loop_columns(rng, group, sys_tokens, input_tokens, block_size,
+                                                   start_ns)
     requests = pa.table({
         "ts": pa.array(req_ts, pa.int64()),
         "request_id": req_ids,
@@ -210,8 +219,43 @@ def _requests(rng: np.random.Generator, fleet: _Fleet, *, n_requests: int, n_sec
         "matches": matches,
         "best_prefix_blocks": pa.array(best, pa.int64()),
         "selected_worker": selected,
+        "hash_ids": hash_ids,
+        "output_tokens": pa.array(output_tokens, pa.int64()),
     })
     return requests, req_ts, total
+
+
+GROUP_STRIDE = 1 << 20     # a group's shared blocks: ids g * GROUP_STRIDE + j (j < 2**20)
+PRIVATE_BASE = 1 << 40     # a request's own blocks: above every shared id
+
+
+def _closed_loop_columns(rng: np.random.Generator, group: np.ndarray, sys_tokens: np.ndarray,
+                         input_tokens: np.ndarray, block_size: int, start_ns: int):
+    """``hash_ids`` (a list of ``ceil(L / block_size)`` ids per request) and ``output_tokens``.
+
+    A group's full system-prompt blocks have ids ``g * GROUP_STRIDE + j``, the same in
+    every partition of a trace set (so a chain always has the same parent); every other
+    block is the request's own, numbered from ``PRIVATE_BASE`` plus a per-partition
+    offset taken from the partition's start second (partitions less than 2**22 s apart
+    never share one).  Drawn from a generator spawned from ``rng``'s seed, which leaves
+    ``rng``'s own stream, and so every other column, unchanged."""
+    sub = np.random.default_rng(rng.bit_generator.seed_seq.spawn(1)[0])  # type: ignore[attr-defined]
+    n = input_tokens.shape[0]
+    nb = -(-input_tokens // block_size)
+    shared = np.minimum(sys_tokens[group] // block_size, nb)
+    off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nb, out=off[1:])
+    total = int(off[-1])
+    owner = np.repeat(np.arange(n), nb)
+    pos = np.arange(total, dtype=np.int64) - off[:-1][owner]
+    base = PRIVATE_BASE * (1 + (start_ns // NS) % (1 << 22))
+    ids = np.where(pos < shared[owner], group[owner].astype(np.int64) * GROUP_STRIDE + pos,
+                   base + np.arange(total, dtype=np.int64))
+    lists = pa.ListArray if total < 2**31 else pa.LargeListArray
+    hash_ids = lists.from_arrays(pa.array(off.astype(np.int32) if total < 2**31 else off),
+                                 pa.array(ids, pa.int64()))
+    out = np.clip(np.round(sub.lognormal(np.log(200), 0.8, n)), 1, 8192).astype(np.int64)
+    return hash_ids, out
 
 
 def _loads(rng: np.random.Generator, fleet: _Fleet, req_ts: np.ndarray, *, n_requests: int, n_sec: int,
@@ -370,6 +414,7 @@ def _workers_table(fleet: _Fleet) -> pa.Table:
         "model": pa.array(["default"] * len(urls), pa.string()),
         "role": pa.array(["prefill"] * fleet.n_workers + ["decode"] * fleet.n_decode, pa.string()),
         "dp_size": pa.array([fleet.dp_size] * len(urls), pa.int32()),
+        "page_size": pa.array([fleet.block_size] * len(urls), pa.int32()),
     })
 
 
