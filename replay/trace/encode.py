@@ -398,7 +398,7 @@ def tail_flags(tails: list[np.ndarray], tail_valid: np.ndarray, tail_any: np.nda
     if not valid.all():
         no_tail = ~valid
         for v in tails:
-            v[start:stop][no_tail] = 0
+            np.copyto(v[start:stop], 0, where=no_tail)
 
 
 def check_rank_bound(L: Columns, worker: np.ndarray, rank: np.ndarray, worker_dp: np.ndarray) -> None:
