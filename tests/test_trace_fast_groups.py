@@ -17,6 +17,7 @@ from test_trace_fast import assert_same, frames, full_path, write
 import replay.trace.fast as fast
 from replay.trace import TraceError, load_trace
 from replay.trace.assemble import RankTable
+from replay.trace.columns import all_distinct
 from replay.trace.encode import tail_flags
 from replay.trace.info import read_trace_info
 
@@ -120,3 +121,9 @@ def test_tail_flags_zero_a_partial_tail(rows):
         full, any_ = all(v >= 0 for v in row), any(v >= 0 for v in row)
         assert (bool(valid[i]), bool(some[i])) == (full, any_)
         assert [int(t[i]) for t in tails] == (row if full else [0, 0, 0, 0])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.one_of(st.lists(st.text(max_size=3), max_size=30), st.lists(st.integers(-3, 3), max_size=30)))
+def test_all_distinct_equals_a_set_count(values):
+    assert all_distinct(pl.Series("request_id", values)) == (len(set(values)) == len(values))

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from replay.trace.assemble import RankTable, finish_trace
 from replay.trace.base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from replay.trace.columns import Coded, Columns, int_dtype, pool_empty
+from replay.trace.columns import Coded, Columns, all_distinct, int_dtype, pool_empty
 from replay.trace.core import Trace
 from replay.trace.encode import (
     ClosedLoopColumns,
@@ -214,7 +214,7 @@ def _requests_side(part: Part):
     # read_requests' checks and conversions (the name columns coded)
     ts = R.timestamps("ts")
     rid_s, request_id = request_id_column(R)
-    if rid_s.n_unique() != rows:
+    if len(rid_s) != rows or not all_distinct(rid_s):
         raise Fallback("requests: duplicate request_id")
     if request_id is None:
         request_id = rid_s.to_numpy()
