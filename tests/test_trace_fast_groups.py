@@ -17,7 +17,7 @@ from test_trace_fast import assert_same, frames, full_path, write
 import replay.trace.fast as fast
 from replay.trace import TraceError, load_trace
 from replay.trace.assemble import RankTable
-from replay.trace.columns import all_distinct
+from replay.trace.columns import all_distinct, put_ints
 from replay.trace.encode import tail_flags
 from replay.trace.info import read_trace_info
 
@@ -127,3 +127,17 @@ def test_tail_flags_zero_a_partial_tail(rows):
 @given(st.one_of(st.lists(st.text(max_size=3), max_size=30), st.lists(st.integers(-3, 3), max_size=30)))
 def test_all_distinct_equals_a_set_count(values):
     assert all_distinct(pl.Series("request_id", values)) == (len(set(values)) == len(values))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(-(2**40), 2**40)), min_size=1, max_size=40),
+       st.integers(0, 5), st.sampled_from([-1, 0, 7]), st.sampled_from([pl.Int64, pl.Int32]))
+def test_put_ints_equals_polars_fill_null(values, cut, fill, dtype):
+    """A chunk copied with its nulls filled (a slice too: the Arrow offset applied) equals
+    polars' own ``fill_null``; what dense_ints and the row-group copy both build on."""
+    if dtype == pl.Int32:
+        values = [None if v is None else v % 2**31 for v in values]
+    s = pl.Series("c", values, dtype=dtype)[min(cut, len(values) - 1):]
+    dest = np.full(len(s), 12345, dtype=np.int64)
+    put_ints(dest, s, fill)
+    assert dest.tolist() == s.fill_null(fill).cast(pl.Int64).to_list()

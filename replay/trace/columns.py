@@ -181,17 +181,8 @@ def dense_ints(s: pl.Series, fill: int, dtype) -> np.ndarray:
     out = pool_empty(len(s), dtype)
     at = 0
     for ch in chunks:
-        n = len(ch)
-        if ch.null_count() == 0:
-            out[at:at + n] = ch.to_numpy()
-        else:       # the values buffer as it is (any value under a null), nulls set below
-            arr = ch.to_arrow()
-            raw = np.frombuffer(arr.buffers()[1], dtype=int_dtype(arr.type), count=len(arr),
-                                offset=arr.offset * arr.type.bit_width // 8)
-            out[at:at + n] = raw
-        at += n
-    if s.null_count():
-        np.putmask(out, s.is_null().to_numpy(), fill)
+        put_ints(out[at:at + len(ch)], ch, fill)
+        at += len(ch)
     if len(chunks) == 1:
         out.flags.writeable = False
     return out
@@ -203,6 +194,27 @@ def all_distinct(s: pl.Series) -> bool:
     strings; only when two hashes meet are the values themselves counted."""
     n = len(s)
     return s.hash().n_unique() == n or s.n_unique() == n
+
+
+def valid_rows(arr: pa.Array) -> np.ndarray:
+    """The rows of ``arr`` that are not null (its validity bitmap, offset applied), as bools."""
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(arr.buffers()[0], dtype=np.uint8), bitorder="little")
+    return bits[arr.offset:arr.offset + len(arr)].view(np.bool_)
+
+
+def put_ints(dest: np.ndarray, ch: pl.Series, fill: int) -> None:
+    """One chunk of an integer series copied into ``dest``, nulls as ``fill``: the values
+    buffer as it is (any value under a null), then the nulls set from the validity bitmap,
+    without the filled column that ``fill_null`` would allocate first."""
+    if ch.null_count() == 0:
+        dest[:] = ch.to_numpy()
+        return
+    arr = ch.to_arrow()
+    dest[:] = np.frombuffer(arr.buffers()[1], dtype=int_dtype(arr.type), count=len(arr),
+                            offset=arr.offset * arr.type.bit_width // 8)
+    np.putmask(dest, ~valid_rows(arr), fill)
 
 
 def first_out_of_range(s: pl.Series, lo: int, hi: int) -> int | None:
