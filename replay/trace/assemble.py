@@ -166,12 +166,22 @@ class RankTable:
         self.stray: dict[int, set[int]] = {}      # ranks beyond any dp_size (ignored by the replay, listed)
 
     def add(self, load_worker: np.ndarray, rank: np.ndarray) -> RankTable:
+        if rank.size == 0:
+            return self
+        top = int(rank.max())
+        if top < MAX_DP_SIZE and int(rank.min()) >= 0:
+            # (worker, rank) as one small int32 key over the ranks present: a count table of
+            # a few hundred slots (one over every possible rank is 256x larger and misses cache)
+            width = top + 1
+            key = pool_empty(load_worker.shape[0], np.int32)
+            np.multiply(load_worker, width, out=key, dtype=np.int32)
+            key += rank
+            n_workers = self.seen.shape[0]
+            self.seen[:, :width] |= np.bincount(key, minlength=n_workers * width).reshape(n_workers, width) > 0
+            return self
         small = rank < MAX_DP_SIZE
-        key = pool_empty(load_worker.shape[0], np.int64)      # (worker, rank) as one int64
-        np.multiply(load_worker, MAX_DP_SIZE, out=key, dtype=np.int64)
-        key += rank
-        self.seen |= np.bincount(key[small] if not small.all() else key,
-                                 minlength=self.seen.size).reshape(self.seen.shape) > 0
+        key = load_worker.astype(np.int64) * MAX_DP_SIZE + rank
+        self.seen |= np.bincount(key[small], minlength=self.seen.size).reshape(self.seen.shape) > 0
         if not small.all():
             for w, r in np.unique(np.stack([load_worker[~small], rank[~small]]).astype(np.int64), axis=1).T:
                 self.stray.setdefault(int(w), set()).add(int(r))

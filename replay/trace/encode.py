@@ -26,7 +26,7 @@ from replay.trace.base import (
     run_both,
 )
 from replay.trace.blocks import conform_blocks
-from replay.trace.columns import Coded, Columns, IntSpec, first_out_of_range, map_names
+from replay.trace.columns import Coded, Columns, IntSpec, all_distinct, first_out_of_range, map_names
 from replay.trace.workers import Universe
 
 MATCH_SHAPE = "list<struct{worker: string, blocks: integer}>"
@@ -107,7 +107,7 @@ def read_requests(R: Columns) -> RequestColumns:
     n = R.df.height
     ts = R.timestamps("ts")
     rid_s, request_id = request_id_column(R)
-    dup = None if rid_s.n_unique() == n else ~rid_s.is_first_distinct()   # n_unique: the cheap test
+    dup = None if all_distinct(rid_s) else ~rid_s.is_first_distinct()   # the cheap test first
     if dup is not None and dup.any():
         row = int(dup.arg_max())
         first_name, first = R.where(int((rid_s == rid_s[row]).arg_max()))
@@ -396,9 +396,9 @@ def tail_flags(tails: list[np.ndarray], tail_valid: np.ndarray, tail_any: np.nda
         valid &= ok
         some |= ok
     if not valid.all():
-        no_tail = ~valid
-        for v in tails:
-            v[start:stop][no_tail] = 0
+        for v in tails:                      # times 0 or 1: a plain loop, no masked store
+            seg = v[start:stop]
+            np.multiply(seg, valid, out=seg)
 
 
 def check_rank_bound(L: Columns, worker: np.ndarray, rank: np.ndarray, worker_dp: np.ndarray) -> None:

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from replay.trace.assemble import RankTable, finish_trace
 from replay.trace.base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from replay.trace.columns import Coded, Columns, int_dtype, pool_empty
+from replay.trace.columns import Coded, Columns, all_distinct, int_dtype, pool_empty, put_ints, valid_rows
 from replay.trace.core import Trace
 from replay.trace.encode import (
     ClosedLoopColumns,
@@ -89,14 +89,6 @@ def _leaf_path(pf: pq.ParquetFile, top: str, leaf: str) -> str:
     if len(found) != 1:
         raise Fallback(f"{top}.{leaf}: no single leaf")
     return found[0]
-
-
-def valid_rows(arr: pa.Array) -> np.ndarray:
-    """The rows of ``arr`` that are not null (its validity bitmap, offset applied), as bools."""
-    if arr.null_count == 0:
-        return np.ones(len(arr), dtype=bool)
-    bits = np.unpackbits(np.frombuffer(arr.buffers()[0], dtype=np.uint8), bitorder="little")
-    return bits[arr.offset:arr.offset + len(arr)].view(np.bool_)
 
 
 def list_entries(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -214,7 +206,7 @@ def _requests_side(part: Part):
     # read_requests' checks and conversions (the name columns coded)
     ts = R.timestamps("ts")
     rid_s, request_id = request_id_column(R)
-    if rid_s.n_unique() != rows:
+    if len(rid_s) != rows or not all_distinct(rid_s):
         raise Fallback("requests: duplicate request_id")
     if request_id is None:
         request_id = rid_s.to_numpy()
@@ -343,15 +335,11 @@ def _ints_by_group(part: Part, columns: list[str], meta,
     scan = pl.scan_parquet(part.path, hive_partitioning=False).select(columns)
 
     def copy(df: pl.DataFrame, at: int) -> None:
-        filled = [pl.col(c).fill_null(fill[c]) for c in fill if df.get_column(c).null_count()]
-        if filled:
-            df = df.with_columns(filled)
-        for c, dest in out.items():
+        for c, dest in out.items():      # nulls filled in the copy (not by a filled column first)
             pos = at
             for ch in df.get_column(c).get_chunks():
-                n = len(ch)
-                dest[pos:pos + n] = ch.to_numpy()
-                pos += n
+                put_ints(dest[pos:pos + len(ch)], ch, fill.get(c, 0))
+                pos += len(ch)
         if groups is not None:
             groups.publish(at + df.height)
 
