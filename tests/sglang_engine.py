@@ -382,14 +382,18 @@ class RealEngine:
 
         self.load_pubs[rank].publish_load_stat(snap, force=force)
 
-    def restart(self, rank: int) -> None:
+    def restart(self, rank: int, lose: int = 0) -> None:
         """The rank's scheduler restarts: its publishers shut down, new ones bind the same ports
         (sequences from 0, an empty replay buffer), and the new tree's reset() queues an
-        AllBlocksCleared that the first flush publishes."""
+        AllBlocksCleared that the first flush publishes.  The new KV publisher's first ``lose``
+        batches never reach a subscriber (one that reconnects late), though its replay buffer
+        keeps them."""
         self.kv_pubs[rank].kv_event_publisher.shutdown()
         self.load_pubs[rank].close()
         time.sleep(0.2)
         self._open_rank(rank, self.attn_dp_size)
+        for _ in range(lose):
+            self.lose_next_batch(rank)
         for k in [k for k in self.nodes if k[0] == rank]:
             self.nodes.pop(k)
         self.recorders[rank].record_all_cleared()

@@ -189,7 +189,10 @@ def test_record_frame_by_frame(tmp_path, engines):
     assert row13["medium"] == "CPU_PINNED" and row13["parent_block_hash"] == 12 and row13["n_tokens"] == 4
     rm = kv.filter((pl.col("type") == "BlockRemoved") & (pl.col("worker") == b.url)).row(0, named=True)
     assert rm["medium"] == "GPU"
-    assert (0, 1) in a.replay_requests  # the recorder asked for the missing range from seq 1
+    # the recorder asked for the missing range from seq 1, and for seq 0 (the last batch it saw) with
+    # it, to check that the same publisher answers
+    assert (0, 0) in a.replay_requests and facts["unverified_gaps"] == 0
+    assert sum(s["restarts"] for s in facts["streams"] if s["worker"] == a.url) == 0
 
     # --- gaps, restarts, malformed frames
     gaps = read_table(out, "gaps")

@@ -231,6 +231,11 @@ def test_a_lost_batch_comes_back_through_the_engines_replay_buffer(tmp_path, eng
     rep = kv.filter(pl.col("replayed"))
     facts = json.loads((imp / "trace.json").read_text())["extra"]["capture"]
     m = imported_matches(imp)
+    rf = json.loads((out / "record.json").read_text())
+    assert rf["restarts"] == 0
+    # the last batch seen before the gap, asked again, shows the same publisher; a buffer of one
+    # batch no longer holds it, and the recorder says it could not tell
+    assert rf["unverified_gaps"] == (0 if keep is None else 1)
     if keep is None:
         assert rep["block_hashes"].to_list() == [block_hashes(a, 4)]
         assert gaps.filter((pl.col("kind") == "gap") & (pl.col("stream") == "kv")).height == 0
@@ -314,6 +319,51 @@ def test_a_publisher_restart_clears_that_rank(tmp_path, engines):
     assert gaps.filter((pl.col("kind") == "restart") & (pl.col("stream") == "kv")).height == 1
     assert kv.filter((pl.col("seq") == -1) & (pl.col("type") == "AllBlocksCleared")).height == 1
     assert imported_matches(imp) == {"old": [], "new": [(e.url, 2)]}
+
+
+def test_a_restart_whose_sequence_passes_the_old_one_is_still_a_restart(tmp_path, engines):
+    """The rank restarts and its new publisher's first batches never reach the recorder (it
+    reconnects late), so the first one it sees numbers above the old publisher's last: a gap, by
+    the numbers.  The recorder asks the replay buffer for the last batch it saw as well, finds
+    other bytes under that number, and records a restart: the rank is cleared and the new
+    publisher's batches are recovered from 0."""
+    e = engines(dp_size=1, page_size=4)
+    out = tmp_path / "rec"
+    proc = start_record(out, [e.url], "--kv-format", "default", "--replay-timeout", "3s")
+    old, new = list(range(600, 608)), list(range(700, 708))
+    try:
+        warm(e, out)
+        e.store(0, old)
+        time.sleep(0.3)
+        last = e.kv_pubs[0].kv_event_publisher._buffer[-1][0]     # the old publisher's last sequence
+        hidden = last + 3
+        e.restart(0, lose=hidden)                 # its clear (seq 0) and the next batches are not seen
+        for k in range(hidden - 1):
+            e.store(0, [900 + k] * 4)             # seq 1 .. last + 2, in the new buffer only
+        k = [0]
+
+        def poke():                               # seq last + 3 on: the first the recorder sees
+            k[0] += 1
+            e.store(0, new + [800 + k[0]] * 4)
+
+        _until(lambda: gap_rows(out, "restart").height >= 1, "no restart recorded", poke)
+        time.sleep(0.5)
+    finally:
+        imp = stop_and_import(proc, out, tmp_path, [("old", old), ("new", new), ("hidden", [900] * 4)])
+    _, kv, gaps = recorded(out)
+    r = gaps.filter((pl.col("kind") == "restart") & (pl.col("stream") == "kv"))
+    assert r.height == 1 and "passed the old one" in r["reason"][0], r
+    assert gaps.filter((pl.col("kind") == "gap") & (pl.col("stream") == "kv")).height == 0
+    assert kv.filter((pl.col("seq") == -1) & (pl.col("type") == "AllBlocksCleared")).height == 1
+    # every batch of the new publisher is recorded once, its seq 0 (the clear) among them
+    newer = kv.filter((pl.col("seq") >= 0) & (pl.col("ts") > kv.filter(pl.col("seq") == -1)["ts"][0]))
+    seqs = newer.unique(["seq", "event_index"])["seq"].unique().sort().to_list()
+    assert seqs == list(range(len(seqs))) and len(seqs) > hidden
+    assert newer.height == newer.unique(["seq", "event_index"]).height
+    facts = json.loads((imp / "trace.json").read_text())["extra"]["capture"]
+    assert facts["matches_exact"] is True
+    # the old cache is forgotten, the new publisher's hidden batches are known
+    assert imported_matches(imp) == {"old": [], "new": [(e.url, 2)], "hidden": [(e.url, 1)]}
 
 
 @pytest.mark.parametrize("page", [1, 16, 64])

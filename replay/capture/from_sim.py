@@ -27,15 +27,16 @@ never caches a partial last block), so the round trip is exact.
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from isal import igzip
 
 from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
 from replay.capture.store import (
@@ -46,6 +47,7 @@ from replay.capture.store import (
     write_atomic_table,
 )
 from replay.errors import ReplayError
+from replay.kernels._jit import njit
 from replay.runs import names, rundir
 from replay.trace.blocks import check_block_counts
 
@@ -61,7 +63,7 @@ def block_token_rows(blocks: np.ndarray, width: int) -> np.ndarray:
     block's first ``block_tokens[b]`` of them used): the first is ``block + 1`` (so no two
     blocks share their tokens), the rest a splitmix64 stream of ``(block, position)`` taken
     modulo VOCAB (ids of a real vocabulary's size: half the digits of a 32-bit id in the
-    token export's JSON)."""
+    token export's JSON).  The numpy reference of :func:`token_rows_nb`."""
     b = np.asarray(blocks, dtype=np.uint64)[:, None]
     with np.errstate(over="ignore"):
         z = b * np.uint64(1 << 20) + np.arange(width, dtype=np.uint64)[None, :] + _MIX[0]
@@ -72,6 +74,81 @@ def block_token_rows(blocks: np.ndarray, width: int) -> np.ndarray:
     if width:
         out[:, 0] = (np.asarray(blocks, dtype=np.int64) + 1).astype(np.uint32)
     return out
+
+
+@njit(inline=True)
+def _token_nb(block, pos):
+    """Token ``pos`` of dense block ``block`` (:func:`block_token_rows`), as an int64."""
+    if pos == 0:
+        return np.int64(np.uint32(block + 1))
+    z = np.uint64(block) * np.uint64(1 << 20) + np.uint64(pos) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.int64(z % np.uint64(VOCAB))
+
+
+@njit
+def token_rows_nb(blocks, width):
+    """:func:`block_token_rows`, compiled: uint32 rows of ``width`` tokens of ``blocks``."""
+    out = np.empty((blocks.shape[0], width), dtype=np.uint32)
+    for i in range(blocks.shape[0]):
+        for p in range(width):
+            out[i, p] = np.uint32(_token_nb(blocks[i], p))
+    return out
+
+
+@njit(inline=True)
+def _put_uint_nb(out, pos, v):
+    """Write the decimal digits of ``v >= 0`` at ``out[pos:]``; returns the position after them."""
+    n = 1
+    t = v
+    while t >= 10:
+        t //= 10
+        n += 1
+    for k in range(n - 1, -1, -1):
+        out[pos + k] = 48 + v % 10
+        v //= 10
+    return pos + n
+
+
+@njit
+def ingest_lines_nb(blocks, ntok, req_off, first_id, head, mid, stamps, tail, out):
+    """The token export's NDJSON lines of ``req_off.size - 1`` requests into ``out`` (uint8, large
+    enough: :func:`ingest_lines_bound`); returns the bytes written.  Request ``r``'s line is
+    ``head``, its id ``first_id + r``, ``mid``, its tokens (blocks ``blocks[req_off[r]:req_off[r+1]]``,
+    the first ``ntok[j]`` tokens of ``blocks[j]``) comma-separated, ``stamps[r]`` and ``tail``."""
+    pos = 0
+    for r in range(req_off.shape[0] - 1):
+        for c in range(head.shape[0]):
+            out[pos + c] = head[c]
+        pos = _put_uint_nb(out, pos + head.shape[0], first_id + r)
+        for c in range(mid.shape[0]):
+            out[pos + c] = mid[c]
+        pos += mid.shape[0]
+        sep = False
+        for j in range(req_off[r], req_off[r + 1]):
+            b = blocks[j]
+            for p in range(ntok[j]):
+                if sep:
+                    out[pos] = 44
+                    pos += 1
+                sep = True
+                pos = _put_uint_nb(out, pos, _token_nb(b, p))
+        for c in range(stamps.shape[1]):
+            out[pos + c] = stamps[r, c]
+        pos += stamps.shape[1]
+        for c in range(tail.shape[0]):
+            out[pos + c] = tail[c]
+        pos += tail.shape[0]
+    return pos
+
+
+def ingest_lines_bound(n_requests: int, n_blocks: int, n_tokens: int, fixed: int, last_id: int) -> int:
+    """Bytes :func:`ingest_lines_nb` writes at most: ``fixed`` bytes of head, mid, stamp and tail
+    a request, a request id of at most ``last_id``'s digits, 7 bytes a token below VOCAB (its
+    digits and a comma) and 11 for a block's first (a uint32)."""
+    return n_requests * (fixed + len(str(max(last_id, 0)))) + 7 * n_tokens + 4 * n_blocks
 
 
 def synthetic_tokens(block: int, n: int) -> np.ndarray:
@@ -85,17 +162,18 @@ def _chain_hashes(log) -> np.ndarray:
     nb = log.n_blocks
     digest: list[bytes] = [b""] * nb
     out = np.zeros(nb, dtype=np.int64)
-    parent = log.block_parent
+    parent = log.block_parent.tolist()
     # blocks are visited in request order; a block's parent always comes before it there
-    order = np.asarray(list(dict.fromkeys(log.hash_ids.tolist())), dtype=np.int64)
+    order = pl.Series(log.hash_ids).unique(maintain_order=True).to_numpy().astype(np.int64)
     width = int(log.block_size)
+    ntok = log.block_tokens.tolist()
     sha = hashlib.sha256
     for k in range(0, order.size, 4096):
         chunk = order[k:k + 4096]
-        rows = block_token_rows(chunk, width).astype("<u4")
+        rows = token_rows_nb(chunk, width).astype("<u4", copy=False)
         for j, b in enumerate(chunk.tolist()):
             p = parent[b]
-            d = sha((digest[p] if p >= 0 else b"") + rows[j, :int(log.block_tokens[b])].tobytes()).digest()
+            d = sha((digest[p] if p >= 0 else b"") + rows[j, :ntok[b]].tobytes()).digest()
             digest[b] = d
             out[b] = int.from_bytes(d[:8], "big", signed=True)
     return out
@@ -214,49 +292,64 @@ def _table(schema: pa.Schema, n: int, cols: dict) -> pa.Table:
 
 
 TOKENS_PER_CHUNK = 4_000_000   # token ids built and written at a time
+GZIP_LEVEL = 1                 # igzip's level 1: a fifth of zlib's time for a slightly larger file
+STAMP_WIDTH = 30               # "2026-01-01T00:00:00.000000000Z"
 
 
 def _write_token_export(res, log, fleet, te: Path, progress=None) -> None:
     """gzip NDJSON files of a few million token ids each (in day folders, as the router rotates
-    them): each request's ``input_ids`` are its blocks' synthetic tokens, built with numpy and
-    encoded by polars."""
+    them): each request's ``input_ids`` are its blocks' synthetic tokens.  A compiled kernel
+    writes the lines (:func:`ingest_lines_nb`) and igzip compresses them (a gzip member,
+    read by any gzip reader); a file is compressed and written on a second thread while the
+    next is encoded (both release the GIL)."""
     req = res.requests
     n = req.height
     ts_all = req["ts"].to_numpy()
     off, ids, L = log.hash_off, log.hash_ids, log.input_tokens.astype(np.int64)
-    width = int(log.block_size)
     days = ts_all // (86_400 * NS)
     cum = np.cumsum(L)
-    i = seq = 0
-    while i < n:
-        base = int(cum[i - 1]) if i else 0
-        j = min(n, max(i + 1, int(np.searchsorted(cum, base + TOKENS_PER_CHUNK, side="right"))))
-        other = np.nonzero(days[i:j] != days[i])[0]
-        if other.size:                       # a chunk never spans two days
-            j = i + int(other[0])
-        blocks = ids[off[i]:off[j]]
-        used = np.arange(width)[None, :] < log.block_tokens[blocks][:, None]
-        values = block_token_rows(blocks, width)[used].astype(np.int64)
-        lens = L[i:j]
-        offsets = np.r_[0, np.cumsum(lens)].astype(np.int64)
-        input_ids = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-        stamp = pl.Series(ts_all[i:j]).cast(pl.Datetime("ns", "UTC")).dt.to_string("%Y-%m-%dT%H:%M:%S%.9fZ")
-        k = j - i
-        df = pl.DataFrame({"kind": ["ingest"] * k, "request_id": [str(x) for x in range(i, j)],
-                           "slug": ["sim"] * k, "model": [fleet.spec.model] * k,
-                           "input_ids": pl.Series(input_ids), "ts": stamp,
-                           "choice_index": np.zeros(k, np.int64), "choice_count": np.ones(k, np.int64)})
-        # one file per chunk, named as the router names its rotated files: an importer holds a
-        # file at a time, so files of a few million tokens keep its memory bounded
-        name = dt.datetime.fromtimestamp(int(days[i]) * 86_400, tz=dt.UTC).strftime("%Y-%m-%d")
-        folder = te / f"date={name}"
-        folder.mkdir(parents=True, exist_ok=True)
-        with gzip.open(folder / f"router-0-{int(ts_all[i])}-{seq}.ndjson.gz", "wb", compresslevel=1) as fh:
-            df.write_ndjson(fh)
-        seq += 1
-        if progress is not None:
-            progress(k)
-        i = j
+    head = np.frombuffer(b'{"kind":"ingest","request_id":"', np.uint8)
+    mid = np.frombuffer(('","slug":"sim","model":' + json.dumps(fleet.spec.model, ensure_ascii=False)
+                         + ',"input_ids":[').encode(), np.uint8)
+    tail = np.frombuffer(b'","choice_index":0,"choice_count":1}\n', np.uint8)
+    fixed = head.size + mid.size + len('],"ts":"') + STAMP_WIDTH + tail.size
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        i = seq = 0
+        while i < n:
+            base = int(cum[i - 1]) if i else 0
+            j = min(n, max(i + 1, int(np.searchsorted(cum, base + TOKENS_PER_CHUNK, side="right"))))
+            other = np.nonzero(days[i:j] != days[i])[0]
+            if other.size:                       # a chunk never spans two days
+                j = i + int(other[0])
+            text = pl.Series(ts_all[i:j]).cast(pl.Datetime("ns", "UTC")).dt.to_string(
+                '],"ts":"%Y-%m-%dT%H:%M:%S%.9fZ').str.join("").item().encode()
+            stamps = np.frombuffer(text, np.uint8).reshape(j - i, -1)
+            if stamps.shape[1] != len('],"ts":"') + STAMP_WIDTH:
+                raise ReplayError(f"request {i}: its arrival time {int(ts_all[i])} ns is outside years 1000-9999")
+            blocks = np.ascontiguousarray(ids[off[i]:off[j]], dtype=np.int64)
+            ntok = log.block_tokens[blocks].astype(np.int64)
+            req_off = (off[i:j + 1] - off[i]).astype(np.int64)
+            buf = np.empty(ingest_lines_bound(j - i, blocks.size, int(ntok.sum()), fixed, j), np.uint8)
+            size = ingest_lines_nb(blocks, ntok, req_off, i, head, mid, stamps, tail, buf)
+            # one file per chunk, named as the router names its rotated files: an importer holds a
+            # file at a time, so files of a few million tokens keep its memory bounded
+            name = dt.datetime.fromtimestamp(int(days[i]) * 86_400, tz=dt.UTC).strftime("%Y-%m-%d")
+            folder = te / f"date={name}"
+            folder.mkdir(parents=True, exist_ok=True)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(_write_gzip, folder / f"router-0-{int(ts_all[i])}-{seq}.ndjson.gz", buf[:size])
+            seq += 1
+            if progress is not None:
+                progress(j - i)
+            i = j
+        if pending is not None:
+            pending.result()
+
+
+def _write_gzip(path: Path, data: np.ndarray) -> None:
+    path.write_bytes(igzip.compress(data.data, compresslevel=GZIP_LEVEL))
 
 
 def engine_dirs(out) -> list[tuple[str, Path]]:

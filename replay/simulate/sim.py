@@ -36,6 +36,7 @@ from replay.config import Grid, RouterConfig
 from replay.errors import ParamError, ReplayError
 from replay.kernels import layout as kl
 from replay.kernels import sim as nb
+from replay.kernels.lists import int64_array_nb
 from replay.runs import names
 from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
@@ -480,7 +481,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     res = SimResult(config, pl.from_arrow(req_t), load_rows, pl.from_arrow(workers_t),
                     pl.from_arrow(out_t), summary, stat, out, seconds)
     if log_list is not None:
-        res.extra["cache_log"] = np.asarray(log_list, dtype=np.int64).reshape(-1, 4)
+        res.extra["cache_log"] = int64_array_nb(log_list).reshape(-1, 4)
     if out is not None:
         meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),
