@@ -17,7 +17,7 @@ from test_trace_fast import assert_same, frames, full_path, write
 import replay.trace.fast as fast
 from replay.trace import TraceError, load_trace
 from replay.trace.assemble import RankTable
-from replay.trace.columns import all_distinct, put_ints
+from replay.trace.columns import all_distinct, put_ints, take_by_blocks
 from replay.trace.encode import tail_flags
 from replay.trace.info import read_trace_info
 
@@ -141,3 +141,14 @@ def test_put_ints_equals_polars_fill_null(values, cut, fill, dtype):
     dest = np.full(len(s), 12345, dtype=np.int64)
     put_ints(dest, s, fill)
     assert dest.tolist() == s.fill_null(fill).cast(pl.Int64).to_list()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-1, 4), max_size=50), st.integers(1, 8))
+def test_take_by_blocks_equals_take(codes, block):
+    """The names' ids mapped a block at a time (block edges anywhere, -1 = the table's last
+    slot, as np.take wraps it) equal one np.take."""
+    table = np.array([3, -1, 0, 2, 1, -1], dtype=np.int32)
+    c = np.array(codes, dtype=np.int32)
+    out = np.full(len(codes), 99, dtype=np.int32)
+    assert take_by_blocks(table, c, out, block=block).tolist() == np.take(table, c).tolist()

@@ -188,6 +188,15 @@ def dense_ints(s: pl.Series, fill: int, dtype) -> np.ndarray:
     return out
 
 
+def take_by_blocks(table: np.ndarray, codes: np.ndarray, out: np.ndarray, block: int = 1 << 16) -> np.ndarray:
+    """``np.take(table, codes, out=out)`` a block of rows at a time: numpy casts int32 codes
+    to intp indices first, and for a column of millions of rows that cast is a fresh
+    array twice the codes' size; a block's cast is small and its memory reused."""
+    for at in range(0, codes.shape[0], block):
+        np.take(table, codes[at:at + block], out=out[at:at + block])
+    return out
+
+
 def all_distinct(s: pl.Series) -> bool:
     """Whether no value of ``s`` repeats.  Distinct hashes prove distinct values (equal
     values hash alike), and counting 64-bit hashes is about 3x cheaper than counting
@@ -263,7 +272,7 @@ class Coded:
     def ids(self, index: dict[str, int]) -> np.ndarray:
         """int32 per row: ``index[name]``, -1 for null or a name not in ``index``."""
         table = np.array([index.get(n, -1) for n in self.names] + [-1], dtype=np.int32)
-        return np.take(table, self.codes, out=pool_empty(len(self), np.int32))
+        return take_by_blocks(table, self.codes, pool_empty(len(self), np.int32))
 
     def names_at(self, mask: np.ndarray) -> list[str]:
         """The distinct non-null names of the rows in ``mask``, sorted."""

@@ -32,7 +32,16 @@ import pyarrow.parquet as pq
 
 from replay.trace.assemble import RankTable, finish_trace
 from replay.trace.base import DEFAULT_MODEL, KINDS, LOADS, MAX_VALUE, REQUESTS, WORKERS, run_both
-from replay.trace.columns import Coded, Columns, all_distinct, int_dtype, pool_empty, put_ints, valid_rows
+from replay.trace.columns import (
+    Coded,
+    Columns,
+    all_distinct,
+    int_dtype,
+    pool_empty,
+    put_ints,
+    take_by_blocks,
+    valid_rows,
+)
 from replay.trace.core import Trace
 from replay.trace.encode import (
     ClosedLoopColumns,
@@ -144,7 +153,7 @@ def coded(col: pa.ChunkedArray) -> Coded:
     codes = pool_empty(sum(len(r) for _m, r in parts), np.int32)
     at = 0
     for remap, r in parts:
-        np.take(remap, r, out=codes[at:at + len(r)])
+        take_by_blocks(remap, r, codes[at:at + len(r)])
         at += len(r)
     return Coded(codes, list(pos))
 
