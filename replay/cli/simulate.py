@@ -12,7 +12,7 @@ from replay.cli.app import user_errors
 from replay.cli.limits import check_fleet_sizes, check_seeds
 from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
-from replay.config import KNOBS, Grid
+from replay.config import KNOB_SHORT, KNOBS, Grid
 
 _EXAMPLE = """
 LOG is a request log: Mooncake (JSONL or Parquet: timestamp ms, input_length,
@@ -221,9 +221,6 @@ def grid_progress(n: int, quiet: bool, label: str = "simulating"):
         yield p.update
 
 
-_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
-
-
 def grid_table(table, grid) -> list[str]:
     """The closed-loop summary as a readable table (no wider than the knobs need): knobs, served
     hit rate (true_hit_rate, %), TTFT and queue wait (s), with the 95% interval and the stable
@@ -237,7 +234,7 @@ def grid_table(table, grid) -> list[str]:
     def span(r, col, scale, digits):
         return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
 
-    head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
+    head = ["config"] + [KNOB_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
     head += ["served hit %" + (" [95%]" if seeded else ""), "TTFT p50 s",
              "TTFT p99 s" + (" [95%]" if seeded else ""), "wait mean s"]
     if seeded:

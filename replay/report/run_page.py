@@ -81,25 +81,10 @@ REASON_COLORS = {
 
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A metric as the page shows it: its key, label and format (from replay/runs/metrics.py)."""
-
-    key: str
-    label: str
-    fmt: str          # "pct", "int", "f2", "si"
-    better: str       # "high" or "low": the heatmap's colour direction
-
-
-def _shown(name: str, hover: bool = False) -> Metric:
-    m = metrics_mod.METRICS[name]
-    return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
-
-
-# the heatmap metrics, in page order
-HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
-# everything a hover shows about one config
-HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
+# the heatmap metrics, in page order (rows of the one metrics table, replay/runs/metrics.py)
+HEATMAP_METRICS = tuple(metrics_mod.METRICS[n] for n in metrics_mod.HEATMAP)
+# everything a hover shows about one config (labelled by ``hover_label``)
+HOVER_METRICS = tuple(metrics_mod.METRICS[n] for n in metrics_mod.HOVER)
 
 
 def _fmt(v: Any, fmt: str) -> str:
@@ -235,10 +220,10 @@ class ReportView:
     def hover(self, row: dict) -> str:
         lines = [f"<b>config {row['config_id']}</b>: {html.escape(self.label(row))}"]
         for m in HOVER_METRICS:
-            v = row.get(m.key)
-            if v is None and m.key in ("agreement", "selected_queue_ms_mean", "selected_waiting_uncached_mean"):
+            v = row.get(m.name)
+            if v is None and m.name in ("agreement", "selected_queue_ms_mean", "selected_waiting_uncached_mean"):
                 continue
-            lines.append(f"{m.label}: {_fmt(v, m.fmt)}")
+            lines.append(f"{m.hover_label}: {_fmt(v, m.fmt)}")
         lines.append(f"routed {row['routed']:,} of {row['requests']:,} requests")
         return "<br>".join(lines)
 
@@ -283,22 +268,22 @@ def fig_heatmaps(a: ReportView) -> dict:
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
-    ranges = {m.key: colour_range([r.get(m.key) for r in rows], m.fmt) for m in HEATMAP_METRICS}
-    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[f"{m.label}: {ranges[m.key][2]}" for m in HEATMAP_METRICS],
+    ranges = {m.name: colour_range([r.get(m.name) for r in rows], m.fmt) for m in HEATMAP_METRICS}
+    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[f"{m.label}: {ranges[m.name][2]}" for m in HEATMAP_METRICS],
                   shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
                   vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
               f"limit {knob_text(lv)} · floor {knob_text(fv)}: not a valid router config (skipped)"
               for fv in floors] for lv in limits]
     for i, m in enumerate(HEATMAP_METRICS):
-        z = [[(cell[(lv, fv)].get(m.key) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
+        z = [[(cell[(lv, fv)].get(m.name) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
         txt = [[(_fmt(v, m.fmt) if v is not None else "") for v in zrow] for zrow in z]
         # colours: greener is better for every metric
-        scale = "RdYlGn" if m.better == "high" else "RdYlGn_r"
+        scale = "RdYlGn" if m.better == "higher" else "RdYlGn_r"
         fig.add_trace(fs.trace(
             "heatmap", z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
             hovertemplate="%{customdata}<extra></extra>", colorscale=fs.colorscale(scale), showscale=False,
-            zmin=ranges[m.key][0], zmax=ranges[m.key][1],
+            zmin=ranges[m.name][0], zmax=ranges[m.name][1],
             xgap=2, ygap=2, name=m.label, hoverongaps=False,
         ), row=i // ncols + 1, col=i % ncols + 1)
     per_panel = max(170, 34 * len(ys) + 90)
@@ -766,7 +751,7 @@ def fig_floor_vs_dp(a: ReportView) -> dict:
         color = palette[gi % len(palette)]
         for ci, m in enumerate(metrics):
             fig.add_trace(fs.trace(
-                "scatter", x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.key] for p in ps],
+                "scatter", x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.name] for p in ps],
                 mode="lines+markers", name=name, legendgroup=name, showlegend=ci == 0,
                 line=dict(color=color, dash=dashes[dp_sizes.index(dp) % len(dashes)]),
                 customdata=[a.hover(p["row"]) for p in ps],
@@ -774,7 +759,7 @@ def fig_floor_vs_dp(a: ReportView) -> dict:
     _base_layout(fig, height=420, legend=dict(orientation="h", y=-0.22, x=0))
     fig.update_layout(margin=dict(b=110))
     fig.update_xaxes(title=dict(text="floor per rank"))
-    fig.update_yaxes(**_int_axis(p["row"][metrics[2].key] for p in pts), row=1, col=3)
+    fig.update_yaxes(**_int_axis(p["row"][metrics[2].name] for p in pts), row=1, col=3)
     fig.update_yaxes(tickformat=".1%", row=1, col=1)
     fig.update_yaxes(tickformat=".1%", row=1, col=2)
     return fig.to_dict()
