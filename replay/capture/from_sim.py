@@ -37,7 +37,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture import outguard
 from replay.capture.store import (
     KV_SCHEMA,
     LOADS_SCHEMA,
@@ -128,7 +128,7 @@ def write_capture(res, log, fleet, out, *, index_lag_ms: int = 0, force: bool = 
         raise ReplayError("the simulation kept no cache log: run simulate(..., cache_log=True)")
     _check_exportable(log)
     out = Path(out)
-    rundir.guard([(out, "capture")], force=force)
+    rundir.guard([(out, outguard.CAPTURE)], force=force)
     with rundir.building(out) as tmp:
         _write(res, log, fleet, tmp, index_lag_ms, progress)
         (tmp / names.TRACE_JSON).write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay import __version__
-from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture import outguard
 from replay.capture.blockhash import block_hashes_csr
 from replay.capture.index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
 from replay.capture.sources import (
@@ -684,7 +684,7 @@ class Importer:
     def run(self) -> ImportResult:
         s = self.s
         out = Path(s.out)
-        rundir.guard([(out, "imported")], s.inputs(), force=s.force)
+        rundir.guard([(out, outguard.IMPORTED)], s.inputs(), force=s.force)
         self._recorded()
         req = self._requests()
         req = self._join_engines(req)

@@ -1,4 +1,4 @@
-"""Output kinds the capture commands write, registered with :mod:`replay.runs.rundir`.
+"""Output kinds the capture commands write, passed to :func:`replay.runs.rundir.guard`.
 
 ``record``, ``import`` and the simulator's capture writer protect their
 ``--out`` with :func:`replay.runs.rundir.guard` (an output is never, contains or
@@ -50,10 +50,10 @@ def _with_trace_json(names: frozenset[str], source: str, parquet_dirs: tuple[str
     return recognise
 
 
-rundir.register_kind("recording", "recording directory", is_dir=True, recognise=_recording)
-rundir.register_kind("imported", "imported trace directory", is_dir=True,
-                     recognise=_with_trace_json(IMPORTED_NAMES, IMPORT_SOURCE, ("requests", "loads")))
-rundir.register_kind("capture", "capture directory", is_dir=True, recognise=_with_trace_json(
+RECORDING = rundir.Kind("recording", "recording directory", True, _recording)
+IMPORTED = rundir.Kind("imported", "imported trace directory", True,
+                       _with_trace_json(IMPORTED_NAMES, IMPORT_SOURCE, ("requests", "loads")))
+CAPTURE = rundir.Kind("capture", "capture directory", True, _with_trace_json(
     frozenset({"trace.json", "recorded", "token_export", "engines"}), CAPTURE_SOURCE))
 
 

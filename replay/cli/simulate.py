@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import click
 
@@ -103,12 +102,13 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
 
+    from replay.capture import outguard  # lazy: loaded when the command runs
     from replay.errors import ReplayError  # lazy: loaded when the command runs
     from replay.runs import rundir  # lazy: loaded when the command runs
     from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
     from replay.simulate import simulate as run_one  # lazy: loaded when the command runs
-    from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
-    from replay.simulate.sim import _check_out, interval_rows  # lazy: loaded when the command runs
+    from replay.simulate.plan import PLAN_KIND, parse_list  # lazy: loaded when the command runs
+    from replay.simulate.sim import interval_rows  # lazy: loaded when the command runs
     from replay.simulate.workflows import plan_fleets, read_simulation_log  # lazy: loaded when the command runs
 
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
@@ -117,12 +117,9 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     check_seeds(seeds_text)
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
     planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
-    if capture_out:
-        from replay.capture import outguard  # noqa: F401  lazy: registers the 'capture' output kind
-    rundir.guard([(out, "plan" if planning else "sim"),
-                  *([(capture_out, "capture")] if capture_out else [])],
+    rundir.guard([(out, PLAN_KIND if planning else "sim"),
+                  *([(capture_out, outguard.CAPTURE)] if capture_out else [])],
                  inputs=[log, fleet_path], force=force)
-    _check_out(Path(out), force)
     from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
     try:
         seeds = parse_seeds(seeds_text, seed)
@@ -182,7 +179,6 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
         r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
                     cache_log=capture_out is not None, **kw)
         if capture_out:
-            from replay.capture import outguard  # noqa: F401 - registers the capture output kinds; lazy: loaded when the command runs
             from replay.capture.from_sim import write_capture  # lazy: loaded when the command runs
 
             with rundir.writing(capture_out), grid_progress(req_log.n_requests, quiet, "capture formats") as bar:

@@ -50,28 +50,20 @@ class Calibrated:
     prediction: pl.DataFrame | None = None
 
 
-def _register_calibrate_outputs() -> None:
-    """The output kinds of :func:`calibrate`, registered with the guard before it is asked, so
-    ``force`` replaces only a validation directory or fleet file calibrate wrote."""
+def _fidelity_dir(path: Path) -> str | None:
+    rec = rundir.read_json(path / FIDELITY_JSON)
+    if rec is None or rec.get("tool") != FIDELITY_TOOL:
+        return rundir.unmarked(path, FIDELITY_JSON)
+    extra = sorted(n for n in path.iterdir() if n.name not in
+                   {FIDELITY_JSON, "forced", "router", "prediction"}
+                   and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
+    return f"{extra[0]} was not written by router-replay" if extra else None
 
-    def fidelity_dir(path: Path) -> str | None:
-        rec = rundir.read_json(path / FIDELITY_JSON)
-        if rec is None or rec.get("tool") != FIDELITY_TOOL:
-            return rundir.unmarked(path, FIDELITY_JSON)
-        extra = sorted(n for n in path.iterdir() if n.name not in
-                       {FIDELITY_JSON, "forced", "router", "prediction"}
-                       and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
-        return f"{extra[0]} was not written by router-replay" if extra else None
 
-    def fleet_file(path: Path) -> str | None:
-        try:
-            head = path.read_bytes()[:200].decode("utf-8", "replace")
-        except OSError as err:
-            return f"unreadable ({err.strerror})"
-        return None if head.startswith(FLEET_MARKER) else "not a fleet file written by router-replay calibrate"
-
-    rundir.register_kind("fidelity", "validation directory", is_dir=True, recognise=fidelity_dir)
-    rundir.register_kind("fleet", "fitted fleet file", is_dir=False, recognise=fleet_file)
+# calibrate's outputs: ``force`` replaces only a validation directory or fleet file calibrate wrote
+FIDELITY_KIND = rundir.Kind("fidelity", "validation directory", True, _fidelity_dir)
+FLEET_KIND = rundir.Kind("fleet", "fitted fleet file", False, rundir.marked_file(
+    FLEET_MARKER, "not a fleet file written by router-replay calibrate", at_start=True))
 
 
 Progress = Callable[[int, str], AbstractContextManager[Callable[[int], None] | None]]
@@ -101,8 +93,6 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     fleet_path = Path(out)
     if fleet_path.exists() and Path(trace_dir).resolve() in fleet_path.resolve().parents:
         raise ParamError("out", f"{out}: is a file of the trace {trace_dir}; write the fleet file elsewhere")
-    if fleet_path.exists() and not force:
-        raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
     if validate_dir is not None:
         v, t = Path(validate_dir).resolve(), Path(trace_dir).resolve()
         if v == t or v in t.parents or t in v.parents:
@@ -111,9 +101,7 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
         if v == fleet_path.resolve().parent or v in fleet_path.resolve().parents:
             raise ParamError("validate_dir", f"{validate_dir}: would hold the fleet file {out}; "
                              "write the fleet file elsewhere", flag="--validate")
-        rundir.refuse_existing(Path(validate_dir), force, "validation directory")
-    _register_calibrate_outputs()
-    rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
+    rundir.guard([(out, FLEET_KIND), (validate_dir, FIDELITY_KIND)], inputs=[trace_dir], force=force)
     try:
         parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
     except ValueError as err:
