@@ -14,7 +14,7 @@ import polars as pl
 from replay.analysis import ranking
 from replay.errors import ReplayError
 from replay.runs import rundir
-from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE
+from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE, SIM_JSON
 
 
 @dataclass
@@ -95,7 +95,7 @@ def service_floor_ms(run_dir: str | os.PathLike, fleet_label: str) -> float | No
     None when the fleet directory keeps no outcomes."""
     d = Path(run_dir) / fleet_label
     try:
-        meta = json.loads((d / "sim.json").read_text())
+        meta = json.loads((d / SIM_JSON).read_text())
     except (OSError, ValueError):
         return None
     rates = [w.get("prefill_tokens_per_s") for w in (meta.get("fleet") or {}).get("workers") or []
