@@ -31,7 +31,7 @@ def test_refuses_non_empty_and_files_but_not_empty_dirs(tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("keep me")
-    with pytest.raises(ReplayError, match="test directory exists and is not empty.*--force"):
+    with pytest.raises(ReplayError, match="test directory exists and is not empty.*force=True"):
         guard([(full, mine)], force=False)
     with pytest.raises(ReplayError, match="replaces only a test directory router-replay wrote.*no mine.json"):
         guard([(full, mine)], force=True)

@@ -45,7 +45,7 @@ from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
 from replay.config import KNOBS, RouterConfig
-from replay.errors import ParamError, ReplayError
+from replay.errors import NeedsForce, ParamError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
 from replay.report.html import CSS as _CSS
@@ -1389,7 +1389,7 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if target.exists() and target.is_dir():
         raise ReplayError(f"{target}: is a directory (give a file name with --out)")
     if target.exists() and not force:
-        raise ReplayError(f"{target}: exists (use --force to replace it)")
+        raise NeedsForce(f"{target}: exists (use ", " to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     if plan_page:

@@ -62,7 +62,7 @@ from pathlib import Path
 import polars as pl
 
 from replay.config import KNOB_NAMES
-from replay.errors import ReplayError
+from replay.errors import NeedsForce, ReplayError
 from replay.runs import decisions as decision_store
 from replay.runs import metrics
 from replay.runs.decisions import decision_files
@@ -422,16 +422,16 @@ def _check_kind(out: Path, given: str, kind: Kind, force: bool) -> None:
         if not any(out.iterdir()):
             return
         if not force:
-            raise ReplayError(f"{given}: {kind.what} exists and is not empty (use --force to replace it)")
+            raise NeedsForce(f"{given}: {kind.what} exists and is not empty (use ", " to replace it)")
     else:
         if out.is_dir():
             raise ReplayError(f"{given}: is a directory")
         if not force:
-            raise ReplayError(f"{given}: exists (use --force to replace it)")
+            raise NeedsForce(f"{given}: exists (use ", " to replace it)")
     why = kind.recognise(out)
     if why is not None:
-        raise ReplayError(f"{given}: --force replaces only a {kind.what} router-replay wrote, and this one "
-                          f"is not ({why}); move it away or choose another output")
+        raise NeedsForce(f"{given}: ", f" replaces only a {kind.what} router-replay wrote, and this one "
+                         f"is not ({why}); move it away or choose another output")
 
 
 def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike | None, str | Kind] | None],
@@ -736,8 +736,8 @@ def _check_unchanged(out: Path) -> None:
     if now == before or (now is not None and out.is_dir() and not any(out.iterdir())):
         return
     if not force:
-        raise ReplayError(f"{out}: another run wrote it while this one ran, and it is not replaced "
-                          f"without --force (the other run won)")
+        raise NeedsForce(f"{out}: another run wrote it while this one ran, and it is not replaced "
+                         "without ", " (the other run won)")
     print(f"note: {out}: another run wrote it while this one ran; this run finished later and "
           f"replaces it", file=sys.stderr)
 
