@@ -44,7 +44,7 @@ import polars as pl
 from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
-from replay.config import KNOBS, RouterConfig
+from replay.config import GATE_KNOBS, KNOB_SHORT, KNOBS, RouterConfig
 from replay.errors import NeedsForce, ParamError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
@@ -62,8 +62,7 @@ from replay.runs.names import PLAN_TABLE
 from replay.runs.rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401 - names of the run's files, re-exported
 from replay.runs.rundir import unreadable as _unreadable
 
-LIMIT = "worker_queue_limit"
-FLOOR = "saturation_queue_floor"
+LIMIT, FLOOR = GATE_KNOBS
 TOP_N = 5
 TARGET_BINS = 120
 
@@ -1133,7 +1132,7 @@ def _headline_html(a: ReportView) -> str:
     else:
         verdict += "; the grid has no no-gate baseline (limit none) to compare with"
     parts.append(f'<p class="verdict">{verdict}.</p>')
-    head = ["#", "config", "limit", "floor", "hit rate", "owner rate", "pin share", "p99 waiting",
+    head = ["#", "config", KNOB_SHORT[LIMIT], KNOB_SHORT[FLOOR], "hit rate", "owner rate", "pin share", "p99 waiting",
             "mean waiting", "cold prefill tokens"]
     trs = ["<tr>" + "".join(f'<th class="{"l" if i < 1 else ""}">{_e(h)}</th>' for i, h in enumerate(head)) + "</tr>"]
     for rank, r in enumerate(a.best_rows, 1):
