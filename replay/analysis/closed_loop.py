@@ -33,7 +33,7 @@ import polars as pl
 
 from replay.analysis import ranking
 from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.runs import names
 
 SUMMARY = names.CLOSED_LOOP
@@ -385,7 +385,7 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
     if col not in grid.summary.columns:
         raise ReplayError(f"{grid.path / SUMMARY}: column '{col}': missing (cannot bound {BOUNDS[on][1]})")
     if bound_kind not in BOUND_KINDS:
-        raise ReplayError(f"--bound {bound_kind}: expected one of {', '.join(BOUND_KINDS)}")
+        raise ParamError("bound_kind", f"{bound_kind}: expected one of {', '.join(BOUND_KINDS)}", flag="--bound")
     upper_col = col + BOUND_KINDS[bound_kind][0]
     if grid.seeded and upper_col not in grid.summary.columns:
         raise ReplayError(f"{grid.path / SUMMARY}: column '{upper_col}': missing (a grid written before the "
