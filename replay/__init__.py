@@ -13,7 +13,7 @@ these and prints (docs/api.md lists every name with the command it serves).
   :func:`recommend`, :func:`load_closed_loop`, :func:`recommend_closed_loop`,
   :func:`read_plan`, :func:`answer_plan`.
 * Closed loop: :func:`load_fleet`, :func:`read_log`, :func:`read_simulation_log`,
-  :func:`simulate`, :func:`simulate_grid`, :func:`calibrate_trace`, :func:`plan_fleets`.
+  :func:`simulate`, :func:`simulate_grid`, :func:`simulate_log`, :func:`calibrate_trace`, :func:`plan_fleets`.
 * Capture: :class:`Recorder`, :class:`ImportSpec`, :func:`import_capture`.
 * Errors: :class:`ReplayError` (one line), :class:`ParamError` (names the
   parameter), :class:`ConfigError`, :class:`TraceError`.
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from replay.runs.decisions import read_decisions
     from replay.runs.rundir import load_run
     from replay.simulate import load_fleet, read_log, simulate, simulate_grid
-    from replay.simulate.workflows import calibrate_trace, plan_fleets, read_simulation_log
+    from replay.simulate.workflows import calibrate_trace, plan_fleets, read_simulation_log, simulate_log
     from replay.sweep.engine import decide_all, iter_chunks
     from replay.sweep.run import SweepResult
     from replay.trace import Trace, TraceError, load_trace, read_trace_info, request_log, validate_trace
@@ -76,7 +76,7 @@ _LAZY = {
     "read_plan": "analysis.plan", "answer_plan": "analysis.plan:plan",
     "load_fleet": "simulate", "read_log": "simulate", "simulate": "simulate", "simulate_grid": "simulate",
     "read_simulation_log": "simulate.workflows", "calibrate_trace": "simulate.workflows",
-    "plan_fleets": "simulate.workflows",
+    "plan_fleets": "simulate.workflows", "simulate_log": "simulate.workflows",
     "Recorder": "capture.recorder", "ImportSpec": "capture.importer", "import_capture": "capture.importer",
 }
 
@@ -86,7 +86,7 @@ __all__ = [
     "decide_all", "generate_trace", "import_capture", "iter_chunks", "load_baseline", "load_closed_loop",
     "load_fleet", "load_run", "load_trace", "make_baseline", "plan_fleets", "read_decisions", "read_log",
     "read_plan", "read_simulation_log", "read_trace_info", "recommend", "recommend_closed_loop",
-    "request_log", "run_sweep", "simulate", "simulate_grid", "validate_trace", "write_baseline",
+    "request_log", "run_sweep", "simulate", "simulate_grid", "simulate_log", "validate_trace", "write_baseline",
     "write_comparison",
 ]
 

@@ -166,6 +166,12 @@ FLAG_TO_KNOB: dict[str, str] = {s.flag: s.name for s in KNOBS.values()}
 
 assert tuple(KNOBS) == KNOB_NAMES
 
+KNOB_SHORT: dict[str, str] = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
+"""The short names tables and labels give the two queue-gate knobs (``limit=2 floor=none``)."""
+
+GATE_KNOBS: tuple[str, ...] = tuple(KNOB_SHORT)
+"""The queue-gate knobs: a config with both unset is the no-gate config."""
+
 
 def knob_spec(name: str) -> KnobSpec:
     """The :class:`KnobSpec` for a knob name or router flag name (``--x-y``, ``x-y`` or ``x_y``)."""

@@ -6,6 +6,10 @@ from __future__ import annotations
 class ReplayError(Exception):
     """Base class: bad input or an impossible request.  ``str(err)`` is one line."""
 
+    def cli_text(self) -> str:
+        """The line the CLI prints (the same, unless the error names a parameter)."""
+        return str(self)
+
 
 class ConfigError(ReplayError, ValueError):
     """An invalid knob value or grid (the router's own error text where it has one)."""
@@ -21,3 +25,19 @@ class ParamError(ReplayError):
         self.param = param
         self.text = text
         self.flag = flag or "--" + param.replace("_", "-")
+
+    def cli_text(self) -> str:
+        """The line the CLI prints: the flag in place of the parameter."""
+        return f"{self.flag} {self.text}"
+
+
+class NeedsForce(ReplayError):
+    """An output that exists and is replaced only when asked: the library's text says
+    ``force=True``, the CLI's ``--force``, in the place between ``before`` and ``after``."""
+
+    def __init__(self, before: str, after: str):
+        super().__init__(f"{before}force=True{after}")
+        self.before, self.after = before, after
+
+    def cli_text(self) -> str:
+        return f"{self.before}--force{self.after}"

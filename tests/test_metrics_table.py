@@ -72,7 +72,7 @@ def test_the_report_and_compare_show_the_same_share(failing_run, tmp_path):
     """The report's all_queued heatmap and compare's share read one definition (over requests;
     the report used to divide by routed requests)."""
     heat = figures(failing_run)["heatmaps"]
-    names = [m.key for m in HEATMAP_METRICS]
+    names = [m.name for m in HEATMAP_METRICS]
     cells = heat.data[names.index("share_all_queued")]
     s = pl.read_parquet(failing_run / "summary.parquet")
     cfg = s.filter(pl.col("worker_queue_limit") == 2).filter(pl.col("saturation_queue_floor") == 1).row(
@@ -83,7 +83,7 @@ def test_the_report_and_compare_show_the_same_share(failing_run, tmp_path):
     cmp = analysis.compare_runs(failing_run, failing_run)
     row = cmp.deltas.filter((pl.col("metric") == "share_all_queued") & (pl.col("config_id_a") == cfg["config_id"]))
     assert row["a"][0] == pytest.approx(cfg["all_queued"] / cfg["requests"])
-    assert {m.key for m in HOVER_METRICS} <= set(metrics.METRICS)
+    assert {m.name for m in HOVER_METRICS} <= set(metrics.METRICS)
 
 
 def test_a_baseline_of_the_old_names_checks_a_new_run(failing_run, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from replay import run_sweep
 from replay.errors import ReplayError
-from replay.runs.rundir import move_into_place, partial_beside, refuse_existing
+from replay.runs.rundir import Kind, guard, move_into_place, partial_beside
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
 
@@ -22,18 +22,26 @@ def _umask() -> int:
 
 
 def test_refuses_non_empty_and_files_but_not_empty_dirs(tmp_path):
+    """A kind declared by its writer and passed to the guard: nothing registered anywhere."""
+    mine = Kind("mine", "test directory", True,
+                lambda p: None if (p / "mine.json").is_file() else "no mine.json")
     (tmp_path / "empty").mkdir()
-    refuse_existing(tmp_path / "empty", force=False)
-    refuse_existing(tmp_path / "missing", force=False)
+    guard([(tmp_path / "empty", mine)], force=False)
+    guard([(tmp_path / "missing", mine)], force=False)
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("keep me")
-    with pytest.raises(ReplayError, match="not empty.*--force"):
-        refuse_existing(full, force=False)
-    refuse_existing(full, force=True)
+    with pytest.raises(ReplayError, match="test directory exists and is not empty.*force=True"):
+        guard([(full, mine)], force=False)
+    with pytest.raises(ReplayError, match="replaces only a test directory router-replay wrote.*no mine.json"):
+        guard([(full, mine)], force=True)
+    (full / "mine.json").write_text("{}")
+    guard([(full, mine)], force=True)
     (tmp_path / "file").write_text("")
     with pytest.raises(ReplayError, match="not a directory"):
-        refuse_existing(tmp_path / "file", force=True)
+        guard([(tmp_path / "file", mine)], force=True)
+    with pytest.raises(ValueError, match="unknown output kind 'mine'"):
+        guard([(full, "mine")], force=True)
     assert (full / "x").read_text() == "keep me"
 
 

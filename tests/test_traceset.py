@@ -36,7 +36,7 @@ from trace_factory import Shape, random_trace, shape_strategy
 from replay import labels, run_sweep
 from replay.cli import main
 from replay.config import Grid, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.fields import empty_decisions
 from replay.sweep import engine
 from replay.trace import (
@@ -958,8 +958,9 @@ def test_parse_window_accepts(text, expect):
 
 @pytest.mark.parametrize("text", ["0.5h", "-1", "", "1w", "0s", "1.5", "h", "1 h 2m", "none1"])
 def test_parse_window_rejects(text):
-    with pytest.raises(ValueError, match="--window must be"):
+    with pytest.raises(ParamError, match="^window must be") as err:
         parse_window(text)
+    assert err.value.flag == "--window"
 
 
 def test_format_window():

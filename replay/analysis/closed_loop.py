@@ -31,9 +31,9 @@ from typing import Any
 
 import polars as pl
 
-from replay.analysis.runs import Recommendation
-from replay.config import KNOB_NAMES
-from replay.errors import ReplayError
+from replay.analysis import ranking
+from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT
+from replay.errors import ParamError, ReplayError
 from replay.runs import names
 
 SUMMARY = names.CLOSED_LOOP
@@ -328,7 +328,7 @@ class ClosedLoopRecommendation:
         row = row if row is not None else self.best
         if row is None:
             return ""
-        return router_flags(row)
+        return ranking.router_flags(row)
 
 
     def to_json(self) -> dict:
@@ -346,7 +346,7 @@ class ClosedLoopRecommendation:
                                    "seed_min": num(r.get(f"{c}_min")), "seed_max": num(r.get(f"{c}_max"))}
                                for c in keep if c in r},
                     "stable": r.get("stable"), "seeds": r.get("seeds")}
-        flags = deploy_flags(self.best) if self.best is not None else None
+        flags = ranking.deploy_flags(self.best)
         return {"fidelity": {"good": g.fidelity_good, "line": g.fidelity_line()}, "grid": str(g.path),
                 "configs": g.summary.height, "seeds": g.n_seeds,
                 "bound": {"metric": self.bound_col, "max_ms": self.bound_ms, "kind": self.bound_kind,
@@ -357,28 +357,14 @@ class ClosedLoopRecommendation:
                 "qualifying": len(self.ranked), "excluded": {k: len(v) for k, v in self.excluded.items()}}
 
 
-def deploy_flags(row: dict) -> str | None:
-    """A config row's router flags as a command line takes them ('' for the defaults; None when
-    the config needs a replay-only variant, which no router flag sets)."""
-    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).deploy_flags()
-
-
-def router_flags(row: dict) -> str:
-    """The router command-line flags of a config row (the knobs that differ from the defaults),
-    as ``recommend`` prints them for an open-loop run."""
-
-    return Recommendation(None, 0.0, row, None, None, 0, 0, 0, None, []).flags()
-
-
 def config_text(row: dict, knobs: Sequence[str]) -> str:
-    short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
-    return " ".join(f"{short.get(k, k)}={'none' if row.get(k) is None else row.get(k)}" for k in knobs)
+    return " ".join(f"{KNOB_SHORT.get(k, k)}={'none' if row.get(k) is None else row.get(k)}" for k in knobs)
 
 
 def varying(grid: ClosedLoopGrid) -> list[str]:
     s = grid.summary
     ks = [k for k in grid.knobs if s.get_column(k).n_unique() > 1]
-    return ks or [k for k in ("worker_queue_limit", "saturation_queue_floor") if k in s.columns]
+    return ks or [k for k in GATE_KNOBS if k in s.columns]
 
 
 def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
@@ -399,29 +385,28 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
     if col not in grid.summary.columns:
         raise ReplayError(f"{grid.path / SUMMARY}: column '{col}': missing (cannot bound {BOUNDS[on][1]})")
     if bound_kind not in BOUND_KINDS:
-        raise ReplayError(f"--bound {bound_kind}: expected one of {', '.join(BOUND_KINDS)}")
+        raise ParamError("bound_kind", f"{bound_kind}: expected one of {', '.join(BOUND_KINDS)}", flag="--bound")
     upper_col = col + BOUND_KINDS[bound_kind][0]
     if grid.seeded and upper_col not in grid.summary.columns:
         raise ReplayError(f"{grid.path / SUMMARY}: column '{upper_col}': missing (a grid written before the "
                           "per-seed range was kept; re-run simulate with --seeds N, or use --bound mean)")
     knobs = varying(grid)
-    excluded: dict[str, list[dict]] = {"unstable": [], "over_bound": [], "unknown": []}
-    ok = []
+    rows = []
     for r in grid.summary.iter_rows(named=True):
         r = dict(r)
         r["config"] = config_text(r, knobs)
-        hit = num(r.get("true_hit_rate"))
-        upper = num(r.get(upper_col)) if grid.seeded else num(r.get(col))
-        if hit is None or upper is None:
-            excluded["unknown"].append(r)
-        elif grid.seeded and r.get("stable") is not True:
-            excluded["unstable"].append(r)
-        elif bound_ms is not None and upper > bound_ms:
-            excluded["over_bound"].append(r)
-        else:
-            ok.append(r)
-    ok.sort(key=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
-    return ClosedLoopRecommendation(grid, col, bound_ms, ok, excluded, knobs, bound_kind)
+        rows.append(r)
+
+    def value(r: dict) -> float | None:
+        if num(r.get("true_hit_rate")) is None:
+            return None
+        return num(r.get(upper_col)) if grid.seeded else num(r.get(col))
+
+    checks = [("unstable", lambda r: r.get("stable") is not True)] if grid.seeded else []
+    ranked = ranking.rank(rows, value=value, bound=bound_ms, checks=checks,
+                          order=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
+    excluded = {"unstable": [], **ranked.excluded}
+    return ClosedLoopRecommendation(grid, col, bound_ms, ranked.ranked, excluded, knobs, bound_kind)
 
 
 def pct(v: Any) -> str:

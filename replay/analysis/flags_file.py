@@ -26,15 +26,9 @@ from replay.runs import rundir
 MARKER = "# router-replay recommend: router flags per dp_size"
 
 
-def _recognise(path: Path) -> str | None:
-    try:
-        head = path.read_bytes()[:200].decode("utf-8", "replace")
-    except OSError as err:
-        return f"unreadable ({err.strerror})"
-    return None if head.startswith(MARKER) else "not a flags file written by router-replay recommend"
-
-
-rundir.register_kind("flags", "flags file", is_dir=False, recognise=_recognise)
+FLAGS_KIND = rundir.Kind("flags", "flags file", False, rundir.marked_file(
+    MARKER, "not a flags file written by router-replay recommend", at_start=True))
+"""The output kind of a flags file, for :func:`replay.runs.rundir.guard`."""
 
 
 def _quote(text: str) -> str:
@@ -60,11 +54,11 @@ def render(per_dp: Mapping[int | None, str | None], source: str) -> str:
 
 def guard(path: str | os.PathLike | None, *, inputs: list, force: bool = False) -> None:
     """Refuse ``path`` before any work (exists without ``force``, not a flags file, or an input)."""
-    rundir.guard([(path, "flags")], inputs=inputs, force=force)
+    rundir.guard([(path, FLAGS_KIND)], inputs=inputs, force=force)
 
 
 def write(path: str | os.PathLike, per_dp: Mapping[int | None, str | None], source: str, *,
           inputs: list, force: bool = False) -> None:
     """Write :func:`render` to ``path`` (refused if it exists and is not one, or without ``force``)."""
-    rundir.guard([(path, "flags")], inputs=inputs, force=force)
+    rundir.guard([(path, FLAGS_KIND)], inputs=inputs, force=force)
     rundir.write_text_atomic(Path(path), render(per_dp, source))

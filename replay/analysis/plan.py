@@ -11,9 +11,10 @@ from pathlib import Path
 
 import polars as pl
 
+from replay.analysis import ranking
 from replay.errors import ReplayError
 from replay.runs import rundir
-from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE
+from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE, SIM_JSON
 
 
 @dataclass
@@ -69,13 +70,13 @@ def plan(t: pl.DataFrame, metric: str, bound_ms: float, kind: str = "mean") -> l
     out = []
     for i, lv in enumerate(levels):
         here = [r for r in rows if r["load_scale"] == lv]
-        ok = [r for r in here if r["_v"] is not None and r["_v"] <= bound_ms]
+        ranked = ranking.rank(here, value=lambda r: r["_v"], bound=bound_ms,
+                              order=lambda r: ((r["ranks"], r["workers"]), key(r)))
         nxt = levels[i + 1] if i + 1 < len(levels) else None
-        if not ok:
+        if not ranked.ranked:
             out.append(LevelAnswer(lv, None, None, min(here, key=key), nxt, None))
             continue
-        size = min((r["ranks"], r["workers"]) for r in ok)
-        best = min((r for r in ok if (r["ranks"], r["workers"]) == size), key=key)
+        best = ranked.ranked[0]
         nv = None
         if nxt is not None:
             same = [r for r in rows if r["load_scale"] == nxt and r["workers"] == best["workers"]
@@ -94,7 +95,7 @@ def service_floor_ms(run_dir: str | os.PathLike, fleet_label: str) -> float | No
     None when the fleet directory keeps no outcomes."""
     d = Path(run_dir) / fleet_label
     try:
-        meta = json.loads((d / "sim.json").read_text())
+        meta = json.loads((d / SIM_JSON).read_text())
     except (OSError, ValueError):
         return None
     rates = [w.get("prefill_tokens_per_s") for w in (meta.get("fleet") or {}).get("workers") or []

@@ -11,7 +11,6 @@ seed or freshness that differs from the recording, so a sweep with the wrong
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,9 @@ import polars as pl
 
 from replay.config import KNOB_NAMES, KNOBS, RouterConfig
 from replay.runs import names as run_files
-
-TRACE_JSON = run_files.TRACE_JSON
-SIM_JSON = run_files.SIM_JSON
+from replay.runs.names import SIM_JSON, TRACE_JSON
+from replay.runs.rundir import read_json
+from replay.trace.info import read_trace_info
 
 
 @dataclass(frozen=True)
@@ -41,32 +40,27 @@ def _int(v: Any) -> int | None:
 
 
 def read_recorded(trace_dir: str | Path) -> Recorded | None:
-    """The recorded config of a trace directory, or None when it records none (or unreadably)."""
+    """The recorded config of a trace directory, or None when it records none.
+
+    ``trace.json`` is read by the trace's own reader (:func:`replay.trace.info.read_trace_info`:
+    a bad one is an error, as it is to every command); ``sim.json``, which a simulation
+    writes beside its trace, counts when it holds a readable ``config``."""
     d = Path(trace_dir)
-    for name in (TRACE_JSON, SIM_JSON):
-        p = d / name
-        if not p.is_file():
-            continue
-        try:
-            rec = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        if not isinstance(rec, dict):
-            continue
-        given = rec.get("router") if name == TRACE_JSON else rec.get("config")
-        if not isinstance(given, dict):
-            continue
-        try:
-            cfg = RouterConfig(**{k: v for k, v in given.items() if k in KNOB_NAMES}).as_dict()
-        except (TypeError, ValueError):
-            continue
-        got = rec.get("extra") if name == TRACE_JSON else rec
-        extra: dict = got if isinstance(got, dict) else {}
+    info = read_trace_info(d)
+    if info.path is not None and info.router_given:
         # REPLAY CHOICE: traces/README.md says trace.json's `extra` is never read; the seed and
         # freshness a producer keeps there (simulate writes them) are read here, as calibrate does
-        return Recorded(cfg, _int(extra.get("seed")), _int(extra.get("freshness_ms")), str(p),
-                        bool(rec.get("per_dp_rank")) if name == TRACE_JSON else False)
-    return None
+        return Recorded(RouterConfig(**info.router).as_dict(), _int(info.extra.get("seed")),
+                        _int(info.extra.get("freshness_ms")), str(d / TRACE_JSON), info.per_dp_rank)
+    sim = read_json(d / SIM_JSON)
+    given = sim.get("config") if sim is not None else None
+    if sim is None or not isinstance(given, dict):
+        return None
+    try:
+        cfg = RouterConfig(**{k: v for k, v in given.items() if k in KNOB_NAMES}).as_dict()
+    except (TypeError, ValueError):
+        return None
+    return Recorded(cfg, _int(sim.get("seed")), _int(sim.get("freshness_ms")), str(d / SIM_JSON))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -134,7 +128,7 @@ def agreement_lines(summary: pl.DataFrame, recorded: Recorded | None, *, seed: i
 def grid_dir_error(path: str | Path) -> str | None:
     """The one-line error for a simulator grid directory given where a trace is expected."""
     p = Path(path)
-    if not p.is_dir() or (p / run_files.REQUESTS).exists() or (p / "requests").is_dir():
+    if not p.is_dir() or (p / run_files.REQUESTS).exists() or (p / run_files.REQUESTS_DIR).is_dir():
         return None
     if (p / run_files.PREDICTION / run_files.CLOSED_LOOP).is_file():
         return (f"{p}: a calibrate --validate directory (fidelity.json, prediction/), not a trace; its "

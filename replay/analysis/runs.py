@@ -33,9 +33,9 @@ from typing import Any
 import polars as pl
 
 from replay import __version__
-from replay.analysis import decision_gate
+from replay.analysis import decision_gate, ranking
 from replay.analysis import waterfall as wf
-from replay.config import KNOB_NAMES, KNOBS, RouterConfig
+from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS, RouterConfig
 from replay.errors import ParamError, ReplayError
 from replay.runs import decisions as decision_store
 from replay.runs import rundir
@@ -65,9 +65,6 @@ __all__ = ["COMPARE_METRICS", "DEFAULT_CHECK_METRICS", "DEFAULT_TOLERANCES", "LA
 LABEL_COLUMNS = ("decision", "policy_reason", "reason")
 """decisions.parquet columns usable as the transition label in :func:`compare_runs`."""
 
-_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
-
-
 def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
     """A short description of how two trace-hash records differ, or None if they are equal."""
     if dict(a) == dict(b):
@@ -84,7 +81,7 @@ def trace_difference(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
 
 def config_label(row: Mapping[str, Any], knobs: Sequence[str]) -> str:
     """``limit=2 floor=none`` style label of a config from the given knob columns."""
-    return " ".join(f"{_SHORT.get(k, k)}={knob_text(row.get(k))}" for k in knobs)
+    return " ".join(f"{KNOB_SHORT.get(k, k)}={knob_text(row.get(k))}" for k in knobs)
 
 
 def varying_knobs(*tables: pl.DataFrame | Sequence[Mapping[str, Any]]) -> list[str]:
@@ -99,7 +96,7 @@ def varying_knobs(*tables: pl.DataFrame | Sequence[Mapping[str, Any]]) -> list[s
                     vals.update(t.get_column(k).to_list())
             else:
                 vals.update(r[k] for r in t if k in r)
-        if k in _SHORT or len(vals) > 1:
+        if k in GATE_KNOBS or len(vals) > 1:
             out.append(k)
     return out
 
@@ -1089,30 +1086,12 @@ class Recommendation:
 
     def flags(self) -> str:
         """The router command-line flags of the recommended config (knobs that differ from the defaults)."""
-        if self.best is None:
-            return ""
-        cfg = RouterConfig(**{k: self.best[k] for k in KNOB_NAMES if k in self.best})
-        parts = []
-        for k, v in cfg.given_flags().items():
-            spec = KNOBS[k]
-            if spec.inverted:
-                if v is False:
-                    parts.append(spec.flag)
-            else:
-                parts.append(f"{spec.flag} {knob_text(v)}")
-        text = " ".join(parts) if parts else "(router defaults: no gate)"
-        variants = [f"{KNOBS[k].flag} {v}" for k, v in cfg.variants().items()]
-        if variants:  # not deployable: say so instead of printing a router command line that omits it
-            text += f" [needs the replay-only policy variant {', '.join(variants)}: not a router flag]"
-        return text
+        return "" if self.best is None else ranking.router_flags(self.best)
 
     def deploy_flags(self) -> str | None:
         """The flags as a router command line takes them ('' for the router's defaults); None
         when there is nothing to deploy (no config met the bound, or it needs a replay-only variant)."""
-        text = self.flags()
-        if self.best is None or "not a router flag" in text:
-            return None
-        return "" if text.startswith("(router defaults") else text
+        return ranking.deploy_flags(self.best)
 
     def to_json(self) -> dict:
         """The answer as JSON (``recommend --json``): knob values, flags, evidence, margin, counts."""
@@ -1159,20 +1138,22 @@ def recommend(run: Run | str | os.PathLike, max_p99_waiting: float) -> list[Reco
         rows = list(g.iter_rows(named=True))
         for r in rows:
             r["config"] = config_label(r, shown)
+        ranked = ranking.rank(rows, value=lambda r: r["selected_waiting_p99"], bound=float(max_p99_waiting),
+                              order=_rank_key)
+        ok = ranked.ranked
         known = [r for r in rows if r["selected_waiting_p99"] is not None]
-        ok = sorted((r for r in known if r["selected_waiting_p99"] <= max_p99_waiting), key=_rank_key)
         best = ok[0] if ok else None
         lowest = min(known, key=lambda r: (r["selected_waiting_p99"], _rank_key(r))) if known else None
         no_gate = None
         ref = best or lowest
-        gates = [r for r in rows if r["worker_queue_limit"] is None and r["saturation_queue_floor"] is None]
+        gates = [r for r in rows if all(r[k] is None for k in GATE_KNOBS)]
         if gates:
-            others = [k for k in KNOB_NAMES if k in g.columns and k not in _SHORT]
+            others = [k for k in KNOB_NAMES if k in g.columns and k not in GATE_KNOBS]
             same = [r for r in gates if ref is not None and all(r[k] == ref[k] for k in others)]
             no_gate = (same or sorted(gates, key=lambda r: r["config_id"]))[0]
         out.append(Recommendation(dp, float(max_p99_waiting), best, ok[1] if len(ok) > 1 else None, no_gate,
-                                  met=len(ok), exceeded=len(known) - len(ok), unknown=len(rows) - len(known),
-                                  lowest_p99=lowest, knobs=shown))
+                                  met=len(ok), exceeded=len(ranked.excluded[ranking.OVER_BOUND]),
+                                  unknown=len(ranked.excluded[ranking.UNKNOWN]), lowest_p99=lowest, knobs=shown))
     return out
 
 

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from isal import igzip
 
-from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture import outguard
 from replay.capture.store import (
     KV_SCHEMA,
     LOADS_SCHEMA,
@@ -206,24 +206,24 @@ def write_capture(res, log, fleet, out, *, index_lag_ms: int = 0, force: bool = 
         raise ReplayError("the simulation kept no cache log: run simulate(..., cache_log=True)")
     _check_exportable(log)
     out = Path(out)
-    rundir.guard([(out, "capture")], force=force)
+    rundir.guard([(out, outguard.CAPTURE)], force=force)
     with rundir.building(out) as tmp:
         _write(res, log, fleet, tmp, index_lag_ms, progress)
-        (tmp / names.TRACE_JSON).write_text(json.dumps({"source": "router-replay simulate -> capture formats"}) + "\n")
+        (tmp / names.TRACE_JSON).write_text(json.dumps({"source": outguard.CAPTURE_SOURCE}) + "\n")
     return out
 
 
 def _write(res, log, fleet, root: Path, index_lag_ms: int, progress=None) -> None:
     urls = fleet.urls
     page = int(log.block_size)
-    rec = root / "recorded"
+    rec = root / names.RECORDED
     rec.mkdir(parents=True)
     hashes = _chain_hashes(log)
     # --- loads: rows as record writes them (per-rank sequence numbers)
     ld = res.loads.with_columns(pl.int_range(pl.len()).over("worker", "dp_rank").alias("seq"),
                                 pl.col("dp_rank").alias("attn_dp_rank"))
     if ld.height:
-        PartWriter(rec, "loads", LOADS_SCHEMA, 3600).write(_table(LOADS_SCHEMA, ld.height, {
+        PartWriter(rec, names.LOADS_DIR, LOADS_SCHEMA, 3600).write(_table(LOADS_SCHEMA, ld.height, {
             c: ld[c].to_arrow() for c in ld.columns}))
     # --- kv events: one batch per store / eviction, at the engine's publish time
     cl = res.extra["cache_log"]
@@ -241,7 +241,7 @@ def _write(res, log, fleet, root: Path, index_lag_ms: int, progress=None) -> Non
         seq[order] = np.arange(n) - np.repeat(first, np.diff(np.r_[first, n]))
         par = log.block_parent[blk]
         has_parent = stored & (par >= 0)
-        PartWriter(rec, "kv_events", KV_SCHEMA, 3600).write(_table(KV_SCHEMA, n, {
+        PartWriter(rec, names.KV_EVENTS_DIR, KV_SCHEMA, 3600).write(_table(KV_SCHEMA, n, {
             "ts": ts, "worker": np.asarray(urls, dtype=object)[w], "dp_rank": rank, "seq": seq,
             "event_index": np.zeros(n, np.int32), "engine_ts": ts, "replayed": np.zeros(n, bool),
             "type": np.where(stored, "BlockStored", "BlockRemoved").astype(object),
@@ -254,14 +254,14 @@ def _write(res, log, fleet, root: Path, index_lag_ms: int, progress=None) -> Non
     write_atomic_table(rec / names.WORKERS, pa.table(
         {"worker": urls, "model": [w.model for w in fleet.workers], "role": [w.role for w in fleet.workers],
          "dp_size": [w.dp_size for w in fleet.workers], "page_size": [page] * len(urls)}, schema=WORKERS_SCHEMA))
-    (rec / "record.json").write_text(json.dumps({"tool": "router-replay simulate (capture formats)",
+    (rec / names.RECORD_JSON).write_text(json.dumps({"tool": "router-replay simulate (capture formats)",
                                                  "complete": True, "gaps": 0, "restarts": 0,
                                                  "malformed_frames": 0, "unreachable": {}}) + "\n")
     # --- the router's token export
-    _write_token_export(res, log, fleet, root / "token_export" / "slug=sim", progress)
+    _write_token_export(res, log, fleet, root / names.TOKEN_EXPORT / "slug=sim", progress)
     # --- engine request exports
     o = res.outcomes
-    eng = root / "engines"
+    eng = root / names.ENGINES
     for w, url in enumerate(urls):
         mine = o.filter(o["worker"] == url)
         d = eng / f"{w:03d}"
@@ -356,5 +356,5 @@ def engine_dirs(out) -> list[tuple[str, Path]]:
     """``(worker URL, export folder)`` of a written capture, for ``import --engine-export``."""
     out = Path(out)
 
-    urls = pq.read_table(out / "recorded" / names.WORKERS)["worker"].to_pylist()
-    return [(u, out / "engines" / f"{w:03d}") for w, u in enumerate(urls)]
+    urls = pq.read_table(out / names.RECORDED / names.WORKERS)["worker"].to_pylist()
+    return [(u, out / names.ENGINES / f"{w:03d}") for w, u in enumerate(urls)]

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay import __version__
-from replay.capture import outguard as _kinds  # noqa: F401 - registers the capture output kinds
+from replay.capture import outguard
 from replay.capture.blockhash import block_hashes_csr
 from replay.capture.index import EV_CODES, TIER_BITS, IndexSweep, placement_matches
 from replay.capture.sources import (
@@ -172,9 +172,9 @@ class Importer:
             return
         if not rec.is_dir():
             raise ImportError_(f"{rec}: not a folder (expected record's output)")
-        if (rec / "record.json").is_file():
+        if (rec / names.RECORD_JSON).is_file():
             try:
-                self.rec_facts = json.loads((rec / "record.json").read_text())
+                self.rec_facts = json.loads((rec / names.RECORD_JSON).read_text())
             except ValueError:
                 raise ImportError_(f"{rec / 'record.json'}: not JSON") from None
         if (rec / names.WORKERS).is_file():
@@ -184,14 +184,14 @@ class Importer:
         if self.s.kv_format is None and rf.get("kv_format") in ("default", "dynamo"):
             self.kv_format = rf["kv_format"]
         if not self.s.router_flags and isinstance(rf.get("router"), dict):
-            self.router_flags = _checked_flags(rf["router"], rec / "record.json")
+            self.router_flags = _checked_flags(rf["router"], rec / names.RECORD_JSON)
         f["recorded"] = {"complete": rf.get("complete"), "gaps": rf.get("gaps"), "restarts": rf.get("restarts"),
                          "malformed_frames": rf.get("malformed_frames"), "unreachable": rf.get("unreachable"),
                          "silent_streams": rf.get("silent_streams")}
         if rf and not rf.get("complete"):
             self.facts.warnings.append(f"{rec}: record.json says the recording did not finish cleanly "
                                        "(killed?): at most its last flush interval is missing")
-        gaps = _read_table_dir(rec / "gaps")
+        gaps = _read_table_dir(rec / names.GAPS_DIR)
         if gaps:
             g = pl.concat([pl.from_arrow(t) for _, t in gaps], how="vertical_relaxed")
             kinds = g.group_by("stream", "kind").len().sort("stream", "kind")
@@ -444,7 +444,7 @@ class Importer:
     def _loads(self, tmp: Path, req: pl.DataFrame) -> set[str]:
         """Copy the recorded loads (file by file: bounded memory) and write polled ones."""
         inflight = self._inflight_fn(req)
-        dest = tmp / "loads"
+        dest = tmp / names.LOADS_DIR
         dest.mkdir()
         workers: set[str] = set()
         rows = 0
@@ -463,7 +463,7 @@ class Importer:
 
         sources = []
         if self.s.recorded is not None:
-            rec = Path(self.s.recorded) / "loads"
+            rec = Path(self.s.recorded) / names.LOADS_DIR
             for p, t in _read_table_dir(rec):
                 cols = [c for c in LOAD_COLUMNS if c in t.column_names]
                 t = t.select(cols)
@@ -503,7 +503,7 @@ class Importer:
 
     # ------------------------------------------------------------ matches
     def _kv_parts(self) -> list[Path]:
-        rec = Path(self.s.recorded) / "kv_events" if self.s.recorded is not None else None
+        rec = Path(self.s.recorded) / names.KV_EVENTS_DIR if self.s.recorded is not None else None
         if rec is None or not rec.is_dir():
             return []
         return [p for p in sorted(rec.rglob("*.parquet"))
@@ -684,7 +684,7 @@ class Importer:
     def run(self) -> ImportResult:
         s = self.s
         out = Path(s.out)
-        rundir.guard([(out, "imported")], s.inputs(), force=s.force)
+        rundir.guard([(out, outguard.IMPORTED)], s.inputs(), force=s.force)
         self._recorded()
         req = self._requests()
         req = self._join_engines(req)

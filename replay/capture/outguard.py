@@ -1,4 +1,4 @@
-"""Output kinds the capture commands write, registered with :mod:`replay.runs.rundir`.
+"""Output kinds the capture commands write, passed to :func:`replay.runs.rundir.guard`.
 
 ``record``, ``import`` and the simulator's capture writer protect their
 ``--out`` with :func:`replay.runs.rundir.guard` (an output is never, contains or
@@ -19,17 +19,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from replay.runs import rundir
+from replay.runs import names, rundir
 
-RECORDING_NAMES = frozenset({"record.json", "loads", "kv_events", "gaps", "workers.parquet"})
-IMPORTED_NAMES = frozenset({"trace.json", "requests.parquet", "loads.parquet", "workers.parquet",
-                            "requests", "loads"})
+RECORDING_NAMES = frozenset({names.RECORD_JSON, names.LOADS_DIR, names.KV_EVENTS_DIR, names.GAPS_DIR,
+                             names.WORKERS})
+IMPORTED_NAMES = frozenset({names.TRACE_JSON, names.REQUESTS, names.LOADS, names.WORKERS,
+                            names.REQUESTS_DIR, names.LOADS_DIR})
 
 
 def _recording(path: Path) -> str | None:
-    rec = rundir.read_json(path / "record.json")
+    rec = rundir.read_json(path / names.RECORD_JSON)
     if rec is None or not str(rec.get("tool", "")).startswith(rundir.TOOL):
-        return "no record.json with router-replay's marker in it"
+        return f"no {names.RECORD_JSON} with router-replay's marker in it"
     return rundir.foreign_entries(path, RECORDING_NAMES.__contains__)
 
 
@@ -40,21 +41,21 @@ CAPTURE_SOURCE = "router-replay simulate -> capture formats"
 """The ``source`` of the trace.json the simulator's capture writer puts beside its formats."""
 
 
-def _with_trace_json(names: frozenset[str], source: str, parquet_dirs: tuple[str, ...] = ()):
+def _with_trace_json(allowed: frozenset[str], source: str, parquet_dirs: tuple[str, ...] = ()):
     def recognise(path: Path) -> str | None:
-        info = rundir.read_json(path / "trace.json")
+        info = rundir.read_json(path / names.TRACE_JSON)
         if info is None or not str(info.get("source", "")).startswith(source):
-            return rundir.unmarked(path, "trace.json")
-        return (rundir.foreign_entries(path, names.__contains__)
+            return rundir.unmarked(path, names.TRACE_JSON)
+        return (rundir.foreign_entries(path, allowed.__contains__)
                 or rundir.foreign_below(path, parquet_dirs))
     return recognise
 
 
-rundir.register_kind("recording", "recording directory", is_dir=True, recognise=_recording)
-rundir.register_kind("imported", "imported trace directory", is_dir=True,
-                     recognise=_with_trace_json(IMPORTED_NAMES, IMPORT_SOURCE, ("requests", "loads")))
-rundir.register_kind("capture", "capture directory", is_dir=True, recognise=_with_trace_json(
-    frozenset({"trace.json", "recorded", "token_export", "engines"}), CAPTURE_SOURCE))
+RECORDING = rundir.Kind("recording", "recording directory", True, _recording)
+IMPORTED = rundir.Kind("imported", "imported trace directory", True,
+                       _with_trace_json(IMPORTED_NAMES, IMPORT_SOURCE, (names.REQUESTS_DIR, names.LOADS_DIR)))
+CAPTURE = rundir.Kind("capture", "capture directory", True, _with_trace_json(
+    frozenset({names.TRACE_JSON, names.RECORDED, names.TOKEN_EXPORT, names.ENGINES}), CAPTURE_SOURCE))
 
 
 def clear(out: Path) -> None:

@@ -53,6 +53,7 @@ from replay.capture.store import (
     write_atomic_table,
 )
 from replay.errors import ReplayError
+from replay.runs import names
 from replay.runs.names import WORKERS
 
 LOAD = "load"
@@ -270,9 +271,9 @@ class Recorder:
         self.replay_timeout_s = float(replay_timeout_s)
         self.status = status
         self.now_ns = now_ns
-        self.loads = PartWriter(self.out, "loads", LOADS_SCHEMA, rotate_s)
-        self.kv = PartWriter(self.out, "kv_events", KV_SCHEMA, rotate_s)
-        self.gaps = PartWriter(self.out, "gaps", GAPS_SCHEMA, rotate_s)
+        self.loads = PartWriter(self.out, names.LOADS_DIR, LOADS_SCHEMA, rotate_s)
+        self.kv = PartWriter(self.out, names.KV_EVENTS_DIR, KV_SCHEMA, rotate_s)
+        self.gaps = PartWriter(self.out, names.GAPS_DIR, GAPS_SCHEMA, rotate_s)
         self.engines: dict[str, Engine] = {}
         self.unreachable: dict[str, str] = {}
         self.streams: list[Stream] = []
@@ -617,7 +618,7 @@ class Recorder:
                 if what == "workers":
                     write_atomic_table(self.out / WORKERS, payload)
                 elif what == "facts":
-                    write_atomic_json(self.out / "record.json", payload)
+                    write_atomic_json(self.out / names.RECORD_JSON, payload)
                 else:
                     what.write(payload)
             except BaseException as err:  # noqa: BLE001 - disk full and the like: stop recording, say so

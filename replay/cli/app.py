@@ -16,7 +16,7 @@ import threading
 import click
 
 from replay import __version__
-from replay.errors import ParamError, ReplayError
+from replay.errors import ReplayError
 
 
 class InputError(click.ClickException):
@@ -35,10 +35,8 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except ParamError as err:           # the library names the parameter, the CLI its flag
-            raise InputError(f"{err.flag} {err.text}") from None
-        except ReplayError as err:
-            raise InputError(str(err)) from None
+        except ReplayError as err:          # the library names a parameter, the CLI its flag
+            raise InputError(err.cli_text()) from None
         except OSError as err:              # a full disk, a read-only file system, a permission
             from replay.runs.rundir import write_error  # lazy: rundir pulls in polars and pyarrow
 

@@ -82,7 +82,7 @@ level has none); a directory with plan_summary.parquet is read so without
 def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode, bound_kind, as_json, emit_flags, force):
     """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
 
-    from replay.analysis import closed_loop, flags_file  # lazy: loaded when the command runs
+    from replay.analysis import closed_loop, flags_file, ranking  # lazy: loaded when the command runs
     from replay.analysis import runs as analysis  # lazy: loaded when the command runs
     from replay.analysis.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
     from replay.errors import ReplayError  # lazy: loaded when the command runs
@@ -119,7 +119,7 @@ def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode, bound_kind, as_json, 
             click.echo(json.dumps(rec.to_json(), default=str))
         else:
             click.echo(closed_loop.format_recommendation(rec))
-        flags = closed_loop.deploy_flags(rec.best) if rec.best is not None else None
+        flags = ranking.deploy_flags(rec.best)
         sizes = closed_loop.dp_sizes(grid) or {None: 0}
         emit({d: flags for d in sizes}, f"{run_dir} (closed loop, {rec.bound_col} <= "
                                         f"{rec.bound_ms:g} ms)")

@@ -100,7 +100,7 @@ def record(workers, workers_file, out, duration, flush_interval, rotate, dp_size
     replay_timeout_s = parse_seconds(replay_timeout, "--replay-timeout")
     check_rank_ports(dp_size, {"--load-port-base": load_port_base, "--kv-port-base": kv_port_base,
                                "--replay-port-base": replay_port_base})
-    rundir.guard([(out, "recording")], force=force)
+    rundir.guard([(out, outguard.RECORDING)], force=force)
     outguard.clear(Path(out))
     ov = Overrides(dp_size=dp_size, page_size=page_size, load_port_base=load_port_base,
                    kv_port_base=kv_port_base, replay_port_base=replay_port_base, kv_topic=kv_topic,

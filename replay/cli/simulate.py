@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import click
 
@@ -12,7 +11,7 @@ from replay.cli.app import user_errors
 from replay.cli.limits import check_fleet_sizes, check_seeds
 from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
-from replay.config import KNOBS, Grid
+from replay.config import KNOB_SHORT, KNOBS, Grid
 
 _EXAMPLE = """
 LOG is a request log: Mooncake (JSONL or Parquet: timestamp ms, input_length,
@@ -103,113 +102,73 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
 
-    from replay.errors import ReplayError  # lazy: loaded when the command runs
-    from replay.runs import rundir  # lazy: loaded when the command runs
-    from replay.simulate import load_fleet, simulate_grid  # lazy: loaded when the command runs
-    from replay.simulate import simulate as run_one  # lazy: loaded when the command runs
+    from replay.runs.names import LOADS, SIM_JSON  # lazy: loaded when the command runs
     from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
-    from replay.simulate.sim import _check_out, interval_rows  # lazy: loaded when the command runs
-    from replay.simulate.workflows import plan_fleets, read_simulation_log  # lazy: loaded when the command runs
+    from replay.simulate.sim import interval_rows  # lazy: loaded when the command runs
+    from replay.simulate.workflows import simulate_log  # lazy: loaded when the command runs
 
     workers_l = parse_list(workers_text, "--workers", int, -math.inf)
     dp_l = parse_list(dp_text, "--dp-size", int, -math.inf)
     check_fleet_sizes(workers_l, dp_l)
     check_seeds(seeds_text)
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
-    planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
-    if capture_out:
-        from replay.capture import outguard  # noqa: F401  lazy: registers the 'capture' output kind
-    rundir.guard([(out, "plan" if planning else "sim"),
-                  *([(capture_out, "capture")] if capture_out else [])],
-                 inputs=[log, fleet_path], force=force)
-    _check_out(Path(out), force)
-    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
-    try:
-        seeds = parse_seeds(seeds_text, seed)
-    except ValueError as err:
-        raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
     if grid.warning_line() and not quiet:
-        click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
+        click.echo(f"warning: {grid.warning_line(SIM_JSON)}", err=True)
         for line in grid.skipped_lines():
             click.echo(line, err=True)
-    workers = workers_l[0] if workers_l else None
-    dp_size = dp_l[0] if dp_l else None
-    fleet_kw = dict(prefill_tokens_per_s=prefill_tokens_per_s,
-                    decode_tokens_per_s=decode_tokens_per_s,
-                    max_running_requests=max_running_requests,
-                    max_total_num_tokens=max_total_num_tokens, decode_peers=decode_peers)
-    fleet = load_fleet(fleet_path, workers=workers, dp_size=dp_size, resize=planning, **fleet_kw)
-    if per_dp_rank and not planning:
-        from replay.config import fleet_dp_size  # lazy: loaded when the command runs
 
-        grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers
-                                                      if w.role != "decode"]))
-    req_log, placement = read_simulation_log(log, fleet, fmt=fmt, block_size=block_size, limit=limit,
-                                             seed=seed, forced_placement=forced_placement, sessions=sessions,
-                                             session_rate=session_rate)
-    if req_log.partial_blocks_added and not quiet:
-        click.echo(f"{req_log.partial_blocks_added:,} of {req_log.n_requests:,} requests list their full blocks "
-                   "only: each partial last block got a fresh id that matches nothing", err=True)
-    rows = interval_rows(req_log, fleet, publish_interval_ms)
-    if rows > BIG_INTERVAL_ROWS and not quiet:
-        click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
-                   f"{rows * 104 / 2**30:.1f} GiB before compression, streamed to loads.parquet "
-                   "in bounded memory) for a log spanning "
-                   f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
-                   "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
-                   err=True)
-    kw = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
-              freshness_ms=freshness_ms, force=force)
-    if planning:
-        if placement is not None:
-            raise ReplayError("--forced-placement runs the recorded fleet, not a capacity plan")
-        if capture_out:
-            raise ReplayError("--capture-out writes one simulated run, not a capacity plan")
-        points, table = plan_fleets(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
-                                    per_dp_rank=per_dp_rank, seeds=seeds,
-                                    progress=lambda n, label: grid_progress(n, quiet, label), threads=threads,
-                                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
-        if not quiet:
-            click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
-                       + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
-            click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
-        return
-    if capture_out and (len(grid.configs) != 1 or seeds is not None):
-        raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
-    if len(grid.configs) == 1 and seeds is None:
-        r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
-                    cache_log=capture_out is not None, **kw)
-        if capture_out:
-            from replay.capture import outguard  # noqa: F401 - registers the capture output kinds; lazy: loaded when the command runs
-            from replay.capture.from_sim import write_capture  # lazy: loaded when the command runs
+    def warn(req_log, fleet) -> None:
+        if quiet:
+            return
+        if req_log.partial_blocks_added:
+            click.echo(f"{req_log.partial_blocks_added:,} of {req_log.n_requests:,} requests list their full "
+                       "blocks only: each partial last block got a fresh id that matches nothing", err=True)
+        rows = interval_rows(req_log, fleet, publish_interval_ms)
+        if rows > BIG_INTERVAL_ROWS:
+            click.echo(f"warning: interval publishing will write {rows:,} load rows (about "
+                       f"{rows * 104 / 2**30:.1f} GiB before compression, streamed to {LOADS} "
+                       "in bounded memory) for a log spanning "
+                       f"{(req_log.ts_ns[-1] - req_log.ts_ns[0]) / 3.6e12:.1f} h; "
+                       "publish_policy = \"on_change\" in the fleet file costs no rows for idle time",
+                       err=True)
 
-            with rundir.writing(capture_out), grid_progress(req_log.n_requests, quiet, "capture formats") as bar:
-                write_capture(r, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force,
-                              progress=bar)
-            if not quiet:
-                click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
-                           "docs/capture.md)")
-        if not quiet:
-            s = r.summary
-            click.echo(f"simulated {s['requests']:,} requests on {len(fleet.prefill)} workers in "
-                       f"{r.seconds:.2f} s -> {out}")
-            click.echo(f"true hit rate (served) {100 * s['true_hit_rate']:.2f}%, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
-                       f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
+    fleet_kw = dict(prefill_tokens_per_s=prefill_tokens_per_s, decode_tokens_per_s=decode_tokens_per_s,
+                    max_running_requests=max_running_requests, max_total_num_tokens=max_total_num_tokens,
+                    decode_peers=decode_peers)
+    done = simulate_log(log, out, grid, fleet_path=fleet_path, workers=workers_l, dp_sizes=dp_l, scales=scales,
+                        per_dp_rank=per_dp_rank, fleet_overrides=fleet_kw, fmt=fmt, block_size=block_size,
+                        sessions=sessions, session_rate=session_rate, limit=limit,
+                        publish_interval_ms=publish_interval_ms, forced_placement=forced_placement,
+                        index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, seed=seed, seeds=seeds_text,
+                        threads=threads, executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
+                        capture_out=capture_out, force=force, on_log=warn,
+                        progress=lambda n, label: grid_progress(n, quiet, label))
+    if quiet:
         return
-    if placement is not None:
-        raise ReplayError("--forced-placement runs one config, not a grid")
-    n_jobs = len(grid.configs) * (len(seeds) if seeds else 1)
-    with grid_progress(n_jobs, quiet) as progress:
-        table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
-                              progress=progress, executor=executor, ray_address=ray_address,
-                              ray_cpus=ray_cpus, **kw)
-    if not quiet:
+    seeds = done.seeds
+    if done.kind == "plan":
+        assert done.table is not None
+        click.echo(f"planned {len(done.points)} fleet x traffic points x {len(done.grid.configs)} configs"
+                   + (f" x {len(seeds)} seeds" if seeds else "") + f" ({done.table.height} rows) -> {out}")
+        click.echo(f"next: router-replay recommend {out} --plan --max-ttft-p99-ms MS")
+    elif done.kind == "one":
+        assert done.result is not None
+        if done.capture_out is not None:
+            click.echo(f"capture formats -> {capture_out} (import them with `router-replay import`: "
+                       "docs/capture.md)")
+        s = done.result.summary
+        click.echo(f"simulated {s['requests']:,} requests on {len(done.fleet.prefill)} workers in "
+                   f"{done.result.seconds:.2f} s -> {out}")
+        click.echo(f"true hit rate (served) {100 * s['true_hit_rate']:.2f}%, TTFT p50 {s['ttft_ms_p50']:.1f} ms "
+                   f"p99 {s['ttft_ms_p99']:.1f} ms, queue wait mean {s['queue_wait_ms_mean']:.1f} ms")
+    else:
+        assert done.table is not None
         n_seeds = f" x {len(seeds)} seeds" if seeds else ""
-        click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "
+        click.echo(f"simulated {done.log.n_requests:,} requests x {done.table.height} configs{n_seeds} "
                    f"-> {out}")
-        for line in grid_table(table, grid):
+        for line in grid_table(done.table, done.grid):
             click.echo(line)
 
 
@@ -219,9 +178,6 @@ def grid_progress(n: int, quiet: bool, label: str = "simulating"):
     every ~10 s when piped, nothing with --quiet."""
     with Progress(label, n, quiet=quiet) as p:
         yield p.update
-
-
-_SHORT = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
 
 
 def grid_table(table, grid) -> list[str]:
@@ -237,7 +193,7 @@ def grid_table(table, grid) -> list[str]:
     def span(r, col, scale, digits):
         return f"{cell(r[col + '_lo'], scale, digits)}..{cell(r[col + '_hi'], scale, digits)}"
 
-    head = ["config"] + [_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
+    head = ["config"] + [KNOB_SHORT.get(k, KNOBS[k].flag.lstrip("-")) for k in knobs]
     head += ["served hit %" + (" [95%]" if seeded else ""), "TTFT p50 s",
              "TTFT p99 s" + (" [95%]" if seeded else ""), "wait mean s"]
     if seeded:

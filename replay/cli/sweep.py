@@ -101,10 +101,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
     if not_a_trace:
         raise ReplayError(not_a_trace)
     rundir.guard([(out, "run")], inputs=[trace_dir], force=force, say=None if not quiet else (lambda _t: None))
-    try:
-        window_ns = parse_window(window)
-    except ValueError as err:
-        raise ReplayError(str(err)) from None
+    window_ns = parse_window(window)    # a ParamError: user_errors names the flag
     for flag, value in (("--ray-address", ray_address), ("--ray-cpus", ray_cpus),
                         ("--configs-per-task", configs_per_task)):
         if value is not None and executor != "ray":

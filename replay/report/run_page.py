@@ -44,8 +44,8 @@ import polars as pl
 from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
-from replay.config import KNOBS, RouterConfig
-from replay.errors import ParamError, ReplayError
+from replay.config import GATE_KNOBS, KNOB_SHORT, KNOBS, RouterConfig
+from replay.errors import NeedsForce, ParamError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
 from replay.report.html import CSS as _CSS
@@ -62,8 +62,7 @@ from replay.runs.names import PLAN_TABLE
 from replay.runs.rundir import CLOSED_LOOP, FLEET, REPORT, Run, load_run  # noqa: F401 - names of the run's files, re-exported
 from replay.runs.rundir import unreadable as _unreadable
 
-LIMIT = "worker_queue_limit"
-FLOOR = "saturation_queue_floor"
+LIMIT, FLOOR = GATE_KNOBS
 TOP_N = 5
 TARGET_BINS = 120
 
@@ -81,25 +80,10 @@ REASON_COLORS = {
 
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A metric as the page shows it: its key, label and format (from replay/runs/metrics.py)."""
-
-    key: str
-    label: str
-    fmt: str          # "pct", "int", "f2", "si"
-    better: str       # "high" or "low": the heatmap's colour direction
-
-
-def _shown(name: str, hover: bool = False) -> Metric:
-    m = metrics_mod.METRICS[name]
-    return Metric(m.name, m.hover_label if hover else m.label, m.fmt, "high" if m.better == "higher" else "low")
-
-
-# the heatmap metrics, in page order
-HEATMAP_METRICS = tuple(_shown(n) for n in metrics_mod.HEATMAP)
-# everything a hover shows about one config
-HOVER_METRICS = tuple(_shown(n, hover=True) for n in metrics_mod.HOVER)
+# the heatmap metrics, in page order (rows of the one metrics table, replay/runs/metrics.py)
+HEATMAP_METRICS = tuple(metrics_mod.METRICS[n] for n in metrics_mod.HEATMAP)
+# everything a hover shows about one config (labelled by ``hover_label``)
+HOVER_METRICS = tuple(metrics_mod.METRICS[n] for n in metrics_mod.HOVER)
 
 
 def _fmt(v: Any, fmt: str) -> str:
@@ -235,10 +219,10 @@ class ReportView:
     def hover(self, row: dict) -> str:
         lines = [f"<b>config {row['config_id']}</b>: {html.escape(self.label(row))}"]
         for m in HOVER_METRICS:
-            v = row.get(m.key)
-            if v is None and m.key in ("agreement", "selected_queue_ms_mean", "selected_waiting_uncached_mean"):
+            v = row.get(m.name)
+            if v is None and m.name in ("agreement", "selected_queue_ms_mean", "selected_waiting_uncached_mean"):
                 continue
-            lines.append(f"{m.label}: {_fmt(v, m.fmt)}")
+            lines.append(f"{m.hover_label}: {_fmt(v, m.fmt)}")
         lines.append(f"routed {row['routed']:,} of {row['requests']:,} requests")
         return "<br>".join(lines)
 
@@ -283,22 +267,22 @@ def fig_heatmaps(a: ReportView) -> dict:
     cell = {(r[LIMIT], r[FLOOR]): r for r in rows}
     ncols = 2
     nrows = -(-len(HEATMAP_METRICS) // ncols)
-    ranges = {m.key: colour_range([r.get(m.key) for r in rows], m.fmt) for m in HEATMAP_METRICS}
-    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[f"{m.label}: {ranges[m.key][2]}" for m in HEATMAP_METRICS],
+    ranges = {m.name: colour_range([r.get(m.name) for r in rows], m.fmt) for m in HEATMAP_METRICS}
+    fig = fs.grid(rows=nrows, cols=ncols, subplot_titles=[f"{m.label}: {ranges[m.name][2]}" for m in HEATMAP_METRICS],
                   shared_xaxes=True, shared_yaxes=True, horizontal_spacing=0.06,
                   vertical_spacing=0.36 / nrows)
     hover = [[a.hover(cell[(lv, fv)]) if (lv, fv) in cell else
               f"limit {knob_text(lv)} · floor {knob_text(fv)}: not a valid router config (skipped)"
               for fv in floors] for lv in limits]
     for i, m in enumerate(HEATMAP_METRICS):
-        z = [[(cell[(lv, fv)].get(m.key) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
+        z = [[(cell[(lv, fv)].get(m.name) if (lv, fv) in cell else None) for fv in floors] for lv in limits]
         txt = [[(_fmt(v, m.fmt) if v is not None else "") for v in zrow] for zrow in z]
         # colours: greener is better for every metric
-        scale = "RdYlGn" if m.better == "high" else "RdYlGn_r"
+        scale = "RdYlGn" if m.better == "higher" else "RdYlGn_r"
         fig.add_trace(fs.trace(
             "heatmap", z=z, x=xs, y=ys, customdata=hover, text=txt, texttemplate="%{text}",
             hovertemplate="%{customdata}<extra></extra>", colorscale=fs.colorscale(scale), showscale=False,
-            zmin=ranges[m.key][0], zmax=ranges[m.key][1],
+            zmin=ranges[m.name][0], zmax=ranges[m.name][1],
             xgap=2, ygap=2, name=m.label, hoverongaps=False,
         ), row=i // ncols + 1, col=i % ncols + 1)
     per_panel = max(170, 34 * len(ys) + 90)
@@ -766,7 +750,7 @@ def fig_floor_vs_dp(a: ReportView) -> dict:
         color = palette[gi % len(palette)]
         for ci, m in enumerate(metrics):
             fig.add_trace(fs.trace(
-                "scatter", x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.key] for p in ps],
+                "scatter", x=[p["per_rank_floor"] for p in ps], y=[p["row"][m.name] for p in ps],
                 mode="lines+markers", name=name, legendgroup=name, showlegend=ci == 0,
                 line=dict(color=color, dash=dashes[dp_sizes.index(dp) % len(dashes)]),
                 customdata=[a.hover(p["row"]) for p in ps],
@@ -774,7 +758,7 @@ def fig_floor_vs_dp(a: ReportView) -> dict:
     _base_layout(fig, height=420, legend=dict(orientation="h", y=-0.22, x=0))
     fig.update_layout(margin=dict(b=110))
     fig.update_xaxes(title=dict(text="floor per rank"))
-    fig.update_yaxes(**_int_axis(p["row"][metrics[2].key] for p in pts), row=1, col=3)
+    fig.update_yaxes(**_int_axis(p["row"][metrics[2].name] for p in pts), row=1, col=3)
     fig.update_yaxes(tickformat=".1%", row=1, col=1)
     fig.update_yaxes(tickformat=".1%", row=1, col=2)
     return fig.to_dict()
@@ -1148,7 +1132,7 @@ def _headline_html(a: ReportView) -> str:
     else:
         verdict += "; the grid has no no-gate baseline (limit none) to compare with"
     parts.append(f'<p class="verdict">{verdict}.</p>')
-    head = ["#", "config", "limit", "floor", "hit rate", "owner rate", "pin share", "p99 waiting",
+    head = ["#", "config", KNOB_SHORT[LIMIT], KNOB_SHORT[FLOOR], "hit rate", "owner rate", "pin share", "p99 waiting",
             "mean waiting", "cold prefill tokens"]
     trs = ["<tr>" + "".join(f'<th class="{"l" if i < 1 else ""}">{_e(h)}</th>' for i, h in enumerate(head)) + "</tr>"]
     for rank, r in enumerate(a.best_rows, 1):
@@ -1404,7 +1388,7 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     if target.exists() and target.is_dir():
         raise ReplayError(f"{target}: is a directory (give a file name with --out)")
     if target.exists() and not force:
-        raise ReplayError(f"{target}: exists (use --force to replace it)")
+        raise NeedsForce(f"{target}: exists (use ", " to replace it)")
     if not target.parent.is_dir():
         raise ReplayError(f"{target.parent}: directory not found")
     if plan_page:

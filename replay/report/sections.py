@@ -17,6 +17,7 @@ from typing import Any
 
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
+from replay.config import KNOB_SHORT
 from replay.errors import ParamError
 from replay.report import figspec as fs
 
@@ -47,8 +48,7 @@ def closed_loop_section(grid: cl.ClosedLoopGrid, notes: list[str], open_rows: di
     label = cl.BOUNDS[on][1]
     ranked = sorted(grid.summary.iter_rows(named=True),
                     key=lambda r: (-(cl.num(r.get("true_hit_rate")) or -1.0), r["config_id"]))
-    short = {"worker_queue_limit": "limit", "saturation_queue_floor": "floor"}
-    head = ["#", "config", *[short.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
+    head = ["#", "config", *[KNOB_SHORT.get(k, k.replace("_", " ")) for k in rec.knobs], "served hit rate [95%]",
             f"{label} [95%]", f"{label}, per-seed range", "TTFT p50", "queue wait p99", "stable over the seeds",
             "qualifies",
             "open loop: decision-time hit rate"]

@@ -10,6 +10,9 @@ from replay.trace.base import REQUESTS as REQUESTS
 from replay.trace.base import TRACE_JSON as TRACE_JSON
 from replay.trace.base import WORKERS as WORKERS
 
+REQUESTS_DIR = "requests"               # a partitioned trace's requests.parquet parts
+LOADS_DIR = "loads"                     # ... its loads.parquet parts (a recording's too)
+
 SUMMARY = "summary.parquet"
 SUMMARY_CSV = "summary.csv"
 DECISIONS = "decisions.parquet"
@@ -35,3 +38,11 @@ PLAN_TOOL = "router-replay simulate (plan)"  # plan.json's "tool" marker
 # the bound a plan is asked under -> its column; the fleet columns of plan_summary
 BOUND_METRICS = {"ttft": "ttft_ms_p99", "queue_wait": "queue_wait_ms_p99"}
 FLEET_COLS = ("load_scale", "workers", "dp_size", "ranks")
+
+# a recording (`record`) and the capture formats a simulation writes (`simulate --capture-out`)
+RECORD_JSON = "record.json"             # a recording's streams, gaps and restarts
+KV_EVENTS_DIR = "kv_events"             # a recording's KV-event parts
+GAPS_DIR = "gaps"                       # a recording's gap rows
+RECORDED = "recorded"                   # capture formats: the recording
+TOKEN_EXPORT = "token_export"           # capture formats: the router's token export
+ENGINES = "engines"                     # capture formats: the engines' request exports

@@ -32,8 +32,9 @@ full disk becomes "no space left on device writing PATH" with the partial
 output removed (:func:`writing`).
 
 An ``--out`` that is a symlink to a directory is kept: the run is written to
-the link's target.  Other engineers' commands register their output kinds
-with :func:`register_kind`.
+the link's target.  The kinds of output named in :data:`KINDS` are this
+module's; a command writing another kind declares its :class:`Kind` beside
+its writer and passes it to :func:`guard` (``[(out, PLAN_KIND)]``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from pathlib import Path
 import polars as pl
 
 from replay.config import KNOB_NAMES
-from replay.errors import ReplayError
+from replay.errors import NeedsForce, ReplayError
 from replay.runs import decisions as decision_store
 from replay.runs import metrics
 from replay.runs.decisions import decision_files
@@ -250,17 +251,6 @@ class Kind:
     recognise: Callable[[Path], str | None]
 
 
-KINDS: dict[str, Kind] = {}
-"""Output kinds by name; :func:`register_kind` adds one."""
-
-
-def register_kind(name: str, what: str, *, is_dir: bool, recognise: Callable[[Path], str | None]) -> Kind:
-    """Add an output kind (a new command's output) that :func:`guard` can protect."""
-    kind = Kind(name, what, is_dir, recognise)
-    KINDS[name] = kind
-    return kind
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         rec = json.loads(path.read_text())
@@ -288,7 +278,7 @@ def unmarked(path: Path, record: str) -> str:
     return f"no {record} of router-replay's in it; {path / first} was not written by router-replay"
 
 
-def _record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Callable[[Path], str | None]:
+def record_dir(record: str, marker: str, allowed: Callable[[str], bool]) -> Callable[[Path], str | None]:
     def recognise(path: Path) -> str | None:
         rec = _read_json(path / record)
         if rec is None or rec.get("tool") != marker or rec.get("kind") is not None:
@@ -327,14 +317,19 @@ def foreign_below(path: Path, subs: Iterable[str], suffix: str = ".parquet") -> 
     return None
 
 
-def _file_marker(marker: bytes, where: str) -> Callable[[Path], str | None]:
+def marked_file(marker: str, refusal: str, *, at_start: bool = False) -> Callable[[Path], str | None]:
+    """A ``recognise`` for a file router-replay marks with ``marker`` (ASCII) in its first
+    bytes (``at_start``: as its very beginning, else anywhere in the first 4 KiB); ``refusal``
+    is the reason given for any other file."""
+    raw = marker.encode()
+
     def recognise(path: Path) -> str | None:
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4096)
         except OSError as err:
             return f"unreadable ({err.strerror})"
-        return None if marker in head else f"not a {where} written by router-replay"
+        return None if (head.startswith(raw) if at_start else raw in head) else refusal
     return recognise
 
 
@@ -345,24 +340,29 @@ def _baseline_file(path: Path) -> str | None:
     return None
 
 
-register_kind("run", "run directory", is_dir=True,
-              recognise=_record_dir(RUN_JSON, TOOL, RUN_FILES.__contains__))
-register_kind("sim", "simulation directory", is_dir=True, recognise=_record_dir(
-    SIM_JSON, SIM_TOOL,
-    lambda n: n in {REQUESTS, LOADS, WORKERS, OUTCOMES, SIM_JSON,
-                    CLOSED_LOOP, CLOSED_LOOP_CSV, TRACE_JSON, CLOSED_LOOP_SEEDS}
-    or re.fullmatch(r"config-\d+", n) is not None))
-register_kind("compare", "comparison directory", is_dir=True, recognise=_names_dir(
-    "deltas.parquet", frozenset({"deltas.parquet", "transitions.parquet", "changed_requests.parquet"}),
-    "not a comparison written by router-replay compare"))
-register_kind("trace", "trace directory", is_dir=True, recognise=_trace_dir)
-register_kind("report", "report file", is_dir=False,
-              recognise=_file_marker(b"<title>router-replay report", "report"))
-register_kind("baseline", "baseline file", is_dir=False, recognise=_baseline_file)
-register_kind("junit", "JUnit file", is_dir=False,
-              recognise=_file_marker(b'<testsuites name="router-replay"', "JUnit report"))
-register_kind("markdown", "Markdown file", is_dir=False,
-              recognise=_file_marker(b"### router-replay check", "check report"))
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("run", "run directory", True, record_dir(RUN_JSON, TOOL, RUN_FILES.__contains__)),
+    Kind("sim", "simulation directory", True, record_dir(
+        SIM_JSON, SIM_TOOL,
+        lambda n: n in {REQUESTS, LOADS, WORKERS, OUTCOMES, SIM_JSON,
+                        CLOSED_LOOP, CLOSED_LOOP_CSV, TRACE_JSON, CLOSED_LOOP_SEEDS}
+        or re.fullmatch(r"config-\d+", n) is not None)),
+    Kind("compare", "comparison directory", True, _names_dir(
+        "deltas.parquet", frozenset({"deltas.parquet", "transitions.parquet", "changed_requests.parquet"}),
+        "not a comparison written by router-replay compare")),
+    Kind("trace", "trace directory", True, _trace_dir),
+    Kind("report", "report file", False, marked_file("<title>router-replay report", "not a report written by "
+                                                     "router-replay")),
+    Kind("baseline", "baseline file", False, _baseline_file),
+    Kind("junit", "JUnit file", False, marked_file('<testsuites name="router-replay"',
+                                                   "not a JUnit report written by router-replay")),
+    Kind("markdown", "Markdown file", False, marked_file("### router-replay check",
+                                                         "not a check report written by router-replay")),
+)}
+"""The output kinds of the sweep and the analysis commands, by name.  A command whose output
+is of another kind (a recording, a capacity plan, a fitted fleet file...) declares its
+:class:`Kind` beside its writer and passes it to :func:`guard` itself: no kind is added to a
+table by importing a module, so a guard can never miss one."""
 
 
 # ---------------------------------------------------------------------------
@@ -422,24 +422,25 @@ def _check_kind(out: Path, given: str, kind: Kind, force: bool) -> None:
         if not any(out.iterdir()):
             return
         if not force:
-            raise ReplayError(f"{given}: {kind.what} exists and is not empty (use --force to replace it)")
+            raise NeedsForce(f"{given}: {kind.what} exists and is not empty (use ", " to replace it)")
     else:
         if out.is_dir():
             raise ReplayError(f"{given}: is a directory")
         if not force:
-            raise ReplayError(f"{given}: exists (use --force to replace it)")
+            raise NeedsForce(f"{given}: exists (use ", " to replace it)")
     why = kind.recognise(out)
     if why is not None:
-        raise ReplayError(f"{given}: --force replaces only a {kind.what} router-replay wrote, and this one "
-                          f"is not ({why}); move it away or choose another output")
+        raise NeedsForce(f"{given}: ", f" replaces only a {kind.what} router-replay wrote, and this one "
+                         f"is not ({why}); move it away or choose another output")
 
 
-def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike, str] | None],
-          inputs: Iterable[str | os.PathLike | None] = (), *, force: bool = False, kind: str | None = None,
+def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike | None, str | Kind] | None],
+          inputs: Iterable[str | os.PathLike | None] = (), *, force: bool = False, kind: str | Kind | None = None,
           say: Callable[[str], None] | None = None) -> list[Path]:
     """Check a command's outputs against the rule (module docstring) before any work.
 
-    ``outputs``: paths of kind ``kind``, or ``(path, kind)`` pairs; None entries
+    ``outputs``: paths of kind ``kind``, or ``(path, kind)`` pairs, a kind being a
+    :class:`Kind` or the name of one in :data:`KINDS`; None entries
     (an option not given) are skipped.  ``inputs``: every path the command
     reads (files or directories; missing ones are skipped, the command
     reports those itself).  ``force``: the user's ``--force``.  Raises
@@ -456,9 +457,12 @@ def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike, str] | 
         path, kname = item if isinstance(item, tuple) else (item, kind)
         if path is None:
             continue
-        if kname not in KINDS:
-            raise ValueError(f"unknown output kind {kname!r}; known: {', '.join(KINDS)}")
-        k = KINDS[kname]
+        if isinstance(kname, Kind):
+            k = kname
+        elif kname in KINDS:
+            k = KINDS[kname]
+        else:
+            raise ValueError(f"unknown output kind {kname!r}; known: {', '.join(KINDS)} or a Kind")
         given = os.fspath(path)
         out = _real(given)
         _check_path(out, given)
@@ -732,8 +736,8 @@ def _check_unchanged(out: Path) -> None:
     if now == before or (now is not None and out.is_dir() and not any(out.iterdir())):
         return
     if not force:
-        raise ReplayError(f"{out}: another run wrote it while this one ran, and it is not replaced "
-                          f"without --force (the other run won)")
+        raise NeedsForce(f"{out}: another run wrote it while this one ran, and it is not replaced "
+                         "without ", " (the other run won)")
     print(f"note: {out}: another run wrote it while this one ran; this run finished later and "
           f"replaces it", file=sys.stderr)
 
@@ -889,16 +893,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-# for other modules that register output kinds (replay/capture/outguard.py)
+# for the modules that declare their own output kinds (replay/capture/outguard.py)
 read_json = _read_json
 foreign_entries = _foreign_entries
-
-
-def refuse_existing(out: str | os.PathLike, force: bool, what: str = "output directory") -> None:
-    """Refuse a file in place of ``out``, or an existing non-empty ``out`` unless ``force``
-    (only the emptiness half of :func:`replay.runs.rundir.guard`'s rule)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ReplayError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ReplayError(f"{out}: {what} exists and is not empty (use --force to replace it)")

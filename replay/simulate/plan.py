@@ -32,7 +32,7 @@ from replay.runs import rundir
 from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
 from replay.runs.rundir import building
 from replay.simulate.logs import RequestLog
-from replay.simulate.sim import _check_out, ray_session, simulate_grid, write_summary
+from replay.simulate.sim import ray_session, simulate_grid, write_summary
 
 POINT_DIR = re.compile(r"x[0-9.e+-]+-w\d+-dp\d+")
 MAX_SCALE = 64.0
@@ -61,10 +61,10 @@ def parse_list(text: str | None, flag: str, kind: type, lo: float) -> list | Non
     return sorted(out)
 
 
-# a plan directory is an output `simulate --force` may replace (replay.runs.rundir's rule)
-rundir.register_kind("plan", "capacity-plan directory", is_dir=True, recognise=rundir._record_dir(
+PLAN_KIND = rundir.Kind("plan", "capacity-plan directory", True, rundir.record_dir(
     PLAN_JSON, PLAN_TOOL, lambda n: n in {PLAN_TABLE, "plan_summary.csv", PLAN_JSON, rundir.REPORT}
     or POINT_DIR.fullmatch(n) is not None))
+"""A plan directory: an output `simulate --force` may replace (replay.runs.rundir's rule)."""
 
 
 # -- traffic growth ----------------------------------------------------------------------
@@ -212,7 +212,7 @@ def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Se
     """
 
     out = Path(out_dir)
-    _check_out(out, force)
+    rundir.guard([(out, PLAN_KIND)], force=force)
     n_threads = threads or os.cpu_count() or 1
     at_once = len(points) if executor == "ray" else max(1, min(len(points), n_threads))
     inner = max(1, n_threads // at_once)

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from replay.errors import ParamError
+
 HIT_POINTS = 1.0
 P99_FACTOR = 1.25
 
@@ -41,11 +43,11 @@ def parse_seeds(text: str | None, base: int) -> list[int] | None:
                 raise ValueError
             seeds = list(range(base, base + n))
     except ValueError:
-        raise ValueError(f"--seeds must be a count >= 1 or a comma list of seeds, got {text!r}") from None
+        raise ParamError("seeds", f"must be a count >= 1 or a comma list of seeds, got {text!r}") from None
     if not seeds or any(s < 0 or s >= 2**63 for s in seeds):
-        raise ValueError(f"--seeds: every seed must be in 0..2**63-1, got {text!r}")
+        raise ParamError("seeds", f"must each be in 0..2**63-1, got {text!r}")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: a seed is listed twice in {text!r}")
+        raise ParamError("seeds", f"must not list a seed twice (listed twice in {text!r})")
     return seeds
 
 

@@ -38,7 +38,7 @@ from replay.kernels import layout as kl
 from replay.kernels import sim as nb
 from replay.kernels.lists import int64_array_nb
 from replay.runs import names
-from replay.runs.rundir import building, move_into_place, partial_beside, refuse_existing
+from replay.runs.rundir import building, guard, move_into_place, partial_beside
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
 from replay.simulate.seeds import aggregate
@@ -160,10 +160,6 @@ class SimResult:
 LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (kl.LB_ROUND_ROBIN, kl.LB_TOTAL_REQUESTS, kl.LB_TOTAL_TOKENS,
                                           kl.LB_BOOTSTRAP_ROOM, kl.LB_ROUTER, kl.LB_PREFIX_AFFINITY),
                     strict=True))
-
-
-def _check_out(out: Path, force: bool) -> None:
-    refuse_existing(out, force, "directory")
 
 
 def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> dict:
@@ -458,7 +454,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
                               f"worker of the fleet (0..{len(fleet.workers) - 1})")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        _check_out(out, force)
+        guard([(out, "sim")], force=force)
     t0 = time.perf_counter()
     inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
     if not log.n_requests:
@@ -577,7 +573,7 @@ def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
         raise ReplayError("the grid has no valid config")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
-        _check_out(out, force)
+        guard([(out, "sim")], force=force)
     if publish_interval_ms is None:
         publish_interval_ms = fleet.publish_interval_ms
     run_seeds = list(seeds) if seeds is not None else [seed]

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replay.config import Grid
-from replay.errors import ParamError, ReplayError
+from replay.capture.from_sim import write_capture
+from replay.capture.outguard import CAPTURE
+from replay.config import Grid, fleet_dp_size
+from replay.errors import ParamError
 from replay.runs import rundir
 from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
@@ -28,9 +30,9 @@ from replay.simulate.fidelity import validate as validate_fleet
 from replay.simulate.fleet import Fleet, load_fleet
 from replay.simulate.formats import read_log
 from replay.simulate.logs import RequestLog
-from replay.simulate.plan import FleetPoint, fleet_points, plan_grid
+from replay.simulate.plan import PLAN_KIND, FleetPoint, fleet_points, plan_grid
 from replay.simulate.seeds import parse_seeds
-from replay.simulate.sim import simulate_grid
+from replay.simulate.sim import SimResult, simulate, simulate_grid
 from replay.simulate.tracelog import RecordedTrace, is_trace_dir, read_trace_log
 
 # -- calibrate: a recorded trace -> a fitted fleet file, its fidelity, a prediction grid ---------------
@@ -50,28 +52,20 @@ class Calibrated:
     prediction: pl.DataFrame | None = None
 
 
-def _register_calibrate_outputs() -> None:
-    """The output kinds of :func:`calibrate`, registered with the guard before it is asked, so
-    ``force`` replaces only a validation directory or fleet file calibrate wrote."""
+def _fidelity_dir(path: Path) -> str | None:
+    rec = rundir.read_json(path / FIDELITY_JSON)
+    if rec is None or rec.get("tool") != FIDELITY_TOOL:
+        return rundir.unmarked(path, FIDELITY_JSON)
+    extra = sorted(n for n in path.iterdir() if n.name not in
+                   {FIDELITY_JSON, "forced", "router", "prediction"}
+                   and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
+    return f"{extra[0]} was not written by router-replay" if extra else None
 
-    def fidelity_dir(path: Path) -> str | None:
-        rec = rundir.read_json(path / FIDELITY_JSON)
-        if rec is None or rec.get("tool") != FIDELITY_TOOL:
-            return rundir.unmarked(path, FIDELITY_JSON)
-        extra = sorted(n for n in path.iterdir() if n.name not in
-                       {FIDELITY_JSON, "forced", "router", "prediction"}
-                       and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
-        return f"{extra[0]} was not written by router-replay" if extra else None
 
-    def fleet_file(path: Path) -> str | None:
-        try:
-            head = path.read_bytes()[:200].decode("utf-8", "replace")
-        except OSError as err:
-            return f"unreadable ({err.strerror})"
-        return None if head.startswith(FLEET_MARKER) else "not a fleet file written by router-replay calibrate"
-
-    rundir.register_kind("fidelity", "validation directory", is_dir=True, recognise=fidelity_dir)
-    rundir.register_kind("fleet", "fitted fleet file", is_dir=False, recognise=fleet_file)
+# calibrate's outputs: ``force`` replaces only a validation directory or fleet file calibrate wrote
+FIDELITY_KIND = rundir.Kind("fidelity", "validation directory", True, _fidelity_dir)
+FLEET_KIND = rundir.Kind("fleet", "fitted fleet file", False, rundir.marked_file(
+    FLEET_MARKER, "not a fleet file written by router-replay calibrate", at_start=True))
 
 
 Progress = Callable[[int, str], AbstractContextManager[Callable[[int], None] | None]]
@@ -101,8 +95,6 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     fleet_path = Path(out)
     if fleet_path.exists() and Path(trace_dir).resolve() in fleet_path.resolve().parents:
         raise ParamError("out", f"{out}: is a file of the trace {trace_dir}; write the fleet file elsewhere")
-    if fleet_path.exists() and not force:
-        raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
     if validate_dir is not None:
         v, t = Path(validate_dir).resolve(), Path(trace_dir).resolve()
         if v == t or v in t.parents or t in v.parents:
@@ -111,13 +103,8 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
         if v == fleet_path.resolve().parent or v in fleet_path.resolve().parents:
             raise ParamError("validate_dir", f"{validate_dir}: would hold the fleet file {out}; "
                              "write the fleet file elsewhere", flag="--validate")
-        rundir.refuse_existing(Path(validate_dir), force, "validation directory")
-    _register_calibrate_outputs()
-    rundir.guard([(out, "fleet"), (validate_dir, "fidelity")], inputs=[trace_dir], force=force)
-    try:
-        parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
-    except ValueError as err:
-        raise ReplayError(str(err)) from None
+    rundir.guard([(out, FLEET_KIND), (validate_dir, FIDELITY_KIND)], inputs=[trace_dir], force=force)
+    parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit_fleet(rec, decode_model=decode_model)
     extra = (rec.info.get("extra") or {})
@@ -150,10 +137,7 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
                 on_fidelity(fid)
             table = None
             if grid is not None:
-                try:
-                    seed_list = parse_seeds(seeds, fid.seed)
-                except ValueError as err:
-                    raise ReplayError(str(err)) from None
+                seed_list = parse_seeds(seeds, fid.seed)
                 n = len(grid.configs) * (len(seed_list) if seed_list else 1)
                 with progress(n, "simulating") as step:
                     table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
@@ -217,3 +201,91 @@ def plan_fleets(req_log: RequestLog, fleet: Fleet, fleet_path: str | os.PathLike
         table = plan_grid(req_log, make_fleet, grid, points, out, per_dp_rank=per_dp_rank,
                           seeds=seeds, progress=step, **grid_kw)
     return points, table
+
+
+@dataclass
+class Simulated:
+    """What :func:`simulate_log` made: ``kind`` is ``"plan"`` (a capacity plan: ``points`` and
+    the plan ``table``), ``"one"`` (one config: ``result``, and the capture formats in
+    ``capture_out`` when asked) or ``"grid"`` (a grid of configs: the summary ``table``)."""
+
+    kind: str
+    log: RequestLog
+    fleet: Fleet
+    grid: Grid
+    seeds: list[int] | None
+    out: Path
+    table: pl.DataFrame | None = None
+    points: list[FleetPoint] = field(default_factory=list)
+    result: SimResult | None = None
+    capture_out: Path | None = None
+
+
+def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
+                 fleet_path: str | os.PathLike | None = None, workers: Sequence[int] | None = None,
+                 dp_sizes: Sequence[int] | None = None, scales: Sequence[float] | None = None,
+                 per_dp_rank: bool = False, fleet_overrides: dict[str, Any] | None = None,
+                 fmt: str = "auto", block_size: int | None = None, sessions: int | None = None,
+                 session_rate: float | None = None, limit: int | None = None,
+                 publish_interval_ms: int | None = None, forced_placement: bool = False,
+                 index_lag_ms: int = 0, freshness_ms: int = 5000, seed: int = 0, seeds: str | None = None,
+                 threads: int | None = None, executor: str = "local", ray_address: str | None = None,
+                 ray_cpus: int | None = None, capture_out: str | os.PathLike | None = None,
+                 force: bool = False, progress: Progress | None = None,
+                 on_log: Callable[[RequestLog, Fleet], None] | None = None) -> Simulated:
+    """What ``simulate`` does: serve the request log (or trace directory) ``log`` on the fleet
+    of ``fleet_path`` (``fleet_overrides``: per-rank rates and sizes that override it) under
+    ``grid`` into ``out``.
+
+    Lists of ``workers`` / ``dp_sizes`` (more than one value) or any ``scales`` make a
+    capacity plan (:func:`plan_fleets`); otherwise one config writes one simulated trace
+    (with ``capture_out``, also the capture formats ``import`` reads) and several write a
+    closed-loop grid, each config under ``seeds`` (a count or a comma list) when given.
+    ``on_log`` is called once the log is read, before any simulation (the command warns there)."""
+    progress = progress or _no_progress
+    overrides = dict(fleet_overrides or {})
+    planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers, dp_sizes))
+    rundir.guard([(out, PLAN_KIND if planning else "sim"),
+                  *([(capture_out, CAPTURE)] if capture_out else [])],
+                 inputs=[log, fleet_path], force=force)
+    seed_list = parse_seeds(seeds, seed)
+    fleet = load_fleet(fleet_path, workers=workers[0] if workers else None,
+                       dp_size=dp_sizes[0] if dp_sizes else None, resize=planning, **overrides)
+    if per_dp_rank and not planning:
+        grid = grid.scaled_per_dp_rank(fleet_dp_size([w.dp_size for w in fleet.workers if w.role != "decode"]))
+    req_log, placement = read_simulation_log(log, fleet, fmt=fmt, block_size=block_size, limit=limit,
+                                             seed=seed, forced_placement=forced_placement, sessions=sessions,
+                                             session_rate=session_rate)
+    if on_log is not None:
+        on_log(req_log, fleet)
+    kw: dict[str, Any] = dict(seed=seed, publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
+                              freshness_ms=freshness_ms, force=force)
+    done = Simulated("plan" if planning else "one", req_log, fleet, grid, seed_list, Path(out))
+    if planning:
+        if placement is not None:
+            raise ParamError("forced_placement", "runs the recorded fleet, not a capacity plan")
+        if capture_out:
+            raise ParamError("capture_out", "writes one simulated run, not a capacity plan")
+        done.points, done.table = plan_fleets(req_log, fleet, fleet_path, overrides, grid, workers, dp_sizes,
+                                              scales, out, per_dp_rank=per_dp_rank, seeds=seed_list,
+                                              progress=progress, threads=threads, executor=executor,
+                                              ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+        return done
+    if capture_out and (len(grid.configs) != 1 or seed_list is not None):
+        raise ParamError("capture_out", "writes one simulated run: give one config and no --seeds")
+    if len(grid.configs) == 1 and seed_list is None:
+        done.result = simulate(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
+                               cache_log=capture_out is not None, **kw)
+        if capture_out:
+            with rundir.writing(capture_out), progress(req_log.n_requests, "capture formats") as step:
+                write_capture(done.result, req_log, fleet, capture_out, index_lag_ms=index_lag_ms, force=force,
+                              progress=step)
+            done.capture_out = Path(capture_out)
+        return done
+    if placement is not None:
+        raise ParamError("forced_placement", "runs one config, not a grid")
+    done.kind = "grid"
+    with progress(len(grid.configs) * (len(seed_list) if seed_list else 1), "simulating") as step:
+        done.table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seed_list, progress=step,
+                                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+    return done

@@ -172,10 +172,7 @@ def run_sweep(
                             retries=ray_retries, cpus=ray_cpus)
     ex.prepare()                # fail before a long index pass, not after
     if isinstance(window, str):
-        try:
-            window = parse_window(window)
-        except ValueError as err:
-            raise ReplayError(str(err)) from None
+        window = parse_window(window)
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         rundir.guard([(out_path, "run")], inputs=[trace.path if isinstance(trace, Trace) else trace],

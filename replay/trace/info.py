@@ -34,6 +34,7 @@ class TraceInfo:
     per_dp_rank: bool = False
     extra: dict = field(default_factory=dict)
     path: str | None = None                       # the file, None when absent
+    router_given: bool = False                    # whether the file has a "router" object (even empty)
 
     def router_config(self) -> RouterConfig:
         """The production router's settings as a :class:`~replay.RouterConfig`
@@ -102,7 +103,8 @@ def parse_trace_info(obj, path: str | None = None) -> TraceInfo:
     extra = obj.get("extra", {})
     if not isinstance(extra, dict):
         _fail("extra", f"must be an object, got {one_line(json.dumps(extra))}")
-    return TraceInfo({k: router[k] for k in KNOBS if k in router}, page, source, per_rank, extra, path)
+    return TraceInfo({k: router[k] for k in KNOBS if k in router}, page, source, per_rank, extra, path,
+                     "router" in obj)
 
 
 def read_trace_info(dirpath: str | os.PathLike) -> TraceInfo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+from replay.errors import ParamError
 from replay.trace.base import NS
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -28,7 +29,7 @@ def parse_window(text: str) -> int | None:
         return 0
     m = re.fullmatch(r"(\d+)\s*([smhd]?)", t)
     if not m or int(m.group(1)) == 0:
-        raise ValueError(f"--window must be auto, none or a whole number of seconds like 90s, 15m, "
+        raise ParamError("window", f"must be auto, none or a whole number of seconds like 90s, 15m, "
                          f"1h, 1d; got {text!r}")
     return int(m.group(1)) * WINDOW_UNITS[m.group(2) or "s"] * NS
 
