@@ -681,7 +681,7 @@ assert r.stats["ss_evictions"] > 0
 """
 
 
-@pytest.mark.parametrize("publish", ["interval", "on_change"])
+@pytest.mark.parametrize("publish", ["interval", "on_change", "sglang"])
 def test_kernel_equals_plain_python(tmp_path, publish):
     import os
     import subprocess
