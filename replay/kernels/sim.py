@@ -1075,6 +1075,7 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
         rs[r, RS_NR_MIN] = f.engine[r, EN_NR_MIN]
         rs[r, RS_NR_DECAY] = f.engine[r, EN_NR_DECAY]
         rs[r, RS_MIXED] = f.engine[r, EN_MIXED]
+        rs[r, RS_PUB_SGL] = f.engine[r, EN_PUB_SGL]
         rs[r, RS_DS_TS] = -1
         rs[r, RS_BUD_TS] = -2
         max_run = max(max_run, f.max_running[r])
@@ -1086,7 +1087,6 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
         st[i, ST_FULL] = req_full[i]
         st[i, ST_QNEXT] = -1
         st[i, ST_SEQ] = req_L[i]
-        rs[r, RS_PUB_SGL] = f.engine[r, EN_PUB_SGL]
     run_ids = np.zeros((R, max_run), dtype=np.int64)
     # the DP controllers: round-robin counters and last snapshot refresh, per worker
     rr = np.zeros(n_workers, dtype=np.int64)
