@@ -98,7 +98,10 @@ def _hash_requests(f: Path, df: pl.DataFrame, page_size: int) -> tuple[np.ndarra
     """CSR block hashes of every request's ``input_ids`` (cache salt honoured)."""
     ids = df["input_ids"]
     lens = ids.list.len().to_numpy().astype(np.int64)
-    flat = ids.explode().to_numpy().astype(np.int64) if lens.sum() else np.zeros(0, np.int64)
+    # the list values as one array, without Series.explode's copy (an empty list holds no value)
+    arr = ids.rechunk().to_arrow()
+    flat = (arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr).flatten().to_numpy(
+        zero_copy_only=False).astype(np.int64, copy=False) if lens.sum() else np.zeros(0, np.int64)
     tok_off = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=tok_off[1:])
     if flat.size and (flat.min() < 0 or flat.max() > 0xFFFFFFFF):
