@@ -202,6 +202,7 @@ def measure_import(work: Path, n: int) -> dict:
     info = build_import_fixture(fx, n)
     gen_s = time.perf_counter() - t
     out = work / "trace"
+    load = open("/proc/loadavg").read().split()[0]
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "replay", "import", "--out", str(out),
            "--token-export", str(fx / "export"), "--recorded", str(fx / "recorded")]
     t = time.perf_counter()
@@ -209,10 +210,12 @@ def measure_import(work: Path, n: int) -> dict:
     wall = time.perf_counter() - t
     assert r.returncode == 0, r.stderr
     peak = next((int(x.split()[-1]) * 1024 for x in r.stderr.splitlines() if "Maximum resident" in x), 0)
+    cpu = sum(float(x.split()[-1]) for x in r.stderr.splitlines() if "User time" in x or "System time" in x)
     req = pq.read_metadata(out / "requests.parquet").num_rows
     entries = pl.read_parquet(out / "requests.parquet", columns=["matches"])["matches"].list.len().sum()
     return {"requests": req, "kv_events": info["kv_events"], "match_entries": int(entries), "wall_s": round(wall, 1),
-            "peak_rss_gib": round(peak / 2**30, 2), "fixture_build_s": round(gen_s, 1)}
+            "cpu_s": round(cpu, 1), "peak_rss_gib": round(peak / 2**30, 2), "fixture_build_s": round(gen_s, 1),
+            "load_before": load, "load_after": open("/proc/loadavg").read().split()[0]}
 
 
 def test_record_12800_samples_per_s(tmp_path):
@@ -227,6 +230,12 @@ def test_import_1m_with_kv_events(tmp_path):
     res = measure_import(tmp_path, n)
     print(json.dumps(res, indent=2))
     assert res["requests"] == n
+    # targets (1M requests): 30 s and 2 GiB peak on the 2-core machine.  Two threads work (the next
+    # file is parsed while one is hashed), so on idle cores the wall time is at most the CPU time;
+    # on the shared machine the wall time follows the load (recorded beside it): the CPU time is
+    # held to the target
+    if n >= 1_000_000:
+        assert res["cpu_s"] < 30 and res["peak_rss_gib"] < 2, res
 
 
 if __name__ == "__main__":

@@ -62,3 +62,32 @@ def test_many_at_once_equal_one_by_one(reqs, B):
     off, hv = block_hashes_csr(flat, tok_off, B, [s for _, s in reqs])
     for i, (toks, salt) in enumerate(reqs):
         assert hv[off[i]:off[i + 1]].tolist() == spec_hashes(toks, B, salt)
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 55, 56, 63, 64, 65, 96, 119, 120, 127, 128, 1000])
+def test_compiled_sha256_equals_hashlib(n):
+    import numpy as np
+
+    from replay.capture.sha256 import sha256_nb
+
+    msg = np.random.default_rng(n).integers(0, 256, n).astype(np.uint8)
+    assert bytes(sha256_nb(msg)) == hashlib.sha256(msg.tobytes()).digest()
+    if n:
+        flipped = msg.copy()
+        flipped[n // 2] ^= 1
+        assert bytes(sha256_nb(flipped)) != hashlib.sha256(msg.tobytes()).digest()
+
+
+@pytest.mark.parametrize("page", [16, 64, 128, 129, 512])
+def test_many_at_once_on_both_sides_of_the_compiled_page_limit(page):
+    import numpy as np
+
+    rng = np.random.default_rng(page)
+    lens = rng.integers(0, 3 * page + 7, 40)
+    tok_off = np.r_[0, np.cumsum(lens)]
+    flat = rng.integers(0, 2**32, int(tok_off[-1])).astype(np.int64)
+    salts = [None if i % 3 else f"s{i % 2}" for i in range(40)]
+    off, hv = block_hashes_csr(flat, tok_off, page, salts)
+    for i in range(40):
+        toks = flat[tok_off[i]:tok_off[i + 1]].tolist()
+        assert hv[off[i]:off[i + 1]].tolist() == spec_hashes(toks, page, salts[i])

@@ -96,6 +96,19 @@ def test_calibrate_validate_and_sweep_print_lines_when_piped(tmp_path):
     assert got and got[-1][0] == got[-1][1], p.stderr
 
 
+def test_simulate_capture_out_prints_lines_when_piped(tmp_path):
+    cap = tmp_path / "cap"
+    p = cli("simulate", LOG, "--fleet", FLEET, "--requests", 300, "--out", tmp_path / "sim", "--capture-out", cap,
+            "--worker-queue-limit", 4)
+    got = lines(p.stderr, "capture formats")
+    assert got and got[-1] == (300, 300), p.stderr[-1500:]
+    assert (cap / "trace.json").is_file()
+    # and nothing when the interval is longer than the run
+    q = cli("simulate", LOG, "--fleet", FLEET, "--requests", 300, "--out", tmp_path / "sim2", "--capture-out",
+            tmp_path / "cap2", "--worker-queue-limit", 4, every="3600")
+    assert not lines(q.stderr, "capture formats"), q.stderr[-1500:]
+
+
 def test_import_prints_lines_when_piped(tmp_path):
     cap = tmp_path / "cap"
     # written in-process: a fresh `router-replay simulate --capture-out` does not know the capture output

@@ -14,9 +14,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from replay.capture.sha256 import chain_hashes_nb
 from replay.errors import ReplayError
 
 SALT_PREFIX = b"sglang-cache-salt-v1\0"
+# pages of up to this many tokens are hashed by the compiled chain (replay.capture.sha256): there
+# Python's cost per hash dominates; longer pages go to hashlib, whose SHA instructions win
+COMPILED_MAX_PAGE = 128
 
 
 def salt_prior(cache_salt: str | bytes | None) -> bytes:
@@ -65,6 +69,18 @@ def block_hashes_csr(tokens: np.ndarray, tok_off: np.ndarray, page_size: int,
         raise ReplayError(f"page_size must be >= 1, got {page_size}")
     raw = _token_bytes(np.asarray(tokens, dtype=np.int64))
     lens = np.diff(tok_off)
+    if page_size <= COMPILED_MAX_PAGE:
+        prior_of = np.full(len(lens), -1, dtype=np.int64)
+        priors = np.zeros((0, 32), dtype=np.uint8)
+        if salts is not None:
+            distinct: dict = {}
+            for i, salt in enumerate(salts):
+                if salt:
+                    prior_of[i] = distinct.setdefault(salt, len(distinct))
+            if distinct:
+                priors = np.frombuffer(b"".join(salt_prior(x) for x in distinct), np.uint8).reshape(-1, 32)
+        return chain_hashes_nb(np.frombuffer(raw, np.uint8), np.asarray(tok_off, dtype=np.int64), int(page_size),
+                               prior_of, priors)
     off = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(-(-lens // page_size), out=off[1:])
     out: list[int] = []

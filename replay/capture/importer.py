@@ -98,7 +98,10 @@ def _hash_requests(f: Path, df: pl.DataFrame, page_size: int) -> tuple[np.ndarra
     """CSR block hashes of every request's ``input_ids`` (cache salt honoured)."""
     ids = df["input_ids"]
     lens = ids.list.len().to_numpy().astype(np.int64)
-    flat = ids.explode().to_numpy().astype(np.int64) if lens.sum() else np.zeros(0, np.int64)
+    # the list values as one array, without Series.explode's copy (an empty list holds no value)
+    arr = ids.rechunk().to_arrow()
+    flat = (arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr).flatten().to_numpy(
+        zero_copy_only=False).astype(np.int64, copy=False) if lens.sum() else np.zeros(0, np.int64)
     tok_off = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=tok_off[1:])
     if flat.size and (flat.min() < 0 or flat.max() > 0xFFFFFFFF):
@@ -557,8 +560,12 @@ class Importer:
         if bad:
             raise ImportError_(f"{p}: column 'block_size': events of block size {bad[0]}, but requests are "
                                f"hashed with page_size {self.page}")
-        ex = ev.with_columns(pl.col("worker").replace_strict(wid, return_dtype=pl.Int64).alias("w")) \
-               .explode("block_hashes")
+        # the string columns coded per event, before a row per hash is made
+        ex = ev.select(pl.col("worker").replace_strict(wid, return_dtype=pl.Int64).alias("w"),
+                       "ts", "dp_rank", "seq", "event_index", "block_hashes",
+                       pl.col("type").replace_strict(EV_CODES, return_dtype=pl.Int64).alias("kind"),
+                       pl.col("medium").replace_strict(TIER_BITS, default=0, return_dtype=pl.Int64).fill_null(0)
+                       .alias("tier")).explode("block_hashes")
         w = ex["w"].to_numpy()
         rank = ex["dp_rank"].to_numpy().astype(np.int64)
         h = ex["block_hashes"].fill_null(0).to_numpy().astype(np.int64)
@@ -567,9 +574,7 @@ class Importer:
         dense = np.where((pos < len(uniq)) & (uniq[pos_c] == h), pos_c, -1) if len(uniq) else np.full(len(h), -1)
         return np.stack([ex["ts"].to_numpy().astype(np.int64), w, rank, ex["seq"].to_numpy().astype(np.int64),
                          ex["event_index"].cast(pl.Int64).to_numpy(), rank_off[w] + rank,
-                         ex["type"].replace_strict(EV_CODES, return_dtype=pl.Int64).to_numpy(),
-                         ex["medium"].replace_strict(TIER_BITS, default=0, return_dtype=pl.Int64).fill_null(0)
-                         .to_numpy(), dense.astype(np.int64)])
+                         ex["kind"].to_numpy(), ex["tier"].to_numpy(), dense.astype(np.int64)])
 
     def _matches_from_events(self, parts, urls, dp, ts):
         """The indexer replayed part by part (bounded by a part plus the events not yet due):
