@@ -88,6 +88,11 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
               help="CPUs of the local Ray (default: all).")
+@click.option("--ray-retries", type=click.IntRange(min=0), default=None,
+              help="Times a failed Ray task is retried (default 2).")
+@click.option("--resume", is_flag=True,
+              help="A grid or plan: go on from an interrupted run into the same --out, skipping the "
+                   "simulations it finished (same bytes as an uninterrupted run).")
 @click.option("--capture-out", "capture_out", type=click.Path(path_type=str), default=None,
               help="Also write the run as a live fleet would have left it (KV events, LoadStat rows, a router "
                    "token export, engine request exports: docs/capture.md), for `router-replay import`. "
@@ -100,7 +105,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, sessions,
              session_rate, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
-             threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
+             threads, executor, ray_address, ray_cpus, ray_retries, resume, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
 
     from replay.errors import ReplayError  # lazy: loaded when the command runs
@@ -170,7 +175,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
         points, table = plan_fleets(req_log, fleet, fleet_path, fleet_kw, grid, workers_l, dp_l, scales, out,
                                     per_dp_rank=per_dp_rank, seeds=seeds,
                                     progress=lambda n, label: grid_progress(n, quiet, label), threads=threads,
-                                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+                                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
+                                    ray_retries=ray_retries, resume=resume, **kw)
         if not quiet:
             click.echo(f"planned {len(points)} fleet x traffic points x {len(grid.configs)} configs"
                        + (f" x {len(seeds)} seeds" if seeds else "") + f" ({table.height} rows) -> {out}")
@@ -179,6 +185,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     if capture_out and (len(grid.configs) != 1 or seeds is not None):
         raise ReplayError("--capture-out writes one simulated run: give one config and no --seeds")
     if len(grid.configs) == 1 and seeds is None:
+        if resume:
+            raise ReplayError("--resume goes on with a grid or a plan, not one simulation")
         r = run_one(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
                     cache_log=capture_out is not None, **kw)
         if capture_out:
@@ -204,7 +212,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     with grid_progress(n_jobs, quiet) as progress:
         table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seeds,
                               progress=progress, executor=executor, ray_address=ray_address,
-                              ray_cpus=ray_cpus, **kw)
+                              ray_cpus=ray_cpus, ray_retries=ray_retries, resume=resume, **kw)
     if not quiet:
         n_seeds = f" x {len(seeds)} seeds" if seeds else ""
         click.echo(f"simulated {req_log.n_requests:,} requests x {table.height} configs{n_seeds} "

@@ -21,6 +21,7 @@ import polars as pl
 from replay.config import Grid
 from replay.errors import ParamError, ReplayError
 from replay.runs import rundir
+from replay.simulate.batch import simulate_grid
 from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
 from replay.simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER, Fidelity, recorded_seed
@@ -30,7 +31,6 @@ from replay.simulate.formats import read_log
 from replay.simulate.logs import RequestLog
 from replay.simulate.plan import FleetPoint, fleet_points, plan_grid
 from replay.simulate.seeds import parse_seeds
-from replay.simulate.sim import simulate_grid
 from replay.simulate.tracelog import RecordedTrace, is_trace_dir, read_trace_log
 
 # -- calibrate: a recorded trace -> a fitted fleet file, its fidelity, a prediction grid ---------------
