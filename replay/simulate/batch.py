@@ -113,9 +113,9 @@ class WorkDir:
             return False
         return task.sub is None or (self.path / task.sub / SIM_JSON).is_file()
 
-    def record(self, key: str, summary: dict) -> None:
+    def record(self, key: str, summary: dict, sub: str | None = None) -> None:
         """Journal one finished simulation (flushed and synced before the next is taken)."""
-        self._journal.write(json.dumps({"key": key, "summary": summary}, allow_nan=True) + "\n")
+        self._journal.write(json.dumps({"key": key, "sub": sub, "summary": summary}, allow_nan=True) + "\n")
         self._journal.flush()
         os.fsync(self._journal.fileno())
         self.done[key] = summary
@@ -238,7 +238,7 @@ def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequ
                 i = todo[n]
                 summary = summary_json(summary)
                 if work is not None:
-                    work.record(tasks[i].key, summary)
+                    work.record(tasks[i].key, summary, tasks[i].sub)
                 done[i] = summary
                 if progress is not None:
                     progress(1)
