@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,8 +263,15 @@ def _load_rows(fleet: Fleet, inputs: dict, out: tuple) -> LoadRows:
                     rank_local=inputs["rank_local"])
 
 
+def _labels(codes: np.ndarray, names: Sequence[str]) -> pa.Array:
+    """``names[code]`` per code, null for a negative code: decoded from a dictionary in C++ (a
+    Python string per request would cost more than the table)."""
+    idx = pa.array(np.asarray(codes, dtype=np.int32), mask=np.asarray(codes) < 0)
+    return pa.DictionaryArray.from_arrays(idx, pa.array(list(names), type=pa.string())).dictionary_decode()
+
+
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple:
-    urls = np.array(fleet.urls, dtype=object)
+    urls = fleet.urls
     n = log.n_requests
 
     def ms(a, b):
@@ -275,10 +282,10 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
     qb = np.diff(log.hash_off)
     sel = rq[:, nb.RQ_WORKER]
     struct = pa.StructArray.from_arrays(
-        [pa.array(urls[m_w].tolist() if m_w.size else [], type=pa.string()),
+        [_labels(m_w, urls),
          pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
     matches = pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct)
-    sel_names = pa.array([fleet.urls[w] if w >= 0 else None for w in sel.tolist()], type=pa.string())
+    sel_names = _labels(sel, urls)
     requests = pa.table({
         "ts": pa.array(ts, type=pa.int64()),
         "request_id": pa.array(np.arange(n, dtype=np.int64)),
@@ -323,10 +330,8 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         "queue_wait_ms": ms(rq[:, nb.RQ_ADMIT], arrive),
         "ttft_ms": ms(rq[:, nb.RQ_FIRST], arrive),
         "latency_ms": ms(rq[:, nb.RQ_DONE], arrive),
-        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, nb.RQ_REASON].tolist()],
-                           type=pa.string()),
-        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, nb.RQ_DECISION].tolist()],
-                             type=pa.string()),
+        "reason": _labels(rq[:, nb.RQ_REASON], L_.REASONS),
+        "decision": _labels(rq[:, nb.RQ_DECISION], L_.DECISIONS),
         "completions": pa.array(rq[:, nb.RQ_COMPLETIONS]),
     })
     return requests, workers, outcomes
