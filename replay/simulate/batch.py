@@ -215,13 +215,15 @@ def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequ
     if not todo:
         return [done[i] for i in range(len(tasks))]
     with pool:
+        # the kernel's inputs, made once per (log, fleet, seed) for calls in this process; a
+        # Ray task makes its own (cheaper than sending a copy of the log's arrays with each)
         inputs: dict[tuple[int, int, int], Any] = {}
         for i in todo:
             t = tasks[i]
             k = (t.log, t.fleet, t.seed)
             if k not in inputs:
-                inputs[k] = pool.share(kernel_inputs(logs[t.log], fleets[t.fleet], kw["publish_interval_ms"],
-                                                     t.seed))
+                inputs[k] = (kernel_inputs(logs[t.log], fleets[t.fleet], kw["publish_interval_ms"], t.seed)
+                             if pool.in_process else None)
         shared_logs = {j: pool.share(logs[j]) for j in sorted({tasks[i].log for i in todo})}
         shared_fleets = {j: pool.share(fleets[j]) for j in sorted({tasks[i].fleet for i in todo})}
         calls: list[Call] = []
@@ -230,6 +232,7 @@ def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequ
             sub = None if work is None or t.sub is None else str(work.path / t.sub)
             calls.append(((shared_logs[t.log], shared_fleets[t.fleet], t.config, sub, int(t.seed), kw,
                            inputs[(t.log, t.fleet, t.seed)]), {}))
+
         def name(n: int) -> str:
             return f"{tasks[todo[n]].label} seed {tasks[todo[n]].seed}"
 

@@ -125,6 +125,9 @@ class Pool:
 
     name = "pool"
     retries = 0
+    in_process = False
+    """Whether the calls run in this process (what they are given is not copied: work the
+    caller has done once may be handed to every call; to Ray it would be sent per call)."""
 
     def __enter__(self) -> Pool:
         return self
@@ -147,6 +150,7 @@ class ThreadPool(Pool):
     """Calls on ``threads`` threads of this process (default: one per core)."""
 
     name = "local"
+    in_process = True
 
     def __init__(self, threads: int | None = None):
         if threads is not None and int(threads) < 1:
