@@ -87,6 +87,11 @@ BIG_INTERVAL_ROWS = 20_000_000  # about 2 GiB of rows before compression
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--ray-cpus", type=click.IntRange(min=1), default=None,
               help="CPUs of the local Ray (default: all).")
+@click.option("--ray-retries", type=click.IntRange(min=0), default=None,
+              help="Times a failed Ray task is retried (default 2).")
+@click.option("--resume", is_flag=True,
+              help="A grid or plan: go on from an interrupted run into the same --out, skipping the "
+                   "simulations it finished (same bytes as an uninterrupted run).")
 @click.option("--capture-out", "capture_out", type=click.Path(path_type=str), default=None,
               help="Also write the run as a live fleet would have left it (KV events, LoadStat rows, a router "
                    "token export, engine request exports: docs/capture.md), for `router-replay import`. "
@@ -99,7 +104,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
              max_running_requests, max_total_num_tokens, decode_peers, fmt, block_size, sessions,
              session_rate, limit,
              publish_interval_ms, forced_placement, index_lag_ms, freshness_ms, seed, seeds_text,
-             threads, executor, ray_address, ray_cpus, capture_out, force, quiet, **knobs):
+             threads, executor, ray_address, ray_cpus, ray_retries, resume, capture_out, force, quiet, **knobs):
     """Simulate a fleet serving LOG; write a router-replay trace plus ground-truth outcomes."""
 
     from replay.runs.names import LOADS, SIM_JSON  # lazy: loaded when the command runs
@@ -143,7 +148,7 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
                         publish_interval_ms=publish_interval_ms, forced_placement=forced_placement,
                         index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, seed=seed, seeds=seeds_text,
                         threads=threads, executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
-                        capture_out=capture_out, force=force, on_log=warn,
+                        ray_retries=ray_retries, resume=resume, capture_out=capture_out, force=force, on_log=warn,
                         progress=lambda n, label: grid_progress(n, quiet, label))
     if quiet:
         return

@@ -2,7 +2,7 @@
 
 :func:`scale_log` grows the recorded traffic; :func:`plan_grid` runs the
 closed-loop grid (:func:`replay.simulate.simulate_grid`) for every fleet
-(workers x dp_size) and traffic level and writes ``plan_summary.parquet``;
+(workers x dp_size) and traffic level, as one pool of simulations, and writes ``plan_summary.parquet``;
 :func:`plan` answers, per traffic level, the smallest fleet and its limit and
 floor meeting a TTFT p99 or queue-wait p99 bound (upper 95% bound over the
 seeds when several ran); :func:`fig_frontier` draws that answer.
@@ -11,14 +11,11 @@ docs/capacity.md has the choices and their reasons.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +27,10 @@ from replay.config import Grid
 from replay.errors import ReplayError
 from replay.runs import rundir
 from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
-from replay.runs.rundir import building
+from replay.simulate.batch import grid_table, grid_tasks, run_batch, work_dir, write_grid
 from replay.simulate.logs import RequestLog
-from replay.simulate.sim import ray_session, simulate_grid, write_summary
+from replay.simulate.sim import write_summary
+from replay.sweep.pool import Pool, pool
 
 POINT_DIR = re.compile(r"x[0-9.e+-]+-w\d+-dp\d+")
 MAX_SCALE = 64.0
@@ -196,61 +194,63 @@ def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Se
               out_dir: str | os.PathLike, *, per_dp_rank: bool = False, seed: int = 0,
               seeds: Sequence[int] | None = None, force: bool = False,
               progress: Callable[[int], None] | None = None, threads: int | None = None,
-              executor: str = "local", ray_address: str | None = None, ray_cpus: int | None = None,
-              **grid_kw: Any) -> pl.DataFrame:
+              executor: str | Pool = "local", ray_address: str | None = None, ray_cpus: int | None = None,
+              ray_retries: int | None = None, resume: bool = False, publish_interval_ms: int | None = None,
+              index_lag_ms: int = 0, freshness_ms: int = 5000) -> pl.DataFrame:
     """The closed-loop grid of ``grid`` on every fleet point; one summary row per
     (point, config), written to ``out_dir/plan_summary.parquet`` (and ``.csv``).
 
     ``make_fleet(workers, dp_size)`` builds a fleet (the calibrated one resized).
     ``per_dp_rank`` reads the grid's limit and floor values per rank and scales
     them by each fleet's dp_size.  Each point's grid goes to
-    ``out_dir/<label>/`` as :func:`simulate_grid` writes it.  Points x configs
-    x seeds run in parallel: ``threads`` local threads shared between points
-    running at once and their simulations, or (``executor="ray"``) one Ray
-    session with every point's tasks in flight.  The table is in point order,
-    whatever finished first; the directory appears complete or not at all.
+    ``out_dir/<label>/`` as :func:`simulate_grid` writes it.  Every simulation of
+    every point (points x configs x seeds) is one task of one pool
+    (:func:`replay.sweep.pool.pool`: ``threads`` local threads, or ``executor="ray"``),
+    journaled as it finishes; ``resume`` goes on from an interrupted plan
+    (:mod:`replay.simulate.batch`).  The table is in point order, whatever
+    finished first; the directory appears complete or not at all.
     """
-
+    runner = pool(executor, threads=threads, address=ray_address, cpus=ray_cpus, retries=ray_retries)
     out = Path(out_dir)
     rundir.guard([(out, PLAN_KIND)], force=force)
-    n_threads = threads or os.cpu_count() or 1
-    at_once = len(points) if executor == "ray" else max(1, min(len(points), n_threads))
-    inner = max(1, n_threads // at_once)
-    logs = {s: scale_log(log, s, seed=seed) for s in sorted({p.load_scale for p in points})}
-    lock = threading.Lock()
-
-    def tick(n: int) -> None:
-        if progress is not None:
-            with lock:
-                progress(n)
-
-    def one(p: FleetPoint) -> pl.DataFrame:
-        g = grid.scaled_per_dp_rank(p.dp_size) if per_dp_rank else grid
-        t = simulate_grid(logs[p.load_scale], make_fleet(p.workers, p.dp_size), g, tmp / p.label,
-                          seed=seed, seeds=seeds, progress=tick, threads=inner, executor=executor,
-                          ray_address=ray_address, ray_cpus=ray_cpus, **grid_kw)
-        lead = {"load_scale": p.load_scale, "workers": p.workers, "dp_size": p.dp_size,
-                "ranks": p.workers * p.dp_size, "fleet": p.label,
-                "offered_req_s": _rate(logs[p.load_scale])}
-        # the grid's own dp_size column (per-rank grids) is the fleet's: one column
-        return t.select([pl.lit(v).alias(k) for k, v in lead.items()]
-                        + [c for c in t.columns if c not in lead])
-
-    with building(out) as tmp:
-        with contextlib.ExitStack() as stack:
-            if executor == "ray":
-                stack.enter_context(ray_session(ray_address, ray_cpus))
-            with ThreadPoolExecutor(max_workers=at_once) as ex:
-                frames = list(ex.map(one, points))
+    scales = sorted({p.load_scale for p in points})
+    logs = [scale_log(log, s, seed=seed) for s in scales]
+    fleets = [make_fleet(p.workers, p.dp_size) for p in points]
+    grids = [grid.scaled_per_dp_rank(p.dp_size) if per_dp_rank else grid for p in points]
+    if publish_interval_ms is None:     # the fleets are one fleet file resized: one interval
+        publish_interval_ms = fleets[0].publish_interval_ms if fleets else 100
+    kw = dict(publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms, freshness_ms=freshness_ms)
+    run_seeds = list(seeds) if seeds is not None else [seed]
+    seeded = seeds is not None
+    tasks = []
+    for i, p in enumerate(points):
+        tasks += grid_tasks(grids[i], run_seeds, seeded, log=scales.index(p.load_scale), fleet=i,
+                            prefix=f"{p.label}/")
+    with work_dir(out, resume=resume) as work:
+        assert work is not None
+        summaries = run_batch(tasks, logs, fleets, kw, runner, work, progress=progress)
+        frames = []
+        at = 0
+        for i, p in enumerate(points):
+            scaled = logs[scales.index(p.load_scale)]
+            n = len(grids[i].configs) * len(run_seeds)
+            t, rows = grid_table(grids[i], run_seeds, seeded, summaries[at:at + n])
+            at += n
+            write_grid(work.path / p.label, t, rows, scaled, fleets[i], grids[i], seed, seeds, kw)
+            lead = {"load_scale": p.load_scale, "workers": p.workers, "dp_size": p.dp_size,
+                    "ranks": p.workers * p.dp_size, "fleet": p.label, "offered_req_s": _rate(scaled)}
+            # the grid's own dp_size column (per-rank grids) is the fleet's: one column
+            frames.append(t.select([pl.lit(v).alias(k) for k, v in lead.items()]
+                                   + [c for c in t.columns if c not in lead]))
         table = pl.concat(frames, how="diagonal_relaxed")
-        write_summary(table, tmp / PLAN_TABLE)
+        write_summary(table, work.path / PLAN_TABLE)
         meta = {"tool": PLAN_TOOL, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),
                 "seeds": None if seeds is None else [int(s) for s in seeds],
                 "per_dp_rank": bool(per_dp_rank), "grid": grid.describe(),
                 "points": [p.label for p in points],
                 "load_scale_method": "replication with fresh prefix namespaces (docs/capacity.md)"}
-        (tmp / PLAN_JSON).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        (work.path / PLAN_JSON).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return table
 
 

@@ -3,21 +3,17 @@
 :func:`simulate` runs the numba event loop (``nb.simulate_nb``) for one
 router config and returns (and optionally writes) a trace directory in the
 exact format ``sweep`` reads plus ``outcomes.parquet``;
-:func:`simulate_grid` runs one simulation per config of a :class:`Grid`
-(threads; the kernels release the GIL) and writes a closed-loop summary.
+:func:`grid_task` is one simulation of a grid or plan as a pool's task
+(:mod:`replay.simulate.batch` runs them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 import os
-import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +37,7 @@ from replay.runs import names
 from replay.runs.rundir import building, guard, move_into_place, partial_beside
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
-from replay.simulate.seeds import aggregate
 from replay.sweep.engine import encode_configs
-from replay.sweep.shards import require_ray
-from replay.trace.files import log_identity
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = names.CLOSED_LOOP
@@ -162,7 +155,7 @@ LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (kl.LB_ROUND_ROBIN, kl.LB_TOTAL_REQUES
                     strict=True))
 
 
-def _kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> dict:
+def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> dict:
     workers = fleet.workers
     nw = len(workers)
     fleet_ids = np.array(fleet.prefill, dtype=np.int64)
@@ -270,8 +263,15 @@ def _load_rows(fleet: Fleet, inputs: dict, out: kl.SimOutputs) -> LoadRows:
                     rank_local=inputs["rank_local"])
 
 
+def _labels(codes: np.ndarray, names: Sequence[str]) -> pa.Array:
+    """``names[code]`` per code, null for a negative code: decoded from a dictionary in C++ (a
+    Python string per request would cost more than the table)."""
+    idx = pa.array(np.asarray(codes, dtype=np.int32), mask=np.asarray(codes) < 0)
+    return pa.DictionaryArray.from_arrays(idx, pa.array(list(names), type=pa.string())).dictionary_decode()
+
+
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple:
-    urls = np.array(fleet.urls, dtype=object)
+    urls = fleet.urls
     n = log.n_requests
 
     def ms(a, b):
@@ -282,10 +282,10 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
     qb = np.diff(log.hash_off)
     sel = rq[:, kl.RQ_WORKER]
     struct = pa.StructArray.from_arrays(
-        [pa.array(urls[m_w].tolist() if m_w.size else [], type=pa.string()),
+        [_labels(m_w, urls),
          pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
     matches = pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct)
-    sel_names = pa.array([fleet.urls[w] if w >= 0 else None for w in sel.tolist()], type=pa.string())
+    sel_names = _labels(sel, urls)
     requests = pa.table({
         "ts": pa.array(ts, type=pa.int64()),
         "request_id": pa.array(np.arange(n, dtype=np.int64)),
@@ -330,10 +330,8 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         "queue_wait_ms": ms(rq[:, kl.RQ_ADMIT], arrive),
         "ttft_ms": ms(rq[:, kl.RQ_FIRST], arrive),
         "latency_ms": ms(rq[:, kl.RQ_DONE], arrive),
-        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, kl.RQ_REASON].tolist()],
-                           type=pa.string()),
-        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, kl.RQ_DECISION].tolist()],
-                             type=pa.string()),
+        "reason": _labels(rq[:, kl.RQ_REASON], L_.REASONS),
+        "decision": _labels(rq[:, kl.RQ_DECISION], L_.DECISIONS),
         "completions": pa.array(rq[:, kl.RQ_COMPLETIONS]),
     })
     return requests, workers, outcomes
@@ -456,7 +454,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     if out is not None:
         guard([(out, "sim")], force=force)
     t0 = time.perf_counter()
-    inputs = _inputs or _kernel_inputs(log, fleet, publish_interval_ms, seed)
+    inputs = _inputs or kernel_inputs(log, fleet, publish_interval_ms, seed)
     if not log.n_requests:
         raise ReplayError(f"{log.source}: the log has no request")
     log_list = None
@@ -543,103 +541,6 @@ def _json(v):
     raise TypeError(type(v).__name__)
 
 
-def simulate_grid(log: RequestLog, fleet: Fleet, grid: Grid | Mapping[str, Any],
-                  out_dir: str | os.PathLike | None = None, *, seed: int = 0,
-                  publish_interval_ms: int | None = None, index_lag_ms: int = 0,
-                  freshness_ms: int = 5000, force: bool = False,
-                  threads: int | None = None, seeds: Sequence[int] | None = None,
-                  progress: Callable[[int], None] | None = None, executor: str = "local",
-                  ray_address: str | None = None, ray_cpus: int | None = None,
-                  ray_retries: int = 2) -> pl.DataFrame:
-    """One closed-loop simulation per config of ``grid``; returns the summary table.
-
-    With ``out_dir``, each config's trace goes to ``out_dir/config-<id>/`` and
-    the table to ``out_dir/closed_loop_summary.parquet`` (and ``.csv``).
-    With ``seeds``, every config runs once per seed (into
-    ``config-<id>/seed-<s>/``), ``closed_loop_seeds.parquet`` has one row per
-    run, and the summary one row per config: means, 95% intervals and the
-    ``stable`` verdict of :func:`replay.simulate.seeds.aggregate`.
-    ``progress(1)`` is called after each simulation (from the worker threads,
-    one at a time).  ``executor="ray"`` runs each (config, seed) as a Ray task
-    (``ray_address`` joins a cluster, else a local Ray with ``ray_cpus`` CPUs
-    starts; the output directory must be on storage the tasks share); the
-    results are identical either way.
-    """
-    if executor not in ("local", "ray"):
-        raise ParamError("executor", f"must be local or ray, got {executor!r}")
-    if not isinstance(grid, Grid):
-        grid = Grid(grid)
-    if not grid.configs:
-        raise ReplayError("the grid has no valid config")
-    out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        guard([(out, "sim")], force=force)
-    if publish_interval_ms is None:
-        publish_interval_ms = fleet.publish_interval_ms
-    run_seeds = list(seeds) if seeds is not None else [seed]
-    inputs = {s: _kernel_inputs(log, fleet, publish_interval_ms, s) for s in run_seeds}
-    ids = list(grid.config_ids)
-    rows_by_id = {r["config_id"]: r for r in grid.rows()}
-    tmp = None
-    if out is not None:
-        tmp = partial_beside(out)
-
-    def one(job: tuple[int, int]) -> dict:
-        j, s = job
-        cfg = grid.configs[j]
-        sub = (tmp / f"config-{ids[j]}") if tmp is not None else None
-        if sub is not None and seeds is not None:
-            sub.mkdir(exist_ok=True)
-            sub = sub / f"seed-{s}"
-        r = simulate(log, fleet, cfg, sub, seed=s, publish_interval_ms=publish_interval_ms,
-                     index_lag_ms=index_lag_ms, freshness_ms=freshness_ms, _inputs=inputs[s])
-        row = {k: v for k, v in rows_by_id[ids[j]].items()}
-        if seeds is not None:
-            row["seed"] = int(s)
-        row.update(r.summary)
-        if progress is not None:
-            with lock:
-                progress(1)
-        return row
-
-    lock = threading.Lock()
-    try:
-        jobs = [(j, s) for j in range(len(ids)) for s in run_seeds]
-        if executor == "ray":
-            rows = _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeds is not None,
-                             dict(publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms,
-                                  freshness_ms=freshness_ms),
-                             progress, ray_address, ray_cpus, ray_retries)
-        else:
-            n_threads = threads or os.cpu_count() or 1
-            with ThreadPoolExecutor(max_workers=max(1, min(n_threads, len(jobs)))) as ex:
-                rows = list(ex.map(one, jobs))
-        if seeds is None:
-            table = pl.DataFrame(rows)
-        else:
-            knob_cols = [k for k in rows_by_id[ids[0]] if k != "config_id"]
-            table = aggregate(rows, knob_cols)
-        if tmp is not None and out is not None:
-            write_summary(table, tmp / SUMMARY)
-            if seeds is not None:
-                pl.DataFrame(rows).write_parquet(tmp / SEEDS_TABLE)
-            meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
-                    "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
-                    "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
-                    "freshness_ms": int(freshness_ms), "fleet": fleet.describe()}
-            if seeds is not None:
-                meta["seeds"] = [int(s) for s in run_seeds]
-            if log.source and Path(log.source).is_dir():
-                meta["log_identity"] = log_identity(log.source)
-            (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, default=_json) + "\n")
-            move_into_place(tmp, out)
-            tmp = None
-        return table
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def write_summary(table: pl.DataFrame, path: Path) -> None:
     """A summary table as ``path`` (Parquet) and beside it as CSV (seed lists joined by commas)."""
     table.write_parquet(path)
@@ -648,69 +549,16 @@ def write_summary(table: pl.DataFrame, path: Path) -> None:
     flat.write_csv(path.with_suffix(".csv"))
 
 
+def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """A simulation's summary as it reads back from JSON (a grid's journal): numpy scalars made
+    plain, so a summary read back and one just made give the same tables."""
+    return json.loads(json.dumps(summary, default=_json, allow_nan=True))
+
+
 def grid_task(log: RequestLog, fleet: Fleet, config: RouterConfig, sub: str | None, seed: int,
-              kw: dict) -> dict[str, Any]:
-    """One (config, seed) of a grid as a Ray task: the summary of :func:`simulate`."""
+              kw: dict, inputs: dict | None = None) -> dict[str, Any]:
+    """One (config, seed) of a grid or plan, as a pool's task: the summary of :func:`simulate`
+    (its trace written to ``sub``, whose parent is made)."""
     if sub is not None:
         Path(sub).parent.mkdir(parents=True, exist_ok=True)
-    return simulate(log, fleet, config, sub, seed=seed, **kw).summary
-
-
-@contextlib.contextmanager
-def ray_session(address: str | None, cpus: int | None):
-    """Ray, initialised for the block (joining ``address``, else a local Ray with ``cpus``
-    CPUs) unless it already is; shut down at the end only if it was started here."""
-
-    ray = require_ray()
-    started = False
-    try:
-        if not ray.is_initialized():
-            opts = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-            if address:
-                ray.init(address=address, **opts)
-            else:
-                ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **opts)
-            started = True
-        yield ray
-    finally:
-        if started:
-            ray.shutdown()
-
-
-def _ray_rows(log, fleet, grid, ids, rows_by_id, jobs, tmp, seeded, kw, progress, address, cpus,
-              retries) -> list[dict]:
-    with ray_session(address, cpus) as ray:
-        task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=True)(grid_task)
-        log_ref, fleet_ref = ray.put(log), ray.put(fleet)
-        refs = []
-        for j, s in jobs:
-            sub = None
-            if tmp is not None:
-                sub = tmp / f"config-{ids[j]}"
-                sub = str(sub / f"seed-{s}") if seeded else str(sub)
-            refs.append(task.remote(log_ref, fleet_ref, grid.configs[j], sub, int(s), kw))
-        summaries: dict[int, dict] = {}
-        pending = list(refs)
-        where = {r: k for k, r in enumerate(refs)}
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            k = where[done[0]]
-            try:
-                summaries[k] = ray.get(done[0])
-            except Exception as err:  # noqa: BLE001 - Ray wraps the task's exception
-                for other in pending:
-                    ray.cancel(other, force=True)
-                j, s = jobs[k]
-                cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise ReplayError(f"config {ids[j]} seed {s} failed after {retries + 1} attempt(s): "
-                                  f"{cause}") from None
-            if progress is not None:
-                progress(1)
-    rows = []
-    for k, (j, s) in enumerate(jobs):
-        row = dict(rows_by_id[ids[j]])
-        if seeded:
-            row["seed"] = int(s)
-        row.update(summaries[k])
-        rows.append(row)
-    return rows
+    return simulate(log, fleet, config, sub, seed=seed, _inputs=inputs, **kw).summary

@@ -23,6 +23,7 @@ from replay.capture.outguard import CAPTURE
 from replay.config import Grid, fleet_dp_size
 from replay.errors import ParamError
 from replay.runs import rundir
+from replay.simulate.batch import simulate_grid
 from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
 from replay.simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER, Fidelity, recorded_seed
@@ -32,7 +33,7 @@ from replay.simulate.formats import read_log
 from replay.simulate.logs import RequestLog
 from replay.simulate.plan import PLAN_KIND, FleetPoint, fleet_points, plan_grid
 from replay.simulate.seeds import parse_seeds
-from replay.simulate.sim import SimResult, simulate, simulate_grid
+from replay.simulate.sim import SimResult, simulate
 from replay.simulate.tracelog import RecordedTrace, is_trace_dir, read_trace_log
 
 # -- calibrate: a recorded trace -> a fitted fleet file, its fidelity, a prediction grid ---------------
@@ -230,7 +231,8 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
                  publish_interval_ms: int | None = None, forced_placement: bool = False,
                  index_lag_ms: int = 0, freshness_ms: int = 5000, seed: int = 0, seeds: str | None = None,
                  threads: int | None = None, executor: str = "local", ray_address: str | None = None,
-                 ray_cpus: int | None = None, capture_out: str | os.PathLike | None = None,
+                 ray_cpus: int | None = None, ray_retries: int = 2, resume: bool = False,
+                 capture_out: str | os.PathLike | None = None,
                  force: bool = False, progress: Progress | None = None,
                  on_log: Callable[[RequestLog, Fleet], None] | None = None) -> Simulated:
     """What ``simulate`` does: serve the request log (or trace directory) ``log`` on the fleet
@@ -241,6 +243,8 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
     capacity plan (:func:`plan_fleets`); otherwise one config writes one simulated trace
     (with ``capture_out``, also the capture formats ``import`` reads) and several write a
     closed-loop grid, each config under ``seeds`` (a count or a comma list) when given.
+    Grids and plans run on one pool (``executor`` local or ray, ``ray_retries`` per task) and
+    ``resume`` goes on from an interrupted one (:mod:`replay.simulate.batch`).
     ``on_log`` is called once the log is read, before any simulation (the command warns there)."""
     progress = progress or _no_progress
     overrides = dict(fleet_overrides or {})
@@ -269,11 +273,14 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
         done.points, done.table = plan_fleets(req_log, fleet, fleet_path, overrides, grid, workers, dp_sizes,
                                               scales, out, per_dp_rank=per_dp_rank, seeds=seed_list,
                                               progress=progress, threads=threads, executor=executor,
-                                              ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+                                              ray_address=ray_address, ray_cpus=ray_cpus,
+                                              ray_retries=ray_retries, resume=resume, **kw)
         return done
     if capture_out and (len(grid.configs) != 1 or seed_list is not None):
         raise ParamError("capture_out", "writes one simulated run: give one config and no --seeds")
     if len(grid.configs) == 1 and seed_list is None:
+        if resume:
+            raise ParamError("resume", "goes on with a grid or a plan, not one simulation")
         done.result = simulate(req_log, fleet, grid.configs[0], out, placement=placement, grid=grid,
                                cache_log=capture_out is not None, **kw)
         if capture_out:
@@ -287,5 +294,6 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
     done.kind = "grid"
     with progress(len(grid.configs) * (len(seed_list) if seed_list else 1), "simulating") as step:
         done.table = simulate_grid(req_log, fleet, grid, out, threads=threads, seeds=seed_list, progress=step,
-                                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus, **kw)
+                                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
+                                   ray_retries=ray_retries, resume=resume, **kw)
     return done

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +28,8 @@ from replay.runs.names import DECISIONS, FLEET
 from replay.sweep import engine, shards
 from replay.sweep import readings as fleet_mod
 from replay.sweep.jobs import Done, Job
+from replay.sweep.pool import probe_ray_address, require_ray
 from replay.sweep.results import DecisionWriter
-from replay.sweep.shards import require_ray
 from replay.trace import NS, Trace, TraceSet
 
 
@@ -289,38 +288,6 @@ class RayExecutor(Executor):
 
         return shards.run_ray(job, window_ns, address=self.address, configs_per_task=self.configs_per_task,
                               retries=self.retries, cpus=self.cpus)
-
-
-RAY_PROBE_S = 5.0
-"""How long the Ray address is given to accept a connection before the sweep gives up (Ray's own
-client waits for its GCS without end)."""
-
-
-def probe_ray_address(address: str, timeout: float = RAY_PROBE_S) -> None:
-    """Fail in bounded time, in one line, when nothing listens at a Ray ``address``
-    (``HOST:PORT`` of the cluster's GCS, or ``ray://HOST:PORT`` of its client server);
-    ``auto``, ``local`` and other forms are left to Ray."""
-    text = address.strip()
-    body = text[len("ray://"):] if text.startswith("ray://") else text
-    host, sep, port_text = body.rpartition(":")
-    if not sep or not port_text.isdigit():
-        return
-    port = int(port_text)
-    host = host.strip("[]") or "127.0.0.1"
-    if not 0 < port < 65536:
-        raise ParamError("address", f"{address}: port {port} is not in 1..65535", flag="--ray-address")
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except TimeoutError:
-        raise ParamError("address", f"{address}: no answer within {timeout:g} s (is a Ray cluster running "
-                                    "there? start one with `ray start --head`, or drop --ray-address for a "
-                                    "local Ray)", flag="--ray-address") from None
-    except OSError as err:
-        why = err.strerror or type(err).__name__
-        raise ParamError("address", f"{address}: nothing listens there ({why}; start a cluster with "
-                                    "`ray start --head`, or drop --ray-address for a local Ray)",
-                         flag="--ray-address") from None
 
 
 EXECUTORS: dict[str, type[Executor]] = {"local": LocalExecutor, "ray": RayExecutor}

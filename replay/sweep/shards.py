@@ -16,6 +16,7 @@ which the driver joins into ``fleet.parquet`` in time order.  The run
 directory must therefore be on storage every Ray node can write when
 decisions are kept (not otherwise), and the trace on storage every node can read.
 
+The tasks run in a :class:`replay.sweep.pool.RayPool` (the one executor interface).
 A task that raises is retried (``retries`` times, Ray's own retry); a shard
 that still fails is reported with its time range and config block, and the
 run is not written.  Bad input found by a task is reported at once (it would
@@ -25,9 +26,9 @@ drills: ``"3"`` fails window 3's first attempt, ``"3:always"`` every attempt.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import io
-import logging
 import os
 import resource
 import shutil
@@ -41,11 +42,12 @@ from typing import cast
 import numpy as np
 import pyarrow.parquet as pq
 
-from replay.errors import ParamError, ReplayError
+from replay.errors import ReplayError
 from replay.runs.names import DECISIONS_DIR, FLEET_PARTS
 from replay.sweep import engine
 from replay.sweep import readings as fleet_mod
 from replay.sweep.jobs import Done, Job
+from replay.sweep.pool import RayPool
 from replay.sweep.results import DecisionWriter
 from replay.trace import NS, TraceError, TraceSet
 
@@ -54,15 +56,6 @@ FAULT_ENV = "ROUTER_REPLAY_FAULT_SHARDS"
 
 class InjectedFault(RuntimeError):
     """A failure asked for through ROUTER_REPLAY_FAULT_SHARDS."""
-
-
-def require_ray():
-    """Ray's module, or a one-line error saying how to install it."""
-    try:
-        import ray  # optional: an extra dependency
-    except ImportError:
-        raise ParamError("executor", "ray needs Ray: pip install 'router-replay[ray]'") from None
-    return ray
 
 
 def iso(t_ns: int) -> str:
@@ -171,16 +164,10 @@ def _join_fleet(out_dir: Path, parts: list[str]) -> None:
     shutil.rmtree(out_dir / FLEET_PARTS, ignore_errors=True)
 
 
-def _cause(err: BaseException) -> str:
-    cause = getattr(err, "cause", None) or err
-    text = " ".join(f"{type(cause).__name__}: {cause}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def run_ray(job: Job, window_ns: int, *, address: str | None = None, configs_per_task: int | None = None,
             retries: int = 2, cpus: int | None = None):
-    """Replay ``job`` (an ``executors.Job``) as Ray tasks; return an ``executors.Done``."""
-    ray = require_ray()
+    """Replay ``job`` (an ``executors.Job``) as Ray tasks of a :class:`replay.sweep.pool.RayPool`;
+    return an ``executors.Done``."""
     tset = cast(TraceSet, job.source)     # shards are cut only from a TraceSet
     bounds = tset.window_bounds(window_ns)
     firsts = [tset.requests_before(t0) for t0, _t1 in bounds]
@@ -206,74 +193,53 @@ def run_ray(job: Job, window_ns: int, *, address: str | None = None, configs_per
     fault = os.environ.get(FAULT_ENV) or None
     marks = tempfile.mkdtemp(prefix="router-replay-faults-") if fault else None
     threads = max(1, int(job.threads or 1))
-    started = False
     t0 = time.perf_counter()
     try:
-        t_start_ray = time.perf_counter()
-        if not ray.is_initialized():
-            kw = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                      configure_logging=True)
-            if address:
-                ray.init(address=address, **kw)
-            else:
-                ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **kw)
-            started = True
-        ray_start_s = time.perf_counter() - t_start_ray
-        planner.join()
-        if "error" in plan:
-            raise plan["error"]
-        carries = plan["carries"]
-        plan_s = plan["seconds"]
-        t_ready = time.perf_counter()
-        task = ray.remote(num_cpus=threads, max_retries=retries, retry_exceptions=True)(run_shard)
-        tset_ref = ray.put(tset)
-        futures = {}
-        specs = {}
-        for w, ((a, b), first) in enumerate(zip(bounds, firsts, strict=True)):
-            carry_ref = ray.put(carries[w])
-            for k, (lo, hi) in enumerate(blocks):
-                spec = ShardSpec(w, k, a, b, lo, hi, first)
-                ref = task.remote(tset_ref, job.configs[lo:hi], ids[lo:hi], spec, carry_ref, seed=job.seed,
-                                  freshness_ns=job.freshness_ns, model=job.model, out_dir=out_dir,
-                                  decisions=job.decisions, fleet=k == 0, threads=threads, fault=fault,
-                                  marks=marks, decisions_layout=job.decisions_layout)
-                futures[ref] = spec
-                specs[(w, k)] = spec
-        results: dict[tuple[int, int], dict] = {}
-        pending = list(futures)
-        n_cfg = max(len(job.configs), 1)
-        credit = 0.0
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ref = done[0]
-            spec = futures[ref]
-            try:
-                res = ray.get(ref)
-            except Exception as err:  # noqa: BLE001 - Ray wraps the task's exception
-                for other in pending:
-                    ray.cancel(other, force=True)
-                raise ReplayError(f"shard {spec.describe(len(blocks))} failed after {retries + 1} "
-                                  f"attempt(s): {_cause(err)}") from None
-            if "input_error" in res:
-                for other in pending:
-                    ray.cancel(other, force=True)
-                raise TraceError(res["input_error"])
-            if res.get("fleet_bytes") is not None and out_dir is not None:
-                part = f"{FLEET_PARTS}/part-{spec.window:05d}.parquet"
-                with open(os.path.join(out_dir, part), "wb") as fh:
-                    fh.write(res.pop("fleet_bytes"))
-                res["fleet"] = part
-            results[(spec.window, spec.block)] = res
-            if job.progress is not None:
-                credit += res["requests"] * (spec.cfg_hi - spec.cfg_lo) / n_cfg
-                step = int(credit)
-                if step:
-                    job.progress(step)
-                    credit -= step
-        t_done = time.perf_counter()
+        with RayPool(address=address, cpus=cpus, retries=retries) as rp:
+            ray_start_s = rp.start_s
+            planner.join()
+            if "error" in plan:
+                raise plan["error"]
+            carries = plan["carries"]
+            plan_s = plan["seconds"]
+            t_ready = time.perf_counter()
+            tset_ref = rp.share(tset)
+            specs: dict[tuple[int, int], ShardSpec] = {}
+            calls = []
+            for w, ((a, b), first) in enumerate(zip(bounds, firsts, strict=True)):
+                carry_ref = rp.share(carries[w])
+                for k, (lo, hi) in enumerate(blocks):
+                    spec = ShardSpec(w, k, a, b, lo, hi, first)
+                    specs[(w, k)] = spec
+                    calls.append(((tset_ref, job.configs[lo:hi], ids[lo:hi], spec, carry_ref),
+                                  dict(seed=job.seed, freshness_ns=job.freshness_ns, model=job.model,
+                                       out_dir=out_dir, decisions=job.decisions, fleet=k == 0,
+                                       threads=threads, fault=fault, marks=marks,
+                                       decisions_layout=job.decisions_layout)))
+            order = list(specs.values())
+            results: dict[tuple[int, int], dict] = {}
+            n_cfg = max(len(job.configs), 1)
+            credit = 0.0
+            with contextlib.closing(rp.run(run_shard, calls, cpus=threads,
+                                           describe=lambda i: f"shard {order[i].describe(len(blocks))}")) as done:
+                for i, res in done:
+                    spec = order[i]
+                    if "input_error" in res:
+                        raise TraceError(res["input_error"])
+                    if res.get("fleet_bytes") is not None and out_dir is not None:
+                        part = f"{FLEET_PARTS}/part-{spec.window:05d}.parquet"
+                        with open(os.path.join(out_dir, part), "wb") as fh:
+                            fh.write(res.pop("fleet_bytes"))
+                        res["fleet"] = part
+                    results[(spec.window, spec.block)] = res
+                    if job.progress is not None:
+                        credit += res["requests"] * (spec.cfg_hi - spec.cfg_lo) / n_cfg
+                        step = int(credit)
+                        if step:
+                            job.progress(step)
+                            credit -= step
+            t_done = time.perf_counter()
     finally:
-        if started:
-            ray.shutdown()
         if marks:
             shutil.rmtree(marks, ignore_errors=True)
     missing = [s for key, s in specs.items() if key not in results]
