@@ -37,6 +37,7 @@ def check_seeds(text: str | None) -> None:
 def check_fleet_sizes(workers: list | None, dp_sizes: list | None) -> None:
     """``--workers`` and ``--dp-size`` values a simulated fleet can have: at least 1 (0 used to be
     blamed on the fleet file), dp_size at most the largest a trace may have."""
+    from replay.simulate.fleet import dp_size_limit  # lazy: loaded when the command runs
     from replay.trace.base import MAX_DP_SIZE  # lazy: loaded when the command runs
 
     for flag, values in (("--workers", workers), ("--dp-size", dp_sizes)):
@@ -45,8 +46,7 @@ def check_fleet_sizes(workers: list | None, dp_sizes: list | None) -> None:
                 raise ReplayError(f"{flag}: {v} is out of range (>= 1)")
     for v in dp_sizes or []:
         if v > MAX_DP_SIZE:
-            raise ReplayError(f"--dp-size: {v:,} is above {MAX_DP_SIZE:,}, the largest dp_size a trace may have "
-                              "(traces/README.md)")
+            raise ReplayError(f"--dp-size: {v:,} is too many ranks: {dp_size_limit(v, max(workers or [1]))}")
 
 
 def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:

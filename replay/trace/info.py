@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 from replay.config import KNOBS, RouterConfig, validate_router_flags
@@ -82,7 +83,10 @@ def parse_trace_info(obj, path: str | None = None) -> TraceInfo:
         if name == "disable_pressure_guard":
             _fail(f"router.{k}", "give the knob as \"pressure_guard\": false")
         if name not in KNOBS:
-            _fail(f"router.{k}", f"unknown router knob (known: {', '.join(KNOBS)})")
+            _fail(f"router.{k}", f"unknown router knob (known: {', '.join(n for n in KNOBS if KNOBS[n].router)})")
+        if not KNOBS[name].router:
+            _fail(f"router.{k}", f"{KNOBS[name].flag} is a replay-only policy variant, not a flag the router "
+                  "takes (give it to sweep or simulate)")
         if name in router:
             _fail(f"router.{k}", "given twice")
         router[name] = _knob_value(name, v)
@@ -120,4 +124,7 @@ def read_trace_info(dirpath: str | os.PathLike) -> TraceInfo:
     except json.JSONDecodeError as err:
         raise TraceError(f"{TRACE_JSON}: not valid JSON (line {err.lineno} column {err.colno}: "
                          f"{err.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{TRACE_JSON}: nested too deeply to read (more than Python's "
+                         f"{sys.getrecursionlimit():,} levels)") from None
     return parse_trace_info(obj, os.path.abspath(path))

@@ -1,0 +1,211 @@
+"""One reader and one set of rules per input: fleet files and the flags that override them,
+a trace read as a request log (calibrate, simulate) under validate's rules, recommend's plans
+and SLOs.  Every case runs the real CLI on real files: one ``error:`` line, exit 2, naming the
+file and column and row (or the option); inputs byte for byte what they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from test_nothing_lost import digest_tree, invoke, ok, refused
+
+from replay.simulate import load_fleet
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "traces" / "sample"
+SAMPLE_FLEET = REPO / "traces" / "sample-fleet.toml"
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """calibrate's own output: a fleet file with a [[worker]] table per worker."""
+    fleet = tmp_path_factory.mktemp("fleet") / "fleet.toml"
+    ok(invoke("calibrate", SAMPLE, "--out", fleet, "-q"))
+    assert fleet.read_text().count("[[worker]]") == 4
+    return fleet
+
+
+# ---------------------------------------------------------------------------
+# fleet files and their override flags
+
+
+def test_override_flags_apply_to_every_worker_of_a_calibrated_fleet(calibrated):
+    plain = load_fleet(calibrated)
+    assert {w.dp_size for w in plain.workers} == {2}
+    assert {w.prefill_tokens_per_s for w in plain.workers} == {8000.0}
+    fleet = load_fleet(calibrated, dp_size=3, prefill_tokens_per_s=1234.5, max_running_requests=7)
+    assert [w.dp_size for w in fleet.workers] == [3] * 4
+    assert [w.prefill_tokens_per_s for w in fleet.workers] == [1234.5] * 4
+    assert [w.max_running_requests for w in fleet.workers] == [7] * 4
+    # what was not overridden keeps each worker's fitted value
+    assert [w.decode_tokens_per_s for w in fleet.workers] == [w.decode_tokens_per_s for w in plain.workers]
+    assert len({w.decode_tokens_per_s for w in fleet.workers}) > 1
+
+
+def test_simulate_with_an_override_runs_the_overridden_fleet(calibrated, tmp_path):
+    out = tmp_path / "sim"
+    ok(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", calibrated, "--out", out,
+              "--dp-size", "3", "--requests", "100", "-q"))
+    workers = pl.read_parquet(out / "workers.parquet")
+    assert workers["dp_size"].to_list() == [3] * 4
+
+
+@pytest.mark.parametrize("text, key", [("workers = true", "workers"), ("decode_peers = true", "decode_peers"),
+                                       ("dp_size = 1048576", "dp_size")])
+def test_a_fleet_file_value_is_refused_naming_the_file(tmp_path, text, key):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(text + "\n")
+    before = fleet.read_bytes()
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", fleet,
+                          "--out", tmp_path / "o"), f"{fleet}: {key} must be")
+    if key == "dp_size":
+        assert "GiB of simulator state" in line and "at most 1,024" in line
+    assert fleet.read_bytes() == before and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--prefill-tokens-per-s", "-5"), ("--max-running-requests", "0"),
+                                         ("--decode-peers", "-1"), ("--max-total-num-tokens", "0")])
+def test_an_override_flag_goes_through_the_fleet_validator_and_is_named(calibrated, tmp_path, flag, value):
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", calibrated,
+                          "--out", tmp_path / "o", flag, value), f"{flag} must be")
+    assert str(calibrated) not in line
+
+
+def test_dp_size_above_the_limit_names_the_memory_it_would_need(tmp_path):
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", SAMPLE_FLEET,
+                          "--out", tmp_path / "o", "--dp-size", "1,100000", "--workers", "4"), "--dp-size")
+    assert "100,000" in line and "GiB of simulator state" in line
+
+
+# ---------------------------------------------------------------------------
+# a trace read as a request log: validate's rules, one line naming file, column and row
+
+
+def _trace(tmp_path: Path, name: str, *, req=None, loads=None, workers=None, info=None) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    for f in ("requests", "loads", "workers"):
+        shutil.copy(SAMPLE / f"{f}.parquet", d / f"{f}.parquet")
+    shutil.copy(SAMPLE / "trace.json", d / "trace.json")
+    for f, fix in (("requests", req), ("loads", loads), ("workers", workers)):
+        if fix is not None:
+            fix(pl.read_parquet(d / f"{f}.parquet")).write_parquet(d / f"{f}.parquet")
+    if info is not None:
+        text = info if isinstance(info, str) else json.dumps(info(json.loads((d / "trace.json").read_text())))
+        (d / "trace.json").write_text(text)
+    return d
+
+
+def _at_row(col: str, row: int, value) -> pl.Expr:
+    return pl.when(pl.int_range(pl.len()) == row).then(value).otherwise(pl.col(col)).alias(col)
+
+
+BAD = {
+    "cached above input": dict(req=lambda df: df.with_columns(_at_row("cached_tokens", 5, pl.col("input_tokens") + 1)),
+                               needles=("requests.parquet: column 'cached_tokens' row 5",)),
+    "ttft above latency": dict(req=lambda df: df.with_columns(_at_row("ttft_ms", 7, pl.col("latency_ms") + 1)),
+                               needles=("requests.parquet: column 'ttft_ms' row 7",)),
+    "NaN ttft": dict(req=lambda df: df.with_columns(_at_row("ttft_ms", 9, float("nan"))),
+                     needles=("requests.parquet: column 'ttft_ms' row 9", "nan")),
+    "negative running": dict(loads=lambda df: df.with_columns(_at_row("num_running_reqs", 11, -3)),
+                             needles=("loads.parquet: column 'num_running_reqs' row 11", "-3")),
+    "float hash ids": dict(req=lambda df: df.with_columns(pl.col("hash_ids").cast(pl.List(pl.Float64))),
+                           needles=("requests.parquet: column 'hash_ids'", "Float64")),
+    "string hash ids": dict(req=lambda df: df.with_columns(pl.col("hash_ids").cast(pl.List(pl.String))),
+                            needles=("requests.parquet: column 'hash_ids'", "String")),
+    "u64 hash ids": dict(req=lambda df: df.with_columns(
+        pl.col("hash_ids").list.eval(pl.element().cast(pl.UInt64) + 2**63)),
+        needles=("requests.parquet: column 'hash_ids' row 0", "not an int64")),
+    "output beyond 2**53": dict(req=lambda df: df.with_columns(_at_row("output_tokens", 5, 2**53 + 1)),
+                                needles=("requests.parquet: column 'output_tokens' row 5", "2**53")),
+    "dp_size 2**20": dict(workers=lambda df: df.with_columns(pl.lit(2**20).alias("dp_size")),
+                          needles=("workers.parquet: column 'dp_size' row 0", "1024")),
+    "list extra": dict(info=lambda j: {**j, "extra": [1, 2]}, needles=("trace.json: key 'extra'",)),
+    "deep nesting": dict(info='{"extra": ' + "[" * 50_000 + "]" * 50_000 + "}",
+                         needles=("trace.json: nested too deeply",)),
+    "variant knob": dict(info=lambda j: {**j, "router": {"variant_pin_order": "locality"}},
+                         needles=("trace.json: key 'router.variant_pin_order'", "replay-only")),
+    "nested knob": dict(info=lambda j: {**j, "router": {"worker_queue_limit": {"value": 8}}},
+                        needles=("trace.json: key 'router.worker_queue_limit'",)),
+    "floor above limit": dict(info=lambda j: {**j, "router": {"worker_queue_limit": 2, "saturation_queue_floor": 5}},
+                              needles=("trace.json: key 'router'", "--saturation-queue-floor")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_calibrate_and_simulate_refuse_what_validate_refuses_with_its_line(tmp_path, case):
+    spec = dict(BAD[case])
+    needles = spec.pop("needles")
+    d = _trace(tmp_path, "t", **spec)
+    before = digest_tree(d)
+    want = refused(invoke("validate", d), *needles).removeprefix("error: ")
+    fleet = tmp_path / "fleet.toml"
+    got = refused(invoke("calibrate", d, "--out", fleet, "-q"), *needles)
+    assert got.endswith(want), (got, want)        # the same rule, the same words (a path before the file)
+    assert not fleet.exists()
+    got = refused(invoke("simulate", d, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "sim", "-q"), *needles)
+    assert got.endswith(want), (got, want)
+    assert not (tmp_path / "sim").exists()
+    assert digest_tree(d) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+def _fit(fleet: Path) -> str:
+    """A fleet file's fitted values, without the header that names the trace."""
+    return "\n".join(ln for ln in fleet.read_text().splitlines() if not ln.startswith("#"))
+
+
+def test_valid_traces_in_other_shapes_fit_the_same_fleet(tmp_path):
+    """A Datetime ts, loads without the optional dp_rank, a trace holding only a log's columns
+    (as an independent engine writes it), and a trace set of parts are all read, and fit what the
+    plain trace fits."""
+    ok(invoke("calibrate", _trace(tmp_path, "plain"), "--out", tmp_path / "plain.toml", "-q"))
+    want = _fit(tmp_path / "plain.toml")
+    log_cols = ["ts", "request_id", "input_tokens", "hash_ids", "output_tokens", "cached_tokens", "ttft_ms",
+                "latency_ms", "selected_worker"]
+    shapes = {
+        "datetime": dict(req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns"))),
+                         loads=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns")))),
+        "no-dp-rank": dict(loads=lambda df: df.filter(pl.col("dp_rank") == 0).drop("dp_rank"),
+                           workers=lambda df: df.with_columns(pl.lit(1).alias("dp_size"))),
+        "log-only": dict(req=lambda df: df.select(log_cols)),
+    }
+    for name, fix in shapes.items():
+        d = _trace(tmp_path, name, **fix)
+        if name != "log-only":       # validate needs the router-side columns a sweep replays
+            ok(invoke("validate", d))
+        ok(invoke("calibrate", d, "--out", tmp_path / f"{name}.toml", "-q"))
+        if name != "no-dp-rank":
+            assert _fit(tmp_path / f"{name}.toml") == want, name
+    assert "dp_size = 1" in _fit(tmp_path / "no-dp-rank.toml")
+    # a trace set: requests and loads as folders of parts
+    ts = tmp_path / "set"
+    ts.mkdir()
+    for f in ("workers.parquet", "trace.json"):
+        shutil.copy(SAMPLE / f, ts / f)
+    for kind in ("requests", "loads"):
+        df = pl.read_parquet(SAMPLE / f"{kind}.parquet")
+        (ts / kind).mkdir()
+        half = df.height // 2
+        df.head(half).write_parquet(ts / kind / "part-0.parquet")
+        df.tail(df.height - half).write_parquet(ts / kind / "part-1.parquet")
+    ok(invoke("calibrate", ts, "--out", tmp_path / "set.toml", "-q"))
+    assert _fit(tmp_path / "set.toml") == want
+
+
+def test_forced_placement_reads_a_datetime_ts(tmp_path):
+    d = _trace(tmp_path, "dt", req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns"))
+                                                              .dt.cast_time_unit("us")))
+    ok(invoke("calibrate", SAMPLE, "--out", tmp_path / "f.toml", "-q"))
+    ok(invoke("simulate", d, "--fleet", tmp_path / "f.toml", "--out", tmp_path / "sim", "--forced-placement",
+              "--requests", "200", "-q"))
+    assert pl.read_parquet(tmp_path / "sim" / "requests.parquet").height == 200
+    # microseconds read as nanoseconds' worth of a Datetime: year 57971, beyond int64 nanoseconds
+    far = _trace(tmp_path, "far", req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("us"))))
+    for cmd in (["validate", far], ["calibrate", far, "--out", tmp_path / "g.toml", "-q"]):
+        refused(invoke(*cmd), "requests.parquet: column 'ts' row 0", "datetime outside the int64 nanosecond range")
