@@ -209,3 +209,61 @@ def test_forced_placement_reads_a_datetime_ts(tmp_path):
     far = _trace(tmp_path, "far", req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("us"))))
     for cmd in (["validate", far], ["calibrate", far, "--out", tmp_path / "g.toml", "-q"]):
         refused(invoke(*cmd), "requests.parquet: column 'ts' row 0", "datetime outside the int64 nanosecond range")
+
+
+# ---------------------------------------------------------------------------
+# recommend: a grid or plan it cannot use is unusable input (2), never "no config qualifies" (1)
+
+LOG = REPO / "traces" / "sample-log" / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def grid_and_plan(tmp_path_factory):
+    base = tmp_path_factory.mktemp("closed")
+    ok(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", base / "grid", "--worker-queue-limit", "2,4",
+              "--requests", "300", "-q"))
+    ok(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", base / "plan", "--workers", "2,4",
+              "--worker-queue-limit", "2,4", "--requests", "300", "-q"))
+    return base / "grid", base / "plan"
+
+
+def _copy_with(src: Path, dst: Path, table: str, fix) -> Path:
+    shutil.copytree(src, dst)
+    fix(pl.read_parquet(dst / table)).write_parquet(dst / table)
+    return dst
+
+
+def test_recommend_refuses_rates_written_as_strings(grid_and_plan, tmp_path):
+    grid, plan = grid_and_plan
+    assert invoke("recommend", grid, "--max-ttft-p99-ms", "1e9").exit_code == 0
+    assert invoke("recommend", plan, "--plan", "--max-ttft-p99-ms", "1e9").exit_code == 0
+    as_text = lambda df: df.with_columns(pl.col("true_hit_rate").cast(pl.String))   # noqa: E731
+    g = _copy_with(grid, tmp_path / "g", "closed_loop_summary.parquet", as_text)
+    before = digest_tree(g)
+    refused(invoke("recommend", g, "--max-ttft-p99-ms", "1e9"),
+            f"{g / 'closed_loop_summary.parquet'}: column 'true_hit_rate': must be numeric, got String")
+    assert digest_tree(g) == before
+    p = _copy_with(plan, tmp_path / "p", "plan_summary.parquet",
+                   lambda df: df.with_columns(pl.col("ttft_ms_p99").cast(pl.String)))
+    refused(invoke("recommend", p, "--plan", "--max-ttft-p99-ms", "1e9"),
+            f"{p / 'plan_summary.parquet'}: column 'ttft_ms_p99': must be numeric, got String")
+
+
+def test_recommend_refuses_an_empty_plan(grid_and_plan, tmp_path):
+    _, plan = grid_and_plan
+    p = _copy_with(plan, tmp_path / "p", "plan_summary.parquet", lambda df: df.head(0))
+    for extra in ([], ["--json"]):
+        refused(invoke("recommend", p, "--plan", "--max-ttft-p99-ms", "1000", *extra),
+                f"{p / 'plan_summary.parquet'}: no fleets planned")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_an_slo_must_be_a_finite_number(grid_and_plan, gen_trace, tmp_path, value):
+    grid, plan = grid_and_plan
+    refused(invoke("recommend", plan, "--plan", "--max-ttft-p99-ms", value), "--max-ttft-p99-ms", "finite")
+    refused(invoke("recommend", grid, "--max-queue-wait-p99-ms", value), "--max-queue-wait-p99-ms", "finite")
+    run = tmp_path / "run"
+    ok(invoke("sweep", gen_trace, "--out", run, "--worker-queue-limit", "2,4", "--no-report", "-q"))
+    refused(invoke("report", run, "--max-ttft-p99-ms", value), "--max-ttft-p99-ms", "finite")
+    refused(invoke("report", run, "--max-p99-waiting", value), "--max-p99-waiting", "finite")
+    assert not (run / "report.html").exists()
