@@ -123,6 +123,10 @@ BAD = {
         needles=("requests.parquet: column 'hash_ids' row 0", "not an int64")),
     "output beyond 2**53": dict(req=lambda df: df.with_columns(_at_row("output_tokens", 5, 2**53 + 1)),
                                 needles=("requests.parquet: column 'output_tokens' row 5", "2**53")),
+    "repeated request_id": dict(req=lambda df: df.with_columns(_at_row("request_id", 8, pl.lit(3, dtype=pl.Int64))),
+                                needles=("requests.parquet: column 'request_id' row 8", "first at row 3")),
+    "Datetime beyond int64 ns": dict(req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("us"))),
+                                     needles=("requests.parquet: column 'ts' row 0", "int64 nanosecond range")),
     "dp_size 2**20": dict(workers=lambda df: df.with_columns(pl.lit(2**20).alias("dp_size")),
                           needles=("workers.parquet: column 'dp_size' row 0", "1024")),
     "list extra": dict(info=lambda j: {**j, "extra": [1, 2]}, needles=("trace.json: key 'extra'",)),
@@ -132,6 +136,8 @@ BAD = {
                          needles=("trace.json: key 'router.variant_pin_order'", "replay-only")),
     "nested knob": dict(info=lambda j: {**j, "router": {"worker_queue_limit": {"value": 8}}},
                         needles=("trace.json: key 'router.worker_queue_limit'",)),
+    "null page_size": dict(info=lambda j: {**j, "page_size": None},
+                           needles=("trace.json: key 'page_size': must be an integer >= 1, got null",)),
     "floor above limit": dict(info=lambda j: {**j, "router": {"worker_queue_limit": 2, "saturation_queue_floor": 5}},
                               needles=("trace.json: key 'router'", "--saturation-queue-floor")),
 }
@@ -205,10 +211,6 @@ def test_forced_placement_reads_a_datetime_ts(tmp_path):
     ok(invoke("simulate", d, "--fleet", tmp_path / "f.toml", "--out", tmp_path / "sim", "--forced-placement",
               "--requests", "200", "-q"))
     assert pl.read_parquet(tmp_path / "sim" / "requests.parquet").height == 200
-    # microseconds read as nanoseconds' worth of a Datetime: year 57971, beyond int64 nanoseconds
-    far = _trace(tmp_path, "far", req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("us"))))
-    for cmd in (["validate", far], ["calibrate", far, "--out", tmp_path / "g.toml", "-q"]):
-        refused(invoke(*cmd), "requests.parquet: column 'ts' row 0", "datetime outside the int64 nanosecond range")
 
 
 # ---------------------------------------------------------------------------
@@ -267,3 +269,13 @@ def test_an_slo_must_be_a_finite_number(grid_and_plan, gen_trace, tmp_path, valu
     refused(invoke("report", run, "--max-ttft-p99-ms", value), "--max-ttft-p99-ms", "finite")
     refused(invoke("report", run, "--max-p99-waiting", value), "--max-p99-waiting", "finite")
     assert not (run / "report.html").exists()
+
+
+def test_a_fit_the_simulator_cannot_run_blames_the_trace_and_writes_nothing(tmp_path):
+    """Load counters validate accepts (running counts of 10**12) fit a fleet no simulator runs: the
+    refusal names the trace's loads.parquet, not a temporary fleet file, and nothing is left."""
+    d = _trace(tmp_path, "t", loads=lambda df: df.with_columns(pl.lit(10**12).alias("num_running_reqs")))
+    ok(invoke("validate", d))
+    refused(invoke("calibrate", d, "--out", tmp_path / "fleet.toml", "-q"),
+            f"{d}: the fleet fitted from its loads.parquet counters cannot be simulated: worker 0:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]

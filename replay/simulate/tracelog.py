@@ -33,7 +33,7 @@ from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
 from replay.trace.blocks import check_block_counts
 from replay.trace.columns import Columns
-from replay.trace.encode import ClosedLoopColumns, load_specs, read_closed_loop
+from replay.trace.encode import ClosedLoopColumns, load_specs, read_closed_loop, unique_request_ids
 from replay.trace.files import list_parts
 from replay.trace.info import read_trace_info as read_checked_trace_info
 from replay.trace.workers import parse_workers_table
@@ -134,8 +134,10 @@ def _request_columns(R: Columns) -> tuple[np.ndarray, np.ndarray, ClosedLoopColu
     if not cl.hash_known.all():
         R.fail("hash_ids", "null (a request log needs every request's block hashes)",
                int(np.argmin(cl.hash_known)))
-    if "selected_worker" in R.df.columns:
+    if R.has("selected_worker"):
         R.strings("selected_worker", nullable=True)
+    if R.has("request_id"):
+        unique_request_ids(R)
     return ts, L, cl
 
 

@@ -95,10 +95,10 @@ def parse_trace_info(obj, path: str | None = None) -> TraceInfo:
     except ConfigError as err:
         _fail("router", f"the router would refuse these flags: {err}")
     page = obj.get("page_size")
-    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= MAX_INT32):
+    if "page_size" in obj and (isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= MAX_INT32):
         _fail("page_size", f"must be an integer >= 1, got {one_line(json.dumps(page))}")
     source = obj.get("source")
-    if source is not None and not isinstance(source, str):
+    if "source" in obj and not isinstance(source, str):
         _fail("source", f"must be a string, got {one_line(json.dumps(source))}")
     per_rank = obj.get("per_dp_rank", False)
     if not isinstance(per_rank, bool):
