@@ -279,3 +279,15 @@ def test_a_fit_the_simulator_cannot_run_blames_the_trace_and_writes_nothing(tmp_
     refused(invoke("calibrate", d, "--out", tmp_path / "fleet.toml", "-q"),
             f"{d}: the fleet fitted from its loads.parquet counters cannot be simulated: worker 0:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+@pytest.mark.parametrize("args, counted", [
+    (["--worker-queue-limit", "1..100000"], "100,000 config(s) = 100,000 simulations"),
+    (["--worker-queue-limit", "1..100", "--seeds", "200"], "100 config(s) x 200 seeds = 20,000 simulations"),
+    (["--worker-queue-limit", "1..500", "--workers", "1,2,3,4,5", "--load-scale", "1,2,4,8,16"],
+     "500 config(s) x 25 fleet x traffic points = 12,500 simulations"),
+])
+def test_a_simulate_grid_too_large_to_run_is_refused_up_front(tmp_path, args, counted):
+    refused(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "o", "--requests", "100", *args),
+            counted, "more than the 10,000 one simulate runs")
+    assert list(tmp_path.iterdir()) == []

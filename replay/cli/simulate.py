@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import check_fleet_sizes, check_seeds
+from replay.cli.limits import check_fleet_sizes, check_seeds, check_simulations
 from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
@@ -130,6 +130,8 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
         raise ReplayError(str(err)) from None
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
+    check_simulations(len(grid.configs), len(seeds or []),
+                      math.prod(len(v or [1]) for v in (workers_l, dp_l, scales)) if planning else 1)
     if grid.warning_line() and not quiet:
         click.echo(f"warning: {grid.warning_line('sim.json')}", err=True)
         for line in grid.skipped_lines():
