@@ -62,7 +62,8 @@ def check_fleet_sizes(workers: list | None, dp_sizes: list | None) -> None:
                 raise ReplayError(f"{flag}: {v} is out of range (>= 1)")
     for v in dp_sizes or []:
         if v > MAX_DP_SIZE:
-            raise ReplayError(f"--dp-size: {v:,} is too many ranks: {dp_size_limit(v, max(workers or [1]))}")
+            why = dp_size_limit(v, max(workers) if workers else None)
+            raise ReplayError(f"--dp-size: {v:,} is too many ranks: {why}")
 
 
 def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:

@@ -250,13 +250,14 @@ def rank_state_bytes(ranks: int) -> int:
     return ranks * RANK_BYTES
 
 
-def dp_size_limit(dp_size: int, workers: int) -> str:
-    """Why a dp_size above :data:`MAX_DP_SIZE` is refused: the limit, and the memory it would need."""
-    need = rank_state_bytes(dp_size * workers)
+def dp_size_limit(dp_size: int, workers: int | None) -> str:
+    """Why a dp_size above :data:`MAX_DP_SIZE` is refused: the limit, and the memory it would need
+    (for ``workers`` workers; per worker when not known yet)."""
+    need = rank_state_bytes(dp_size * (workers or 1))
     size = f"{need / 2**30:,.1f} GiB" if need >= 2**30 else f"{need / 2**20:,.0f} MiB"
-    return (f"at most {MAX_DP_SIZE:,} (the largest dp_size a trace may have; {workers:,} worker(s) x "
-            f"{dp_size:,} ranks would need at least {size} of simulator state, "
-            f"{RANK_BYTES // 1024} KiB per rank)")
+    who = f"{workers:,} worker(s) x {dp_size:,} ranks" if workers else f"each worker's {dp_size:,} ranks"
+    return (f"at most {MAX_DP_SIZE:,} (the largest dp_size a trace may have; {who} would need at least "
+            f"{size} of simulator state, {RANK_BYTES // 1024} KiB per rank)")
 
 
 def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, Any]] | None = None,
