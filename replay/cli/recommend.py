@@ -62,7 +62,7 @@ level has none); a directory with plan_summary.parquet is read so without
 
 @click.command(epilog=_EPILOG)
 @click.argument("run_dir", type=click.Path(path_type=str))
-@click.option("--max-p99-waiting", "bound", default=None, type=click.FloatRange(min=0), callback=finite, metavar="N",
+@click.option("--max-p99-waiting", "bound", default=None, type=click.FloatRange(min=0), metavar="N",
               help="Open-loop run: bound on selected_waiting_p99 (queued requests at the chosen worker).")
 @click.option("--max-ttft-p99-ms", "ttft_ms", default=None, type=click.FloatRange(min=0), callback=finite,
               metavar="MS",

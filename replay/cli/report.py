@@ -32,7 +32,7 @@ Example:
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--out", "out", default=None, type=click.Path(path_type=str),
               help="HTML file to write (default: RUN_DIR/report.html).")
-@click.option("--max-p99-waiting", default=None, type=click.FloatRange(min=0), callback=finite,
+@click.option("--max-p99-waiting", default=None, type=click.FloatRange(min=0),
               help="Pressure bound for the best configs: p99 waiting at the chosen worker "
                    "(default: the median p99 over the grid).")
 @click.option("--config", "config_id", default=None, type=click.IntRange(min=0),
