@@ -83,7 +83,7 @@ def test_generate_command(tmp_path):
             "--sample-interval-ms", "200", "--max-matches", "4", "--seed", "3"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
-    assert sorted(os.listdir(out)) == ["loads.parquet", "requests.parquet", "workers.parquet"]
+    assert sorted(os.listdir(out)) == ["loads.parquet", "requests.parquet", "trace.json", "workers.parquet"]
     res = CliRunner().invoke(main, args)                 # non-empty: refused
     assert res.exit_code == 2 and "--force" in res.output and len(res.output.strip().splitlines()) == 1
     res = CliRunner().invoke(main, args + ["--force"])

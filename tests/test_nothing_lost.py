@@ -310,6 +310,27 @@ def test_generate_force_replaces_only_a_trace_it_wrote(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["mine", "t"]
 
 
+def test_generate_force_refuses_a_hand_made_trace_without_its_marker(gen_trace, tmp_path):
+    """A folder of trace tables is any trace's: only the trace.json generate writes marks it as
+    generate's, so a hand-made trace (the tables alone, or with a trace.json of its own) is kept."""
+    mine = tmp_path / "mine"
+    shutil.copytree(gen_trace, mine)
+    before = digest_tree(mine)
+    refused(invoke("generate", mine, "--requests", "100", "--force"), "--force replaces only",
+            f"no trace.json of router-replay's in it; {mine / 'loads.parquet'} was not written")
+    (mine / "trace.json").write_text(json.dumps({"source": "our production fleet, Tuesday"}))
+    before = digest_tree(mine)
+    refused(invoke("generate", mine, "--requests", "100", "--force"),
+            f"{mine / 'trace.json'} was not written by router-replay")
+    assert digest_tree(mine) == before
+    t = tmp_path / "t"
+    ok(invoke("generate", t, "--requests", "100", "--partition-s", "10"))
+    assert json.loads((t / "trace.json").read_text())["source"].startswith("router-replay generate")
+    ok(invoke("generate", t, "--requests", "200", "--force"))
+    assert sorted(os.listdir(t)) == ["loads.parquet", "requests.parquet", "trace.json", "workers.parquet"]
+    assert sorted(os.listdir(tmp_path)) == ["mine", "t"]
+
+
 def test_a_baseline_of_a_policy_variant_grid_loads_and_a_bad_choice_is_unusable(gen_trace, tmp_path):
     run = tmp_path / "run"
     ok(invoke("sweep", gen_trace, "--out", run, "--worker-queue-limit", "2,4", "--saturation-queue-floor", "1",

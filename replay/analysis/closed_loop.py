@@ -32,7 +32,7 @@ from typing import Any
 import polars as pl
 
 from replay.analysis import ranking
-from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT
+from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS
 from replay.errors import ParamError, ReplayError
 from replay.runs import names
 
@@ -145,6 +145,21 @@ def is_grid(path: str | os.PathLike) -> bool:
     return (p / SUMMARY).is_file() or (p / PREDICTION / SUMMARY).is_file()
 
 
+# columns of a closed-loop summary or a plan that are not numbers: choice and switch knobs, the
+# fleet's label, the seeds and the stable verdict
+_NOT_NUMERIC = frozenset({"fleet", "seeds", "stable", "unstable_seeds"})
+
+
+def check_numeric(table: pl.DataFrame, where: str | os.PathLike) -> None:
+    """Every count, rate and time of a summary table is a number (a rate written as strings is
+    unusable input, not "no config qualifies"): one line naming the file and the column."""
+    for name, dtype in table.schema.items():
+        if name in _NOT_NUMERIC or (name in KNOBS and KNOBS[name].kind in ("choice", "bool")):
+            continue
+        if not (dtype.is_numeric() or dtype == pl.Null):
+            raise ReplayError(f"{where}: column '{name}': must be numeric, got {dtype}")
+
+
 def load_grid(path: str | os.PathLike) -> ClosedLoopGrid:
     """Read a closed-loop grid directory (one-line :class:`ReplayError` when it is not one)."""
     p = Path(path)
@@ -165,6 +180,7 @@ def load_grid(path: str | os.PathLike) -> ClosedLoopGrid:
             raise ReplayError(f"{sm}: column '{col}': missing (not a closed-loop summary)")
     if summary.height == 0:
         raise ReplayError(f"{sm}: no configs")
+    check_numeric(summary, sm)
     meta = _read_json(p / SIM_JSON) if (p / SIM_JSON).is_file() else {}
     fid_path = next((q for q in (p / FIDELITY_JSON, p.parent / FIDELITY_JSON) if q.is_file()), None)
     fidelity = _read_json(fid_path) if fid_path is not None else None

@@ -12,6 +12,7 @@ from pathlib import Path
 import polars as pl
 
 from replay.analysis import ranking
+from replay.analysis.closed_loop import check_numeric
 from replay.errors import ReplayError
 from replay.runs import rundir
 from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE, SIM_JSON
@@ -36,6 +37,9 @@ def read_plan(run_dir: str | os.PathLike) -> pl.DataFrame:
     for c in (*FLEET_COLS, "config_id"):
         if c not in t.columns:
             raise ReplayError(f"{p}: column {c} missing")
+    if t.height == 0:
+        raise ReplayError(f"{p}: no fleets planned (an empty plan answers nothing)")
+    check_numeric(t, p)
     return t
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -57,6 +59,11 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
                 info = generate_trace(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
                                       sample_interval_ms=sample_interval_ms, max_matches=max_matches,
                                       seed=seed, rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
+            marker = {"source": f"{rundir.GENERATE_SOURCE} (synthetic, seed {seed})",   # what --force may replace
+                      "extra": {"requests": n_requests, "workers": n_workers, "dp_size": dp_size,
+                                "sample_interval_ms": sample_interval_ms, "max_matches": max_matches,
+                                "seed": seed}}
+            (Path(tmp) / "trace.json").write_text(json.dumps(marker, indent=2) + "\n")
             rundir.move_into_place(tmp, out_dir)
         tmp = None
     finally:

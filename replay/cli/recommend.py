@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import finite
 
 _EPILOG = """
 DIR is a closed-loop grid (a `simulate` grid directory, or a `calibrate
@@ -63,9 +64,11 @@ level has none); a directory with plan_summary.parquet is read so without
 @click.argument("run_dir", type=click.Path(path_type=str))
 @click.option("--max-p99-waiting", "bound", default=None, type=click.FloatRange(min=0), metavar="N",
               help="Open-loop run: bound on selected_waiting_p99 (queued requests at the chosen worker).")
-@click.option("--max-ttft-p99-ms", "ttft_ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+@click.option("--max-ttft-p99-ms", "ttft_ms", default=None, type=click.FloatRange(min=0), callback=finite,
+              metavar="MS",
               help="Closed-loop grid or plan: bound on TTFT p99 (ms; --bound says which end).")
-@click.option("--max-queue-wait-p99-ms", "wait_ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+@click.option("--max-queue-wait-p99-ms", "wait_ms", default=None, type=click.FloatRange(min=0), callback=finite,
+              metavar="MS",
               help="Closed-loop grid or plan: bound on queue wait p99 (ms; --bound says which end).")
 @click.option("--plan", "plan_mode", is_flag=True,
               help="RUN_DIR is a capacity plan (simulate with fleet lists): the smallest fleet per "

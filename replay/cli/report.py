@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import outputs_closed, user_errors
+from replay.cli.limits import finite
 
 _EXAMPLE = """
 The page embeds plotly.js, so it opens offline. `router-replay sweep` writes
@@ -40,9 +41,9 @@ Example:
               help="config_id drawn beside the followed config in the waterfall (default: its no-gate baseline).")
 @click.option("--closed-loop", "closed_loop", default=None, type=click.Path(path_type=str),
               help="Closed-loop grid to show first (default: one found beside the run or its trace).")
-@click.option("--max-ttft-p99-ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+@click.option("--max-ttft-p99-ms", default=None, type=click.FloatRange(min=0), callback=finite, metavar="MS",
               help="Bound for the closed-loop answer: upper 95% bound of TTFT p99 (ms).")
-@click.option("--max-queue-wait-p99-ms", default=None, type=click.FloatRange(min=0), metavar="MS",
+@click.option("--max-queue-wait-p99-ms", default=None, type=click.FloatRange(min=0), callback=finite, metavar="MS",
               help="Bound for the closed-loop answer on queue wait p99 instead (ms).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")

@@ -295,14 +295,21 @@ def _names_dir(required: str, names: frozenset[str], what: str) -> Callable[[Pat
     return recognise
 
 
+GENERATE_SOURCE = "router-replay generate"
+"""The ``source`` of the trace.json ``generate`` writes: its marker (a trace's tables alone are any
+trace's, a user's hand-made one included)."""
+
+
 def _trace_dir(path: Path) -> str | None:
-    """A trace ``generate`` wrote: its tables and ``requests/``/``loads/`` folders of Parquet files only."""
-    names = {REQUESTS, LOADS, WORKERS, "requests", "loads"}
+    """A trace ``generate`` wrote: its trace.json (marked), tables and ``requests/``/``loads/``
+    folders of Parquet files only."""
+    names = {REQUESTS, LOADS, WORKERS, TRACE_JSON, "requests", "loads"}
     why = _foreign_entries(path, names.__contains__)
     if why:
         return why
-    if not any((path / n).exists() for n in (REQUESTS, "requests")):
-        return unmarked(path, "requests table")
+    info = _read_json(path / TRACE_JSON)
+    if info is None or not str(info.get("source", "")).startswith(GENERATE_SOURCE):
+        return unmarked(path, TRACE_JSON)
     return foreign_below(path, ("requests", "loads"))
 
 

@@ -112,8 +112,9 @@ class Calibration:
     def not_fitted(self) -> list[Fitted]:
         return [f for f in self.fitted if not f.fitted]
 
-    def to_fleet(self, scale: dict[int, float] | None = None):
-        """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``)."""
+    def to_fleet(self, scale: dict[int, float] | None = None, where: str = "fleet"):
+        """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``), checked by
+        the fleet validator (errors begin with ``where``)."""
 
         spec = FleetSpec(workers=len(self.per_worker), dp_size=self.per_worker[0]["dp_size"],
                          decode_peers=self.decode_peers, model=self.model, **self.publish,
@@ -123,7 +124,7 @@ class Calibration:
             per[k] = dict(w)
             if scale:
                 per[k]["decode_tokens_per_s"] = w["decode_tokens_per_s"] * scale.get(k, 1.0)
-        return build_fleet(spec, per)
+        return build_fleet(spec, per, where)
 
     def to_toml(self, source: str = "") -> str:
         """An ordinary fleet file (docs/simulator.md): fleet-wide medians, one [[worker]] each."""

@@ -33,8 +33,9 @@ Format (TOML; the same keys in a JSON object)::
     index = 3
     prefill_tokens_per_s = 6000
 
-Every top-level key may be overridden from the command line; unknown keys
-are an error.  Worker URLs are ``http://sim-prefill-NNN:30000`` (decode peers
+Every top-level key may be overridden from the command line (an override applies to every
+worker, replacing the ``[[worker]]`` tables' value of that key); unknown keys are an error.
+File values and overrides pass one validator.  Worker URLs are ``http://sim-prefill-NNN:30000`` (decode peers
 ``http://sim-decode-NNN:30000``), so the replay's worker ids (sorted URLs)
 follow the index.
 """
@@ -49,7 +50,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
+from replay.trace.base import MAX_DP_SIZE
 
 
 class FleetError(ReplayError):
@@ -142,6 +144,9 @@ _WORKER_KEYS = {"index", "dp_size", "prefill_tokens_per_s", "decode_tokens_per_s
                 "max_running_requests", "max_total_num_tokens", *_ENGINE_KEYS}
 DEFAULT_PUBLISH_INTERVAL_MS = 100
 _MAX_INT = 2**53  # knobs, intervals and capacities beyond this are refused (int64 ns arithmetic)
+# simulator memory per data-parallel rank, at least: peak RSS grew by 260 MB from 32 workers x 1 rank
+# to 32 x 1,024 ranks on a 300-request log (more per rank on smaller fleets: fixed costs)
+RANK_BYTES = 8 * 1024
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,21 @@ def decode_url(i: int) -> str:
     return f"http://sim-decode-{i:03d}:30000"
 
 
-def _check(spec: FleetSpec, where: str) -> None:
+def _check(spec: FleetSpec, where: str, given: frozenset[str] = frozenset()) -> None:
+    """The one validator of fleet values, whether a fleet file or an override gave them: a key in
+    ``given`` came from an override, and its error names the parameter (:class:`ParamError`)."""
     def bad(k, what):
+        if k in given:
+            raise ParamError(k, f"must be {what}, got {getattr(spec, k)!r}")
         raise FleetError(f"{where}: {k} must be {what}, got {getattr(spec, k)!r}")
 
-    if not isinstance(spec.workers, int) or spec.workers < 1 or spec.workers > 999:
+    if not _is_int(spec.workers) or spec.workers < 1 or spec.workers > 999:
         bad("workers", "an integer in 1..999")
-    for k in ("dp_size", "max_running_requests", "max_total_num_tokens", "idle_publish_ms"):
+    if not _is_int(spec.dp_size) or spec.dp_size < 1:
+        bad("dp_size", f"an integer in 1..{MAX_DP_SIZE:,}")
+    if spec.dp_size > MAX_DP_SIZE:
+        bad("dp_size", dp_size_limit(spec.dp_size, spec.workers))
+    for k in ("max_running_requests", "max_total_num_tokens", "idle_publish_ms"):
         v = getattr(spec, k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > _MAX_INT:
             bad(k, "an integer in 1..2**53")
@@ -222,16 +235,37 @@ def _check(spec: FleetSpec, where: str) -> None:
         bad("schedule_policy", " or ".join(repr(p) for p in SCHEDULE_POLICIES))
     if spec.publish_policy not in PUBLISH_POLICIES:
         bad("publish_policy", " or ".join(repr(p) for p in PUBLISH_POLICIES))
-    if not isinstance(spec.decode_peers, int) or spec.decode_peers < 0 or spec.decode_peers > 999:
+    if not _is_int(spec.decode_peers) or spec.decode_peers < 0 or spec.decode_peers > 999:
         bad("decode_peers", "an integer in 0..999")
     if not isinstance(spec.model, str) or not spec.model:
         bad("model", "a non-empty string")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def rank_state_bytes(ranks: int) -> int:
+    """What the simulator holds per data-parallel rank of a fleet, roughly (bytes): measured
+    growth of peak memory with the rank count (benches/README.md, "Memory per rank")."""
+    return ranks * RANK_BYTES
+
+
+def dp_size_limit(dp_size: int, workers: int | None) -> str:
+    """Why a dp_size above :data:`MAX_DP_SIZE` is refused: the limit, and the memory it would need
+    (for ``workers`` workers; per worker when not known yet)."""
+    need = rank_state_bytes(dp_size * (workers or 1))
+    size = f"{need / 2**30:,.1f} GiB" if need >= 2**30 else f"{need / 2**20:,.0f} MiB"
+    who = f"{workers:,} worker(s) x {dp_size:,} ranks" if workers else f"each worker's {dp_size:,} ranks"
+    return (f"at most {MAX_DP_SIZE:,} (the largest dp_size a trace may have; {who} would need at least "
+            f"{size} of simulator state, {RANK_BYTES // 1024} KiB per rank)")
+
+
 def build_fleet(spec: FleetSpec, overrides_by_index: Mapping[int, Mapping[str, Any]] | None = None,
-                where: str = "fleet") -> Fleet:
-    """Expand a :class:`FleetSpec` (plus per-worker overrides) into workers."""
-    _check(spec, where)
+                where: str = "fleet", given: frozenset[str] = frozenset()) -> Fleet:
+    """Expand a :class:`FleetSpec` (plus per-worker overrides) into workers; ``given``: the keys
+    an override set (their errors name the parameter, not ``where``)."""
+    _check(spec, where, given)
     role = "prefill" if spec.decode_peers else "plain"
     out = []
     for i in range(spec.workers):
@@ -295,15 +329,20 @@ def load_fleet(path: str | os.PathLike | None = None, *, resize: bool = False,
     if unknown:
         raise FleetError(f"{where}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_KEYS))}")
     n_file = data.get("workers", FleetSpec.workers)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    spec = FleetSpec(**data)
-    if resize and per_worker and isinstance(n_file, int) and n_file >= 1:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(given) - _KEYS
+    if unknown:
+        raise ParamError(sorted(unknown)[0], f"is not a fleet key; known: {', '.join(sorted(_KEYS))}")
+    _check(replace(FleetSpec(), **given), where, frozenset(given))      # an override's own error first
+    _check(FleetSpec(**data), where)
+    spec = FleetSpec(**{**data, **given})
+    if resize and per_worker and _is_int(n_file) and n_file >= 1:
         # REPLAY CHOICE: a resized fleet repeats the calibrated workers in index order
-        # (heterogeneous rates stay in the mix); dp_size is the grid's, not the file's
-        drop = {"dp_size"} if overrides.get("dp_size") is not None else set()
-        per_worker = {i: {k: v for k, v in per_worker[i % n_file].items() if k not in drop}
-                      for i in range(spec.workers) if (i % n_file) in per_worker}
+        # (heterogeneous rates stay in the mix)
+        per_worker = {i: per_worker[i % n_file] for i in range(spec.workers) if (i % n_file) in per_worker}
+    # an override applies to every worker: it replaces the [[worker]] tables' own values
+    per_worker = {i: {k: v for k, v in kw.items() if k not in given} for i, kw in per_worker.items()}
     bad = [i for i in per_worker if not 0 <= i < spec.workers]
     if bad:
         raise FleetError(f"{where}: [[worker]] index {bad[0]} outside 0..{spec.workers - 1}")
-    return build_fleet(spec, per_worker, where)
+    return build_fleet(spec, per_worker, where, frozenset(given))

@@ -34,7 +34,7 @@ from replay.kernels import layout as kl
 from replay.kernels import sim as nb
 from replay.kernels.lists import int64_array_nb
 from replay.runs import names
-from replay.runs.rundir import building, guard, move_into_place, partial_beside
+from replay.runs.rundir import building, guard
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
 from replay.sweep.engine import encode_configs

@@ -27,12 +27,16 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from replay import labels
 from replay.runs.names import REQUESTS, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
 from replay.trace.blocks import check_block_counts
+from replay.trace.columns import Columns
+from replay.trace.encode import ClosedLoopColumns, load_specs, read_closed_loop, unique_request_ids
 from replay.trace.files import list_parts
 from replay.trace.info import read_trace_info as read_checked_trace_info
+from replay.trace.workers import parse_workers_table
 
 REQUIRED = ("ts", "input_tokens", "hash_ids", "output_tokens")
 
@@ -111,31 +115,45 @@ def _read(p: Path) -> pl.DataFrame:
         raise LogError(f"{p}: cannot read: {str(err).splitlines()[0]}") from None
 
 
-def _int_column(df: pl.DataFrame, name: str, where: Path, *, nullable: bool = False) -> np.ndarray:
-    col = df[name]
-    if not (col.dtype.is_integer() or (nullable and col.dtype == pl.Null)):
-        raise LogError(f"{where}: column {name!r}: must be an integer column, got {col.dtype}")
-    if col.null_count() and not nullable:
-        raise LogError(f"{where}: column {name!r} row {int(col.is_null().arg_max())}: null")
-    a = col.cast(pl.Int64).fill_null(-1).to_numpy()
-    bad = np.nonzero((a < 0) & col.is_not_null().to_numpy())[0]
-    if bad.size:
-        raise LogError(f"{where}: column {name!r} row {int(bad[0])}: must be >= 0, got {int(a[bad[0]])}")
-    return a
+def _request_columns(R: Columns) -> tuple[np.ndarray, np.ndarray, ClosedLoopColumns]:
+    """``ts``, ``input_tokens`` and the closed-loop columns of a request frame, checked by the
+    trace reader's own column rules (:func:`replay.trace.encode.read_closed_loop`: cached above
+    input, ttft above latency, NaN, hash ids that are not int64, counts past 2**53), plus what a
+    request log needs besides: every request's ``output_tokens`` and ``hash_ids``."""
+    for c in REQUIRED:
+        if not R.has(c):
+            raise LogError(f"{R.name}: missing column {c!r} (a trace used as a request log needs "
+                           f"{', '.join(REQUIRED)})")
+    ts = R.timestamps("ts")
+    L = R.ints("input_tokens", nullable=False)
+    cl = read_closed_loop(R, L)
+    assert cl.output_tokens is not None and cl.hash_known is not None   # REQUIRED columns
+    if (cl.output_tokens < 0).any():
+        R.fail("output_tokens", "null (a request log needs every request's output length)",
+               int(np.argmax(cl.output_tokens < 0)))
+    if not cl.hash_known.all():
+        R.fail("hash_ids", "null (a request log needs every request's block hashes)",
+               int(np.argmin(cl.hash_known)))
+    if R.has("selected_worker"):
+        R.strings("selected_worker", nullable=True)
+    if R.has("request_id"):
+        unique_request_ids(R)
+    return ts, L, cl
 
 
-def _float_column(df: pl.DataFrame, name: str, where: Path) -> np.ndarray:
-    if name not in df.columns:
-        return np.full(df.height, np.nan)
-    col = df[name]
-    if not (col.dtype.is_numeric() or col.dtype == pl.Null):
-        raise LogError(f"{where}: column {name!r}: must be numeric, got {col.dtype}")
-    a = col.cast(pl.Float64).to_numpy().astype(np.float64)
-    bad = np.nonzero(~np.isnan(a) & ~((a >= 0) & np.isfinite(a)))[0]
-    if bad.size:
-        raise LogError(f"{where}: column {name!r} row {int(bad[0])}: must be finite and >= 0, "
-                       f"got {a[bad[0]]}")
-    return a
+def _checked_loads(loads: pl.DataFrame | None, where: Path) -> pl.DataFrame | None:
+    """The load samples checked by the trace reader's rules for them (a ``dp_rank`` column is
+    optional: rank 0, as the trace reader takes it), ``ts`` as int64 nanoseconds."""
+    if loads is None:
+        return None
+    L = Columns(str(where), loads)
+    ts = L.timestamps("ts")
+    L.strings("worker", nullable=False)
+    L.int_columns(load_specs())
+    loads = loads.with_columns(pl.Series("ts", ts, dtype=pl.Int64))
+    if "dp_rank" not in loads.columns:
+        loads = loads.with_columns(pl.lit(0, dtype=pl.Int64).alias("dp_rank"))
+    return loads
 
 
 def read_trace_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -156,8 +174,9 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
                    limit: int | None = None) -> RecordedTrace:
     """Read a trace directory as a request log plus what production recorded.
 
-    The block size is ``trace.json``'s ``page_size``, else the workers'
-    ``page_size``, else ``block_size``; with none of them the trace is refused.
+    Every column present is checked by the trace reader's rules (``validate``'s), without
+    requiring the router-side columns.  The block size is ``trace.json``'s ``page_size``, else
+    the workers' ``page_size``, else ``block_size``; with none of them the trace is refused.
     """
     d = Path(path)
     wk_path = d / WORKERS
@@ -165,89 +184,75 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     req, rq_path = _table(d, "requests")
     if req is None:
         raise LogError(f"{rq_path}: file not found (nor a requests/ folder)")
-    for c in REQUIRED:
-        if c not in req.columns:
-            raise LogError(f"{rq_path}: missing column {c!r} (a trace used as a request log needs "
-                           f"{', '.join(REQUIRED)})")
-    if "model" in req.columns and req["model"].drop_nulls().n_unique() > 1:
-        names = sorted(req["model"].drop_nulls().unique().to_list())
-        raise LogError(f"{rq_path}: column 'model': {len(names)} models ({', '.join(map(str, names[:3]))}"
-                       f"{', ...' if len(names) > 3 else ''}); the simulator models one fleet of one model")
-    if limit is not None:
-        req = req.sort("ts", maintain_order=True).head(int(limit))
+    R = Columns(str(rq_path), req)
+    ts, L, cl = _request_columns(R)
+    if "model" in req.columns:
+        models = R.strings("model", nullable=True).drop_nulls()
+        if models.n_unique() > 1:
+            names = sorted(models.unique().to_list())
+            R.fail("model", f"{len(names)} models ({', '.join(map(str, names[:3]))}"
+                   f"{', ...' if len(names) > 3 else ''}); the simulator models one fleet of one model")
+    if limit is not None and int(limit) < req.height:
+        req = req.with_columns(pl.Series("ts", ts, dtype=pl.Int64)).sort("ts", maintain_order=True)
+        req = req.head(int(limit))
+        R = Columns(str(rq_path), req)
+        ts, L, cl = _request_columns(R)
     workers = _read(wk_path)
     for c in ("worker", "dp_size"):
         if c not in workers.columns:
             raise LogError(f"{wk_path}: missing column {c!r}")
+    table = parse_workers_table(workers)
+    unknown_dp = np.nonzero(table.dp_sizes <= 0)[0]
+    if unknown_dp.size:
+        raise LogError(f"{wk_path}: column 'dp_size' row {int(unknown_dp[0])}: null (a simulated fleet needs "
+                       "each worker's dp_size)")
     page = info.get("page_size")
-    if "page_size" in workers.columns and workers["page_size"].drop_nulls().len():
-        pre = workers.filter(pl.col("role") != "decode") if "role" in workers.columns else workers
-        pages = pre["page_size"].drop_nulls().unique().to_list()
-        if len(pages) > 1:
-            raise LogError(f"{wk_path}: column 'page_size': workers disagree ({sorted(pages)}); "
-                           "one block size per trace is needed")
-        if pages and page is not None and pages[0] != page:
-            raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
-                           f"workers.parquet page_size {pages[0]}")
-        if pages and page is None:
-            page = pages[0]
+    prefill = table.roles != labels.ROLE_DECODE
+    pages = sorted(set(table.page_sizes[prefill & (table.page_sizes > 0)].tolist()))
+    if len(pages) > 1:
+        raise LogError(f"{wk_path}: column 'page_size': workers disagree ({pages}); "
+                       "one block size per trace is needed")
+    if pages and page is not None and pages[0] != page:
+        raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
+                       f"workers.parquet page_size {pages[0]}")
+    if pages and page is None:
+        page = pages[0]
     if page is None:
         page = block_size
     if page is None:
         raise LogError(f"{d}: page size unknown (no trace.json page_size, no workers.parquet "
                        "page_size): pass --block-size")
-    if not isinstance(page, int) or isinstance(page, bool) or page < 1:
-        raise LogError(f"{d / 'trace.json'}: key 'page_size': must be an integer >= 1, got {page!r}")
 
-    ts = _int_column(req, "ts", rq_path)
-    L = _int_column(req, "input_tokens", rq_path)
-    out = _int_column(req, "output_tokens", rq_path)
-    hashes = req["hash_ids"]
-    if not isinstance(hashes.dtype, (pl.List, pl.Array)):
-        raise LogError(f"{rq_path}: column 'hash_ids': must be a list of int64, got {hashes.dtype}")
-    if hashes.null_count():
-        raise LogError(f"{rq_path}: column 'hash_ids' row {int(hashes.is_null().arg_max())}: null "
-                       "(a request log needs every request's block hashes)")
-    hashes = hashes.cast(pl.List(pl.Int64))
-    inner_null = hashes.list.eval(pl.element().is_null().any()).list.first().fill_null(False)
-    if inner_null.any():
-        raise LogError(f"{rq_path}: column 'hash_ids' row {int(inner_null.arg_max())}: "
-                       "null entry inside the list")
-    sizes = hashes.list.len().to_numpy().astype(np.int64)
+    assert cl.hash_offsets is not None and cl.hash_values is not None and cl.output_tokens is not None
+    sizes = np.diff(cl.hash_offsets)
     counts = check_block_counts(sizes, L, page)
     if counts.bad is not None:
-        raise LogError(f"{rq_path}: column 'hash_ids' row {counts.bad}: {counts.message}")
-    flat = (hashes.explode().drop_nulls().to_numpy().astype(np.int64) if sizes.sum()
-            else np.zeros(0, np.int64))
-    off = np.zeros(req.height + 1, dtype=np.int64)
-    np.cumsum(sizes, out=off[1:])
+        R.fail("hash_ids", counts.message, counts.bad)
     t0 = int(ts.min()) if ts.size else 0
-    log = RequestLog(ts - t0, L, out, off, flat, np.arange(req.height, dtype=np.int64), page, str(d))
+    log = RequestLog(ts - t0, L, cl.output_tokens, cl.hash_offsets, cl.hash_values,
+                     np.arange(req.height, dtype=np.int64), page, str(d))
     order = log.request_id  # trace row of each log position
 
-    roles = (workers["role"].to_list() if "role" in workers.columns
-             else ["plain"] * workers.height)
-    urls_all = workers["worker"].to_list()
-    dps = _int_column(workers, "dp_size", wk_path).tolist()
-    pre = sorted((u, dp) for u, dp, r in zip(urls_all, dps, roles, strict=True) if r != "decode")
+    pre = sorted((u, int(dp)) for u, dp, r in zip(table.names, table.dp_sizes.tolist(), prefill.tolist(),
+                                                   strict=True) if r)
     if not pre:
         raise LogError(f"{wk_path}: no prefill or plain worker")
     urls = [u for u, _ in pre]
     index = {u: k for k, u in enumerate(urls)}
     if "selected_worker" in req.columns:
-        sel = req["selected_worker"].to_list()
+        sel = req["selected_worker"].cast(pl.String).to_list()
         placement = np.array([index.get(s, -1) if s is not None else -1 for s in sel],
                              dtype=np.int64)[order]
     else:
         placement = np.full(req.height, -1, dtype=np.int64)
-    cached = (_int_column(req, "cached_tokens", rq_path, nullable=True)[order]
-              if "cached_tokens" in req.columns else np.full(req.height, -1, dtype=np.int64))
-    ttft = _float_column(req, "ttft_ms", rq_path)[order]
-    lat = _float_column(req, "latency_ms", rq_path)[order]
-    loads, _ld_path = _table(d, "loads")
+    n = req.height
+    cached = (cl.cached_tokens if cl.cached_tokens is not None else np.full(n, -1, dtype=np.int64))[order]
+    ttft = (cl.ttft_ms if cl.ttft_ms is not None else np.full(n, np.nan))[order]
+    lat = (cl.latency_ms if cl.latency_ms is not None else np.full(n, np.nan))[order]
+    loads, ld_path = _table(d, "loads")
+    loads = _checked_loads(loads, ld_path)
     model = None
     if "model" in req.columns and req["model"].drop_nulls().len():
         model = str(req["model"].drop_nulls()[0])
-    return RecordedTrace(d, log, urls, [int(dp) for _, dp in pre],
-                         sum(1 for r in roles if r == "decode"), placement, cached, ttft, lat, t0,
-                         loads, info, model)
+    return RecordedTrace(d, log, urls, [dp for _, dp in pre], int((~prefill).sum()), placement, cached, ttft,
+                         lat, t0, loads, info, model)

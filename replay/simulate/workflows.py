@@ -108,6 +108,8 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
     rec = read_trace_log(trace_dir, block_size=block_size)
     cal = fit_fleet(rec, decode_model=decode_model)
+    # checked before anything is written: a fit the simulator cannot run blames the trace's counters
+    cal.to_fleet(where=f"{trace_dir}: the fleet fitted from its loads.parquet counters cannot be simulated")
     extra = (rec.info.get("extra") or {})
     if freshness_ms is None:
         got = extra.get("freshness_ms")

@@ -131,7 +131,11 @@ class Columns:
         if isinstance(s.dtype, pl.Datetime):
             if s.null_count():
                 self.fail(col, "null timestamp", int(s.is_null().arg_max()))
-            return s.dt.epoch("ns").cast(pl.Int64).to_numpy()
+            ns = s.dt.epoch("ns")
+            if ns.null_count():      # beyond int64 nanoseconds (years before 1677 or after 2262)
+                row = int(ns.is_null().arg_max())
+                self.fail(col, "datetime outside the int64 nanosecond range (years 1678..2262)", row)
+            return ns.cast(pl.Int64).to_numpy()
         if s.dtype.is_integer():
             return self.ints(col, nullable=False, lo=-(2**63), hi=2**63 - 1, s=s)
         self.fail(col, f"wrong type {s.dtype}, expected int64 nanoseconds or a Datetime")

@@ -102,10 +102,8 @@ def request_id_column(R: Columns):
     return R.strings("request_id", nullable=False, s=rid_s), None
 
 
-def read_requests(R: Columns) -> RequestColumns:
-    """The scalar request columns, checked (``request_id`` unique)."""
-    n = R.df.height
-    ts = R.timestamps("ts")
+def unique_request_ids(R: Columns):
+    """:func:`request_id_column`, each id once (the first repeat is the error, naming both rows)."""
     rid_s, request_id = request_id_column(R)
     dup = None if all_distinct(rid_s) else ~rid_s.is_first_distinct()   # the cheap test first
     if dup is not None and dup.any():
@@ -113,6 +111,14 @@ def read_requests(R: Columns) -> RequestColumns:
         first_name, first = R.where(int((rid_s == rid_s[row]).arg_max()))
         at = f"row {first}" if first_name == R.where(row)[0] else f"{first_name} row {first}"
         R.fail("request_id", f"duplicate request_id {rid_s[row]!r} (first at {at})", row)
+    return rid_s, request_id
+
+
+def read_requests(R: Columns) -> RequestColumns:
+    """The scalar request columns, checked (``request_id`` unique)."""
+    n = R.df.height
+    ts = R.timestamps("ts")
+    rid_s, request_id = unique_request_ids(R)
     if request_id is None:
         request_id = rid_s.to_numpy()
     model = (R.strings("model", nullable=True).fill_null(DEFAULT_MODEL) if R.has("model")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 from replay.config import KNOBS, RouterConfig, validate_router_flags
@@ -83,7 +84,10 @@ def parse_trace_info(obj, path: str | None = None) -> TraceInfo:
         if name == "disable_pressure_guard":
             _fail(f"router.{k}", "give the knob as \"pressure_guard\": false")
         if name not in KNOBS:
-            _fail(f"router.{k}", f"unknown router knob (known: {', '.join(KNOBS)})")
+            _fail(f"router.{k}", f"unknown router knob (known: {', '.join(n for n in KNOBS if KNOBS[n].router)})")
+        if not KNOBS[name].router:
+            _fail(f"router.{k}", f"{KNOBS[name].flag} is a replay-only policy variant, not a flag the router "
+                  "takes (give it to sweep or simulate)")
         if name in router:
             _fail(f"router.{k}", "given twice")
         router[name] = _knob_value(name, v)
@@ -92,10 +96,10 @@ def parse_trace_info(obj, path: str | None = None) -> TraceInfo:
     except ConfigError as err:
         _fail("router", f"the router would refuse these flags: {err}")
     page = obj.get("page_size")
-    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= MAX_INT32):
+    if "page_size" in obj and (isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= MAX_INT32):
         _fail("page_size", f"must be an integer >= 1, got {one_line(json.dumps(page))}")
     source = obj.get("source")
-    if source is not None and not isinstance(source, str):
+    if "source" in obj and not isinstance(source, str):
         _fail("source", f"must be a string, got {one_line(json.dumps(source))}")
     per_rank = obj.get("per_dp_rank", False)
     if not isinstance(per_rank, bool):
@@ -122,4 +126,7 @@ def read_trace_info(dirpath: str | os.PathLike) -> TraceInfo:
     except json.JSONDecodeError as err:
         raise TraceError(f"{TRACE_JSON}: not valid JSON (line {err.lineno} column {err.colno}: "
                          f"{err.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{TRACE_JSON}: nested too deeply to read (more than Python's "
+                         f"{sys.getrecursionlimit():,} levels)") from None
     return parse_trace_info(obj, os.path.abspath(path))

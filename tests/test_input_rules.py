@@ -1,0 +1,293 @@
+"""One reader and one set of rules per input: fleet files and the flags that override them,
+a trace read as a request log (calibrate, simulate) under validate's rules, recommend's plans
+and SLOs.  Every case runs the real CLI on real files: one ``error:`` line, exit 2, naming the
+file and column and row (or the option); inputs byte for byte what they were.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from test_nothing_lost import digest_tree, invoke, ok, refused
+
+from replay.simulate import load_fleet
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "traces" / "sample"
+SAMPLE_FLEET = REPO / "traces" / "sample-fleet.toml"
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """calibrate's own output: a fleet file with a [[worker]] table per worker."""
+    fleet = tmp_path_factory.mktemp("fleet") / "fleet.toml"
+    ok(invoke("calibrate", SAMPLE, "--out", fleet, "-q"))
+    assert fleet.read_text().count("[[worker]]") == 4
+    return fleet
+
+
+# ---------------------------------------------------------------------------
+# fleet files and their override flags
+
+
+def test_override_flags_apply_to_every_worker_of_a_calibrated_fleet(calibrated):
+    plain = load_fleet(calibrated)
+    assert {w.dp_size for w in plain.workers} == {2}
+    assert {w.prefill_tokens_per_s for w in plain.workers} == {8000.0}
+    fleet = load_fleet(calibrated, dp_size=3, prefill_tokens_per_s=1234.5, max_running_requests=7)
+    assert [w.dp_size for w in fleet.workers] == [3] * 4
+    assert [w.prefill_tokens_per_s for w in fleet.workers] == [1234.5] * 4
+    assert [w.max_running_requests for w in fleet.workers] == [7] * 4
+    # what was not overridden keeps each worker's fitted value
+    assert [w.decode_tokens_per_s for w in fleet.workers] == [w.decode_tokens_per_s for w in plain.workers]
+    assert len({w.decode_tokens_per_s for w in fleet.workers}) > 1
+
+
+def test_simulate_with_an_override_runs_the_overridden_fleet(calibrated, tmp_path):
+    out = tmp_path / "sim"
+    ok(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", calibrated, "--out", out,
+              "--dp-size", "3", "--requests", "100", "-q"))
+    workers = pl.read_parquet(out / "workers.parquet")
+    assert workers["dp_size"].to_list() == [3] * 4
+
+
+@pytest.mark.parametrize("text, key", [("workers = true", "workers"), ("decode_peers = true", "decode_peers"),
+                                       ("dp_size = 1048576", "dp_size")])
+def test_a_fleet_file_value_is_refused_naming_the_file(tmp_path, text, key):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(text + "\n")
+    before = fleet.read_bytes()
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", fleet,
+                          "--out", tmp_path / "o"), f"{fleet}: {key} must be")
+    if key == "dp_size":
+        assert "GiB of simulator state" in line and "at most 1,024" in line
+    assert fleet.read_bytes() == before and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--prefill-tokens-per-s", "-5"), ("--max-running-requests", "0"),
+                                         ("--decode-peers", "-1"), ("--max-total-num-tokens", "0")])
+def test_an_override_flag_goes_through_the_fleet_validator_and_is_named(calibrated, tmp_path, flag, value):
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", calibrated,
+                          "--out", tmp_path / "o", flag, value), f"{flag} must be")
+    assert str(calibrated) not in line
+
+
+def test_dp_size_above_the_limit_names_the_memory_it_would_need(tmp_path):
+    line = refused(invoke("simulate", REPO / "traces" / "sample-log" / "requests.jsonl", "--fleet", SAMPLE_FLEET,
+                          "--out", tmp_path / "o", "--dp-size", "1,100000", "--workers", "4"), "--dp-size")
+    assert "100,000" in line and "GiB of simulator state" in line
+
+
+# ---------------------------------------------------------------------------
+# a trace read as a request log: validate's rules, one line naming file, column and row
+
+
+def _trace(tmp_path: Path, name: str, *, req=None, loads=None, workers=None, info=None) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    for f in ("requests", "loads", "workers"):
+        shutil.copy(SAMPLE / f"{f}.parquet", d / f"{f}.parquet")
+    shutil.copy(SAMPLE / "trace.json", d / "trace.json")
+    for f, fix in (("requests", req), ("loads", loads), ("workers", workers)):
+        if fix is not None:
+            fix(pl.read_parquet(d / f"{f}.parquet")).write_parquet(d / f"{f}.parquet")
+    if info is not None:
+        text = info if isinstance(info, str) else json.dumps(info(json.loads((d / "trace.json").read_text())))
+        (d / "trace.json").write_text(text)
+    return d
+
+
+def _at_row(col: str, row: int, value) -> pl.Expr:
+    return pl.when(pl.int_range(pl.len()) == row).then(value).otherwise(pl.col(col)).alias(col)
+
+
+BAD = {
+    "cached above input": dict(req=lambda df: df.with_columns(_at_row("cached_tokens", 5, pl.col("input_tokens") + 1)),
+                               needles=("requests.parquet: column 'cached_tokens' row 5",)),
+    "ttft above latency": dict(req=lambda df: df.with_columns(_at_row("ttft_ms", 7, pl.col("latency_ms") + 1)),
+                               needles=("requests.parquet: column 'ttft_ms' row 7",)),
+    "NaN ttft": dict(req=lambda df: df.with_columns(_at_row("ttft_ms", 9, float("nan"))),
+                     needles=("requests.parquet: column 'ttft_ms' row 9", "nan")),
+    "negative running": dict(loads=lambda df: df.with_columns(_at_row("num_running_reqs", 11, -3)),
+                             needles=("loads.parquet: column 'num_running_reqs' row 11", "-3")),
+    "float hash ids": dict(req=lambda df: df.with_columns(pl.col("hash_ids").cast(pl.List(pl.Float64))),
+                           needles=("requests.parquet: column 'hash_ids'", "Float64")),
+    "string hash ids": dict(req=lambda df: df.with_columns(pl.col("hash_ids").cast(pl.List(pl.String))),
+                            needles=("requests.parquet: column 'hash_ids'", "String")),
+    "u64 hash ids": dict(req=lambda df: df.with_columns(
+        pl.col("hash_ids").list.eval(pl.element().cast(pl.UInt64) + 2**63)),
+        needles=("requests.parquet: column 'hash_ids' row 0", "not an int64")),
+    "output beyond 2**53": dict(req=lambda df: df.with_columns(_at_row("output_tokens", 5, 2**53 + 1)),
+                                needles=("requests.parquet: column 'output_tokens' row 5", "2**53")),
+    "repeated request_id": dict(req=lambda df: df.with_columns(_at_row("request_id", 8, pl.lit(3, dtype=pl.Int64))),
+                                needles=("requests.parquet: column 'request_id' row 8", "first at row 3")),
+    "Datetime beyond int64 ns": dict(req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("us"))),
+                                     needles=("requests.parquet: column 'ts' row 0", "int64 nanosecond range")),
+    "dp_size 2**20": dict(workers=lambda df: df.with_columns(pl.lit(2**20).alias("dp_size")),
+                          needles=("workers.parquet: column 'dp_size' row 0", "1024")),
+    "list extra": dict(info=lambda j: {**j, "extra": [1, 2]}, needles=("trace.json: key 'extra'",)),
+    "deep nesting": dict(info='{"extra": ' + "[" * 50_000 + "]" * 50_000 + "}",
+                         needles=("trace.json: nested too deeply",)),
+    "variant knob": dict(info=lambda j: {**j, "router": {"variant_pin_order": "locality"}},
+                         needles=("trace.json: key 'router.variant_pin_order'", "replay-only")),
+    "nested knob": dict(info=lambda j: {**j, "router": {"worker_queue_limit": {"value": 8}}},
+                        needles=("trace.json: key 'router.worker_queue_limit'",)),
+    "null page_size": dict(info=lambda j: {**j, "page_size": None},
+                           needles=("trace.json: key 'page_size': must be an integer >= 1, got null",)),
+    "floor above limit": dict(info=lambda j: {**j, "router": {"worker_queue_limit": 2, "saturation_queue_floor": 5}},
+                              needles=("trace.json: key 'router'", "--saturation-queue-floor")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_calibrate_and_simulate_refuse_what_validate_refuses_with_its_line(tmp_path, case):
+    spec = dict(BAD[case])
+    needles = spec.pop("needles")
+    d = _trace(tmp_path, "t", **spec)
+    before = digest_tree(d)
+    want = refused(invoke("validate", d), *needles).removeprefix("error: ")
+    fleet = tmp_path / "fleet.toml"
+    got = refused(invoke("calibrate", d, "--out", fleet, "-q"), *needles)
+    assert got.endswith(want), (got, want)        # the same rule, the same words (a path before the file)
+    assert not fleet.exists()
+    got = refused(invoke("simulate", d, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "sim", "-q"), *needles)
+    assert got.endswith(want), (got, want)
+    assert not (tmp_path / "sim").exists()
+    assert digest_tree(d) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+def _fit(fleet: Path) -> str:
+    """A fleet file's fitted values, without the header that names the trace."""
+    return "\n".join(ln for ln in fleet.read_text().splitlines() if not ln.startswith("#"))
+
+
+def test_valid_traces_in_other_shapes_fit_the_same_fleet(tmp_path):
+    """A Datetime ts, loads without the optional dp_rank, a trace holding only a log's columns
+    (as an independent engine writes it), and a trace set of parts are all read, and fit what the
+    plain trace fits."""
+    ok(invoke("calibrate", _trace(tmp_path, "plain"), "--out", tmp_path / "plain.toml", "-q"))
+    want = _fit(tmp_path / "plain.toml")
+    log_cols = ["ts", "request_id", "input_tokens", "hash_ids", "output_tokens", "cached_tokens", "ttft_ms",
+                "latency_ms", "selected_worker"]
+    shapes = {
+        "datetime": dict(req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns"))),
+                         loads=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns")))),
+        "no-dp-rank": dict(loads=lambda df: df.filter(pl.col("dp_rank") == 0).drop("dp_rank"),
+                           workers=lambda df: df.with_columns(pl.lit(1).alias("dp_size"))),
+        "log-only": dict(req=lambda df: df.select(log_cols)),
+    }
+    for name, fix in shapes.items():
+        d = _trace(tmp_path, name, **fix)
+        if name != "log-only":       # validate needs the router-side columns a sweep replays
+            ok(invoke("validate", d))
+        ok(invoke("calibrate", d, "--out", tmp_path / f"{name}.toml", "-q"))
+        if name != "no-dp-rank":
+            assert _fit(tmp_path / f"{name}.toml") == want, name
+    assert "dp_size = 1" in _fit(tmp_path / "no-dp-rank.toml")
+    # a trace set: requests and loads as folders of parts
+    ts = tmp_path / "set"
+    ts.mkdir()
+    for f in ("workers.parquet", "trace.json"):
+        shutil.copy(SAMPLE / f, ts / f)
+    for kind in ("requests", "loads"):
+        df = pl.read_parquet(SAMPLE / f"{kind}.parquet")
+        (ts / kind).mkdir()
+        half = df.height // 2
+        df.head(half).write_parquet(ts / kind / "part-0.parquet")
+        df.tail(df.height - half).write_parquet(ts / kind / "part-1.parquet")
+    ok(invoke("calibrate", ts, "--out", tmp_path / "set.toml", "-q"))
+    assert _fit(tmp_path / "set.toml") == want
+
+
+def test_forced_placement_reads_a_datetime_ts(tmp_path):
+    d = _trace(tmp_path, "dt", req=lambda df: df.with_columns(pl.col("ts").cast(pl.Datetime("ns"))
+                                                              .dt.cast_time_unit("us")))
+    ok(invoke("calibrate", SAMPLE, "--out", tmp_path / "f.toml", "-q"))
+    ok(invoke("simulate", d, "--fleet", tmp_path / "f.toml", "--out", tmp_path / "sim", "--forced-placement",
+              "--requests", "200", "-q"))
+    assert pl.read_parquet(tmp_path / "sim" / "requests.parquet").height == 200
+
+
+# ---------------------------------------------------------------------------
+# recommend: a grid or plan it cannot use is unusable input (2), never "no config qualifies" (1)
+
+LOG = REPO / "traces" / "sample-log" / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def grid_and_plan(tmp_path_factory):
+    base = tmp_path_factory.mktemp("closed")
+    ok(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", base / "grid", "--worker-queue-limit", "2,4",
+              "--requests", "300", "-q"))
+    ok(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", base / "plan", "--workers", "2,4",
+              "--worker-queue-limit", "2,4", "--requests", "300", "-q"))
+    return base / "grid", base / "plan"
+
+
+def _copy_with(src: Path, dst: Path, table: str, fix) -> Path:
+    shutil.copytree(src, dst)
+    fix(pl.read_parquet(dst / table)).write_parquet(dst / table)
+    return dst
+
+
+def test_recommend_refuses_rates_written_as_strings(grid_and_plan, tmp_path):
+    grid, plan = grid_and_plan
+    assert invoke("recommend", grid, "--max-ttft-p99-ms", "1e9").exit_code == 0
+    assert invoke("recommend", plan, "--plan", "--max-ttft-p99-ms", "1e9").exit_code == 0
+    as_text = lambda df: df.with_columns(pl.col("true_hit_rate").cast(pl.String))   # noqa: E731
+    g = _copy_with(grid, tmp_path / "g", "closed_loop_summary.parquet", as_text)
+    before = digest_tree(g)
+    refused(invoke("recommend", g, "--max-ttft-p99-ms", "1e9"),
+            f"{g / 'closed_loop_summary.parquet'}: column 'true_hit_rate': must be numeric, got String")
+    assert digest_tree(g) == before
+    p = _copy_with(plan, tmp_path / "p", "plan_summary.parquet",
+                   lambda df: df.with_columns(pl.col("ttft_ms_p99").cast(pl.String)))
+    refused(invoke("recommend", p, "--plan", "--max-ttft-p99-ms", "1e9"),
+            f"{p / 'plan_summary.parquet'}: column 'ttft_ms_p99': must be numeric, got String")
+
+
+def test_recommend_refuses_an_empty_plan(grid_and_plan, tmp_path):
+    _, plan = grid_and_plan
+    p = _copy_with(plan, tmp_path / "p", "plan_summary.parquet", lambda df: df.head(0))
+    for extra in ([], ["--json"]):
+        refused(invoke("recommend", p, "--plan", "--max-ttft-p99-ms", "1000", *extra),
+                f"{p / 'plan_summary.parquet'}: no fleets planned")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_an_slo_must_be_a_finite_number(grid_and_plan, gen_trace, tmp_path, value):
+    grid, plan = grid_and_plan
+    refused(invoke("recommend", plan, "--plan", "--max-ttft-p99-ms", value), "--max-ttft-p99-ms", "finite")
+    refused(invoke("recommend", grid, "--max-queue-wait-p99-ms", value), "--max-queue-wait-p99-ms", "finite")
+    run = tmp_path / "run"
+    ok(invoke("sweep", gen_trace, "--out", run, "--worker-queue-limit", "2,4", "--no-report", "-q"))
+    refused(invoke("report", run, "--max-ttft-p99-ms", value), "--max-ttft-p99-ms", "finite")
+    refused(invoke("report", run, "--max-p99-waiting", value), "--max-p99-waiting", "finite")
+    assert not (run / "report.html").exists()
+
+
+def test_a_fit_the_simulator_cannot_run_blames_the_trace_and_writes_nothing(tmp_path):
+    """Load counters validate accepts (running counts of 10**12) fit a fleet no simulator runs: the
+    refusal names the trace's loads.parquet, not a temporary fleet file, and nothing is left."""
+    d = _trace(tmp_path, "t", loads=lambda df: df.with_columns(pl.lit(10**12).alias("num_running_reqs")))
+    ok(invoke("validate", d))
+    refused(invoke("calibrate", d, "--out", tmp_path / "fleet.toml", "-q"),
+            f"{d}: the fleet fitted from its loads.parquet counters cannot be simulated: worker 0:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
+@pytest.mark.parametrize("args, counted", [
+    (["--worker-queue-limit", "1..100000"], "100,000 config(s) = 100,000 simulations"),
+    (["--worker-queue-limit", "1..100", "--seeds", "200"], "100 config(s) x 200 seeds = 20,000 simulations"),
+    (["--worker-queue-limit", "1..500", "--workers", "1,2,3,4,5", "--load-scale", "1,2,4,8,16"],
+     "500 config(s) x 25 fleet x traffic points = 12,500 simulations"),
+])
+def test_a_simulate_grid_too_large_to_run_is_refused_up_front(tmp_path, args, counted):
+    refused(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "o", "--requests", "100", *args),
+            counted, "more than the 10,000 one simulate runs")
+    assert list(tmp_path.iterdir()) == []
