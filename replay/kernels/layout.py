@@ -188,12 +188,13 @@ off), ``policy`` (POLICY_*), ``engine[r, EN_*]``.  Scalars: ``dispatch`` (LB_*),
 ``publish_ns``, ``pub_delay`` (> 0: on-change publishing), ``pub_idle``, ``heap_cap`` (LRU heap
 entries per rank)."""
 
-SimState = namedtuple("SimState", ("rs", "st", "rq", "run_ids", "rinf", "stats", "rr", "dpc_last"),
-                      module=__name__)
+SimState = namedtuple("SimState", ("rs", "st", "rq", "run_ids", "rinf", "stats", "rr", "dpc_last",
+                                   "lpm_ids", "lpm_key"), module=__name__)
 SimState.__doc__ = """The engine's state: per-rank scalars ``rs[r, RS_*]``, per-request state
 ``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``, each rank's running requests ``run_ids[r, :RS_RUN_N]``,
 the router's live in-flight count per worker ``rinf``, run statistics ``stats[SS_*]``, and the
-workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``)."""
+workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``), and
+the ``lpm`` policy's scratch (``lpm_ids``, ``lpm_key``: ``LPM_MAX_QUEUE`` entries each)."""
 
 SimCache = namedtuple("SimCache", ("present", "lock", "nchild", "last_use", "hk", "hb", "ev", "lag"),
                       module=__name__)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from replay.kernels._jit import JIT, njit
+from replay.kernels._jit import JIT, njit, njit_inner
 from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from replay.kernels.layout import (
     BOOTSTRAP_DRAW,
@@ -330,7 +330,7 @@ def _unlock(r, b, lock, rs, btok):
         rs[r, RS_EVICTABLE] += btok[b]
 
 
-@njit
+@njit_inner(allocates=False)
 def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     """SGLang's prefill admission of waiting request ``i`` on rank ``r``.
 
@@ -470,7 +470,7 @@ def _enqueue(r, i, st, rs):
     rs[r, RS_QTOK] += st[i, ST_SEQ]
 
 
-@njit
+@njit_inner(allocates=False)
 def _retract(q, c, s, r, t):
     """Decode ran out of KV on rank ``r``: retract one running request (SGLang's
     ``length`` order: the fewest output tokens, then the longest prompt, then
@@ -510,7 +510,7 @@ def _changed(r, t, rs):
             rs[r, RS_DUE_KIND] = DUE_CHANGE
 
 
-@njit
+@njit_inner(allocates=False)
 def _lpm_order(q, c, s, r):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
     (ties: arrival order), SGLang's ``lpm`` policy; above ``LPM_MAX_QUEUE``
@@ -519,8 +519,8 @@ def _lpm_order(q, c, s, r):
     n = rs[r, RS_QLEN]
     if n < 2 or n > LPM_MAX_QUEUE:
         return
-    ids = np.empty(n, dtype=np.int64)
-    key = np.empty(n, dtype=np.int64)
+    ids = s.lpm_ids
+    key = s.lpm_key
     i = rs[r, RS_QHEAD]
     k = 0
     while i >= 0 and k < n:
@@ -548,7 +548,7 @@ def _lpm_order(q, c, s, r):
     rs[r, RS_QTAIL] = ids[k - 1]
 
 
-@njit
+@njit_inner(allocates=False)
 def _start_step(q, f, c, s, r, t):
     """Start rank ``r``'s next step at ``t``, SGLang's scheduler (docs/simulator.md):
     a prefill step if any prompt tokens are to compute (an unfinished chunked
@@ -718,7 +718,7 @@ def _snapshot(r, t, rs):
     rs[r, RS_DS_TOK] = rs[r, RS_USED] - rs[r, RS_EVICTABLE] + rs[r, RS_QTOK]
 
 
-@njit
+@njit_inner(allocates=False)
 def _end_step(q, f, c, s, r, t):
     """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens and their KV,
     completions, the load snapshot), start the next."""
@@ -901,7 +901,7 @@ def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local
     return p
 
 
-@njit
+@njit_inner(allocates=False)
 def _flush_heartbeats(loads, tail, nl, t, rs, R):
     """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
 
@@ -931,7 +931,7 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
         nl += 1
 
 
-@njit
+@njit_inner(allocates=False)
 def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
     or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
@@ -1117,7 +1117,8 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
-    s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last)
+    s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last, np.empty(LPM_MAX_QUEUE, dtype=np.int64),
+                 np.empty(LPM_MAX_QUEUE, dtype=np.int64))
     c = SimCache(present, lock, nchild, last_use, hk, hb, ev, lag_ns)
     v = RouterView(idx, idxr, table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
                    seen, depth, tmp_w, tmp_d)
