@@ -874,6 +874,31 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     return nr
 
 
+@njit_inner(allocates=False)
+def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
+    """Interval publishing: every sample from number ``g`` stamped before ``limit``
+    (:func:`_interval_sample`); returns the new record count and the next sample number."""
+    R = order.shape[0]
+    cnt = 0
+    while True:
+        j = g % R
+        t = t0 + phs[j] + (g // R) * publish_ns
+        if t >= limit:
+            break
+        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr)
+        g += 1
+        cnt += 1
+        if cnt == 2 * R:
+            g_end = 0  # samples stamped before the limit: sum over ranks
+            for jj in range(R):
+                span = limit - t0 - phs[jj]
+                if span > 0:
+                    g_end += (span + publish_ns - 1) // publish_ns
+            if g_end - R > g:
+                g = g_end - R
+    return nr, g
+
+
 @njit
 def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local, g_lo, g_hi,
                        cur_rec, p, out):
@@ -994,6 +1019,100 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     return best
 
 
+@njit_inner(allocates=False)
+def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm, m_off, loads, tail,
+            nl, ptr):
+    """Request ``i`` arrives at ``t`` (the KV index brought to ``t``): its matches
+    (appended to ``m_worker``/``m_blocks`` from entry ``nm``, which have room for one
+    per fleet worker), the router's decision on the load samples written so far
+    (on-change publishing: ``loads[:, :nl]``, applied from row ``ptr``), the rank,
+    the queue.  Returns ``(nm, ptr, 1 if the router failed it else 0)``."""
+    req_L, h_off, h_ids, forced = q.input_tokens, q.h_off, q.h_ids, q.forced
+    fleet, in_fleet, dp_size = f.fleet, f.in_fleet, f.dp_size
+    st, rq, rs, rinf = s.st, s.rq, s.rs, s.rinf
+    idx, table, view_inflight, snap, est = v.idx, v.table, v.inflight, v.snap, v.est
+    oldest, dirty, depth, tmp_w, tmp_d = v.oldest, v.dirty, v.depth, v.tmp_w, v.tmp_d
+    nf = fleet.shape[0]
+    on_change = f.pub_delay > 0
+    # matches: one entry per fleet worker holding >= 1 leading block,
+    # deepest first, then worker id
+    lo = h_off[i]
+    n = h_off[i + 1] - lo
+    # depth[j]: leading blocks fleet worker j holds (walked block by block)
+    alive = nf
+    for j in range(nf):
+        depth[j] = 0
+    d = 0
+    while d < n and alive > 0:
+        b = h_ids[lo + d]
+        alive = 0
+        for j in range(nf):
+            if depth[j] == d and idx[b, fleet[j]] > 0:
+                depth[j] = d + 1
+                alive += 1
+        d += 1
+    cnt = 0
+    for j in range(nf):
+        w = fleet[j]
+        d = depth[j]
+        if d > 0:
+            x = cnt
+            while x > 0 and tmp_d[x - 1] < d:
+                tmp_d[x] = tmp_d[x - 1]
+                tmp_w[x] = tmp_w[x - 1]
+                x -= 1
+            tmp_d[x] = d
+            tmp_w[x] = w
+            cnt += 1
+    for x in range(cnt):
+        m_worker[nm + x] = tmp_w[x]
+        m_blocks[nm + x] = tmp_d[x]
+    m0 = nm
+    nm += cnt
+    m_off[i + 1] = nm
+    rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
+    # the load snapshot: exactly the samples written so far
+    # (interval publishing applied its samples to the rank table as it wrote them)
+    if on_change:
+        written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl],
+                              loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
+                              loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
+                              loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
+                              loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
+                              loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
+                              loads[LD_INFLIGHT, :nl])
+        ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
+    refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
+    w, reason, decision, failure = select_prefill_nb(
+        req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
+        knobs, 0, seed, i, v.audit, v.scratch, v.cand, v.seen)
+    if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
+        w, reason, decision, failure = forced[i], -1, -1, -1
+    rq[i, RQ_WORKER] = w
+    rq[i, RQ_REASON] = reason
+    rq[i, RQ_DECISION] = decision
+    rq[i, RQ_FAILURE] = failure
+    if w < 0:
+        st[i, ST_STATUS] = 4
+        rq[i, RQ_DONE] = t
+        rq[i, RQ_COMPLETIONS] += 1
+        return nm, ptr, 1
+    rinf[w] += 1
+    r = _dispatch(q, f, c, s, v, w, i, t, n, lo, seed)
+    cached = _cached_on(q, c, s, r, i)
+    rq[i, RQ_RANK] = r
+    st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
+    if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
+        _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
+    _enqueue(r, i, st, rs)
+    _changed(r, t, rs)
+    if rs[r, RS_KIND] == 0:
+        _start_step(q, f, c, s, r, t)
+    else:
+        _cut_decode(r, t, rs)
+    return nm, ptr, 0
+
+
 @njit
 def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     """Run one closed-loop simulation of requests ``q`` (``layout.SimRequests``) on
@@ -1014,8 +1133,8 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
     req_ts, req_L, req_private, req_full = q.ts, q.input_tokens, q.private, q.full
-    h_off, h_ids, btok, forced = q.h_off, q.h_ids, q.btok, q.forced
-    n_workers, fleet, in_fleet, dp_size, rank_off = f.n_workers, f.fleet, f.in_fleet, f.dp_size, f.rank_off
+    h_ids, btok = q.h_ids, q.btok
+    n_workers, fleet, rank_off = f.n_workers, f.fleet, f.rank_off
     publish_ns, pub_delay, pub_idle, rank_phase = f.publish_ns, f.pub_delay, f.pub_idle, f.phase
     N = req_ts.shape[0]
     R = rank_off[n_workers]
@@ -1187,27 +1306,9 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             # values cannot change inside the run, so past each rank's first two samples
             # only its last one matters (the rank table keeps the latest and the previous
             # sample): a long run (idle time) skips to its last R samples.
-            limit = min(t_step, t_arr + 1)
             loads = _grow2(loads, nl + R)
-            g = g_next
-            cnt = 0
-            while True:
-                j = g % R
-                t = t0 + phs[j] + (g // R) * publish_ns
-                if t >= limit:
-                    break
-                nl = _interval_sample(s, v, g, t, order[j], cur, loads, nl)
-                g += 1
-                cnt += 1
-                if cnt == 2 * R:
-                    g_end = 0  # samples stamped before the limit: sum over ranks
-                    for jj in range(R):
-                        span = limit - t0 - phs[jj]
-                        if span > 0:
-                            g_end += (span + publish_ns - 1) // publish_ns
-                    if g_end - R > g:
-                        g = g_end - R
-            g_next = g
+            nl, g_next = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
+                                       min(t_step, t_arr + 1))
         else:
             t = t_arr
             i = next_req
@@ -1233,85 +1334,11 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             if ev_head == ne and ne > 0:
                 ev[0] = 0
                 ev_head = 0
-            # matches: one entry per fleet worker holding >= 1 leading block,
-            # deepest first, then worker id
-            lo = h_off[i]
-            n = h_off[i + 1] - lo
-            # depth[j]: leading blocks fleet worker j holds (walked block by block)
-            alive = nf
-            for j in range(nf):
-                depth[j] = 0
-            d = 0
-            while d < n and alive > 0:
-                b = h_ids[lo + d]
-                alive = 0
-                for j in range(nf):
-                    if depth[j] == d and idx[b, fleet[j]] > 0:
-                        depth[j] = d + 1
-                        alive += 1
-                d += 1
-            cnt = 0
-            for j in range(nf):
-                w = fleet[j]
-                d = depth[j]
-                if d > 0:
-                    x = cnt
-                    while x > 0 and tmp_d[x - 1] < d:
-                        tmp_d[x] = tmp_d[x - 1]
-                        tmp_w[x] = tmp_w[x - 1]
-                        x -= 1
-                    tmp_d[x] = d
-                    tmp_w[x] = w
-                    cnt += 1
-            m_worker = _grow1(m_worker, nm + cnt)
-            m_blocks = _grow1(m_blocks, nm + cnt)
-            for x in range(cnt):
-                m_worker[nm + x] = tmp_w[x]
-                m_blocks[nm + x] = tmp_d[x]
-            m0 = nm
-            nm += cnt
-            m_off[i + 1] = nm
-            rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
-            # the load snapshot: exactly the samples written so far
-            # (interval publishing applied its samples to the rank table as it wrote them)
-            if on_change:
-                written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl],
-                                      loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
-                                      loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
-                                      loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
-                                      loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
-                                      loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
-                                      loads[LD_INFLIGHT, :nl])
-                ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
-            refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
-            w, reason, decision, failure = select_prefill_nb(
-                req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
-                knobs, 0, seed, i, audit, scratch_i, cand, seen)
-            if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
-                w, reason, decision, failure = forced[i], -1, -1, -1
-            rq[i, RQ_WORKER] = w
-            rq[i, RQ_REASON] = reason
-            rq[i, RQ_DECISION] = decision
-            rq[i, RQ_FAILURE] = failure
-            if w < 0:
-                st[i, ST_STATUS] = 4
-                rq[i, RQ_DONE] = t
-                rq[i, RQ_COMPLETIONS] += 1
-                n_done += 1
-                continue
-            rinf[w] += 1
-            r = _dispatch(q, f, c, s, v, w, i, t, n, lo, seed)
-            cached = _cached_on(q, c, s, r, i)
-            rq[i, RQ_RANK] = r
-            st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
-            if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
-                _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
-            _enqueue(r, i, st, rs)
-            _changed(r, t, rs)
-            if rs[r, RS_KIND] == 0:
-                _start_step(q, f, c, s, r, t)
-            else:
-                _cut_decode(r, t, rs)
+            m_worker = _grow1(m_worker, nm + nf)
+            m_blocks = _grow1(m_blocks, nm + nf)
+            nm, ptr, failed = _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks,
+                                      nm, m_off, loads, tail, nl, ptr)
+            n_done += failed
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
