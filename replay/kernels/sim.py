@@ -961,7 +961,7 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
     or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
     method, req_L, h_ids, rank_off = f.dispatch, q.input_tokens, q.h_ids, f.rank_off
-    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, v.idxr, v.table
+    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, c.idxr, v.table
     r0 = rank_off[w]
     nr = rank_off[w + 1] - r0
     if nr <= 1:
@@ -1019,6 +1019,30 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     return best
 
 
+def sim_cache(q, f, lag_ns):
+    """Empty caches and KV indexes (``layout.SimCache``) for :func:`simulate_nb` of
+    requests ``q`` on fleet ``f``, the index's events due ``lag_ns`` after the change.
+
+    Made by numpy (plain Python), whose large allocations are on huge pages.  lock,
+    nchild and last_use are written when a block is stored on a rank and read only
+    while it is present there, the heaps only below their sizes: no zero fill.  The
+    KV index's lag queue holds 4 values per event from ``ev[1]`` (``ev[0]`` values
+    held): every store is one block of an admitted request (each request is admitted
+    once) and every eviction undoes a store, so 8 values per prefix block bound it;
+    the queue restarts at 0 whenever the index has caught up, so few pages are used.
+    The router's index is block-major, so one block's holders are one cache line.
+    """
+    R = int(f.rank_off[f.n_workers])
+    B = q.btok.shape[0]
+    ev = np.empty(1 + 8 * q.h_ids.shape[0] + 8, dtype=np.int64)
+    ev[0] = 0
+    return SimCache(np.zeros((R, B), dtype=np.int8), np.empty((R, B), dtype=np.int32),
+                    np.empty((R, B), dtype=np.int32), np.empty((R, B), dtype=np.int64),
+                    np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
+                    ev, np.zeros((B, f.n_workers), dtype=np.int32),
+                    np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)
+
+
 @njit_inner(allocates=False)
 def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm, m_off, loads, tail,
             nl, ptr):
@@ -1030,7 +1054,7 @@ def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm,
     req_L, h_off, h_ids, forced = q.input_tokens, q.h_off, q.h_ids, q.forced
     fleet, in_fleet, dp_size = f.fleet, f.in_fleet, f.dp_size
     st, rq, rs, rinf = s.st, s.rq, s.rs, s.rinf
-    idx, table, view_inflight, snap, est = v.idx, v.table, v.inflight, v.snap, v.est
+    idx, table, view_inflight, snap, est = c.idx, v.table, v.inflight, v.snap, v.est
     oldest, dirty, depth, tmp_w, tmp_d = v.oldest, v.dirty, v.depth, v.tmp_w, v.tmp_d
     nf = fleet.shape[0]
     on_change = f.pub_delay > 0
@@ -1114,11 +1138,12 @@ def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm,
 
 
 @njit
-def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
+def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     """Run one closed-loop simulation of requests ``q`` (``layout.SimRequests``) on
-    fleet ``f`` (``layout.SimFleet``), the router deciding under ``knobs``, the
+    fleet ``f`` (``layout.SimFleet``) with empty caches ``c`` (``layout.SimCache``, made by
+    :func:`sim_cache`), the router deciding under ``knobs``, the
     ``kernels.layout.KnobArrays`` of one config (``replay.sweep.engine.encode_configs``),
-    with ``seed``, the snapshot's ``freshness`` (ns) and the KV index's lag ``lag_ns``.
+    with ``seed`` and the snapshot's ``freshness`` (ns).
 
     Only a request's full blocks are cached, published and matched (the router
     still counts every block as queried).  ``f.pub_delay`` > 0 selects on-change
@@ -1133,12 +1158,10 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
     req_ts, req_L, req_private, req_full = q.ts, q.input_tokens, q.private, q.full
-    h_ids, btok = q.h_ids, q.btok
     n_workers, fleet, rank_off = f.n_workers, f.fleet, f.rank_off
     publish_ns, pub_delay, pub_idle, rank_phase = f.publish_ns, f.pub_delay, f.pub_idle, f.phase
     N = req_ts.shape[0]
     R = rank_off[n_workers]
-    B = btok.shape[0]
     nf = fleet.shape[0]
     # --- state
     rs = np.zeros((R, RS_NCOLS), dtype=np.int64)
@@ -1185,26 +1208,10 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     # the DP controllers: round-robin counters and last snapshot refresh, per worker
     rr = np.zeros(n_workers, dtype=np.int64)
     dpc_last = np.full(n_workers, -INF, dtype=np.int64)
-    # the router's per-rank KV index (dispatch "router" only)
-    idxr = np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32)
-    present = np.zeros((R, B), dtype=np.int8)
-    # lock, nchild and last_use are written when a block is stored on a rank and read only
-    # while it is present there; the heaps only below their sizes: no zero fill (about
-    # 100 MB of memset per run on the Mooncake log)
-    lock = np.empty((R, B), dtype=np.int32)
-    nchild = np.empty((R, B), dtype=np.int32)
-    last_use = np.empty((R, B), dtype=np.int64)
-    hk = np.empty((R, f.heap_cap), dtype=np.int64)
-    hb = np.empty((R, f.heap_cap), dtype=np.int64)
-    # block-major, so one block's holders are one cache line (the matches walk below)
-    idx = np.zeros((B, n_workers), dtype=np.int32)
+    # the caches and KV indexes come from the caller (numpy's large allocations are on
+    # huge pages: numba's would fault every 4 KiB page of about 100 MB per run)
+    ev, idx, idxr = c.ev, c.idx, c.idxr
     depth = np.zeros(max(nf, 1), dtype=np.int64)
-    # the KV index's lag queue: 4 values per event from ev[1], ev[0] values held.  Every
-    # store is one block of an admitted request (each request is admitted once) and every
-    # eviction undoes a store, so 8 values per prefix block bound it; np.empty touches only
-    # the pages used (the queue restarts at 0 whenever the index has caught up)
-    ev = np.empty(1 + 8 * h_ids.shape[0] + 8, dtype=np.int64)
-    ev[0] = 0
     ev_head = 0
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
@@ -1238,8 +1245,7 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
     s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last, np.empty(LPM_MAX_QUEUE, dtype=np.int64),
                  np.empty(LPM_MAX_QUEUE, dtype=np.int64))
-    c = SimCache(present, lock, nchild, last_use, hk, hb, ev, lag_ns)
-    v = RouterView(idx, idxr, table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
+    v = RouterView(table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
                    seen, depth, tmp_w, tmp_d)
     # --- clocks
     if N > 0 and on_change:

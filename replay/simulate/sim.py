@@ -251,8 +251,8 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
     req = inputs["req"]
     if forced is not None:
         req = req._replace(forced=np.ascontiguousarray(forced, dtype=np.int64))
-    return nb.simulate_nb(req, inputs["fleet"], enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
-                          int(index_lag_ms) * 1_000_000,
+    cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000)
+    return nb.simulate_nb(req, inputs["fleet"], cache, enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
@@ -267,8 +267,15 @@ def _load_rows(fleet: Fleet, inputs: dict, out: kl.SimOutputs) -> LoadRows:
                     rank_local=inputs["rank_local"])
 
 
+def _labels(codes: np.ndarray, names: Sequence[str]) -> pa.Array:
+    """String column of ``names[code]`` (null where ``code < 0``), decoded from a dictionary
+    in C++: a Python string per row would cost more than the simulation's kernel."""
+    return pa.DictionaryArray.from_arrays(
+        pa.array(codes.astype(np.int32), mask=codes < 0), pa.array(list(names), type=pa.string())
+    ).dictionary_decode()
+
+
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple:
-    urls = np.array(fleet.urls, dtype=object)
     n = log.n_requests
 
     def ms(a, b):
@@ -279,14 +286,14 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
     qb = np.diff(log.hash_off)
     sel = rq[:, kl.RQ_WORKER]
     struct = pa.StructArray.from_arrays(
-        [pa.array(urls[m_w].tolist() if m_w.size else [], type=pa.string()),
+        [_labels(m_w, fleet.urls),
          pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
     matches = pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct)
-    sel_names = pa.array([fleet.urls[w] if w >= 0 else None for w in sel.tolist()], type=pa.string())
+    sel_names = _labels(sel, fleet.urls)
     requests = pa.table({
         "ts": pa.array(ts, type=pa.int64()),
         "request_id": pa.array(np.arange(n, dtype=np.int64)),
-        "model": pa.array([fleet.spec.model] * n, type=pa.string()),
+        "model": _labels(np.zeros(n, dtype=np.int64), [fleet.spec.model]),
         "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
         "query_blocks": pa.array(qb.astype(np.int64)),
         "matches": matches,
@@ -327,10 +334,8 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         "queue_wait_ms": ms(rq[:, kl.RQ_ADMIT], arrive),
         "ttft_ms": ms(rq[:, kl.RQ_FIRST], arrive),
         "latency_ms": ms(rq[:, kl.RQ_DONE], arrive),
-        "reason": pa.array([L_.name_or_none(L_.REASONS, c) for c in rq[:, kl.RQ_REASON].tolist()],
-                           type=pa.string()),
-        "decision": pa.array([L_.name_or_none(L_.DECISIONS, c) for c in rq[:, kl.RQ_DECISION].tolist()],
-                             type=pa.string()),
+        "reason": _labels(rq[:, kl.RQ_REASON], L_.REASONS),
+        "decision": _labels(rq[:, kl.RQ_DECISION], L_.DECISIONS),
         "completions": pa.array(rq[:, kl.RQ_COMPLETIONS]),
     })
     return requests, workers, outcomes
