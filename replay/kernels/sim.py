@@ -926,6 +926,17 @@ def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local
     return p
 
 
+@inline
+def _next_heartbeat(rs, R):
+    """The earliest pending heartbeat's stamp (INF: none)."""
+    t = INF
+    for r in range(R):
+        p = rs[r, RS_HB_PENDING]
+        if p >= 0 and p < t:
+            t = p
+    return t
+
+
 @njit_inner(allocates=False)
 def _flush_heartbeats(loads, tail, nl, t, rs, R):
     """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
@@ -1268,6 +1279,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
     steps_changed = True
     t_step = INF
+    hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
     while n_done < N:
         stats[SS_EVENTS] += 1
         if steps_changed:
@@ -1299,9 +1311,12 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT:
                     rs[r, RS_HB_PENDING] = t   # a pending one it supersedes is dropped
+                    hb_next = min(hb_next, t)
                     rs[r, RS_HB_INF] = rinf[rs[r, RS_WORKER]]
                 else:
-                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                    if hb_next <= t:
+                        nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                        hb_next = _next_heartbeat(rs, R)
                     _write_sample(loads, tail, nl, t, r, rs, rinf)
                     nl += 1
                 rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
@@ -1323,7 +1338,9 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             if on_change:
                 loads = _grow2(loads, nl + R)
                 tail = _grow1(tail, nl + R)
-                nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                if hb_next <= t:
+                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                    hb_next = _next_heartbeat(rs, R)
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
