@@ -188,26 +188,28 @@ off), ``policy`` (POLICY_*), ``engine[r, EN_*]``.  Scalars: ``dispatch`` (LB_*),
 ``publish_ns``, ``pub_delay`` (> 0: on-change publishing), ``pub_idle``, ``heap_cap`` (LRU heap
 entries per rank)."""
 
-SimState = namedtuple("SimState", ("rs", "st", "rq", "run_ids", "rinf", "stats", "rr", "dpc_last"),
-                      module=__name__)
+SimState = namedtuple("SimState", ("rs", "st", "rq", "run_ids", "rinf", "stats", "rr", "dpc_last",
+                                   "lpm_ids", "lpm_key"), module=__name__)
 SimState.__doc__ = """The engine's state: per-rank scalars ``rs[r, RS_*]``, per-request state
 ``st[i, ST_*]`` and outputs ``rq[i, RQ_*]``, each rank's running requests ``run_ids[r, :RS_RUN_N]``,
 the router's live in-flight count per worker ``rinf``, run statistics ``stats[SS_*]``, and the
-workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``)."""
+workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``), and
+the ``lpm`` policy's scratch (``lpm_ids``, ``lpm_key``: ``LPM_MAX_QUEUE`` entries each)."""
 
-SimCache = namedtuple("SimCache", ("present", "lock", "nchild", "last_use", "hk", "hb", "ev", "lag"),
-                      module=__name__)
+SimCache = namedtuple("SimCache", ("present", "lock", "nchild", "last_use", "hk", "hb", "ev", "idx",
+                                   "idxr", "lag"), module=__name__)
 SimCache.__doc__ = """The ranks' prefix caches, per (rank, block): ``present`` (int8), ``lock``
 (running requests holding it), ``nchild`` (cached children), ``last_use``; each rank's LRU
 min-heap of evictable leaves ``(hk, hb)[r, :RS_HN]`` (lazy deletion); and the KV index's lag queue
 ``ev`` (``ev[0]`` values held, 4 per event from ``ev[1]``), its events due ``lag`` ns after
-the change."""
+the change, and the router's KV index they feed: per (block, worker) ``idx`` and, for the
+``router`` dispatch, per (block, rank) ``idxr``."""
 
-RouterView = namedtuple("RouterView", ("idx", "idxr", "table", "inflight", "snap", "est", "oldest",
+RouterView = namedtuple("RouterView", ("table", "inflight", "snap", "est", "oldest",
                                        "dirty", "audit", "scratch", "cand", "seen", "depth",
                                        "tmp_w", "tmp_d"), module=__name__)
-RouterView.__doc__ = """What the router sees: its KV index per (block, worker) ``idx`` and, for the
-``router`` dispatch, per (block, rank) ``idxr``; the sweep's rank ``table``, in-flight counts,
+RouterView.__doc__ = """What the router sees besides its KV index (``SimCache``): the sweep's rank
+``table``, in-flight counts,
 snapshot (``snap``, ``est``, ``oldest``, ``dirty``) over the written samples; and the decision's
 scratch (``audit``, ``scratch``, ``cand``, ``seen``, and the match walk's ``depth``,
 ``tmp_w``, ``tmp_d``)."""

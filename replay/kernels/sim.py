@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from replay.kernels._jit import JIT, njit
+from replay.kernels._jit import JIT, njit, njit_inner
 from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from replay.kernels.layout import (
     BOOTSTRAP_DRAW,
@@ -334,7 +334,7 @@ def _unlock(r, b, lock, rs, btok):
         rs[r, RS_EVICTABLE] += btok[b]
 
 
-@njit
+@njit_inner(allocates=False)
 def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     """SGLang's prefill admission of waiting request ``i`` on rank ``r``.
 
@@ -474,7 +474,7 @@ def _enqueue(r, i, st, rs):
     rs[r, RS_QTOK] += st[i, ST_SEQ]
 
 
-@njit
+@njit_inner(allocates=False)
 def _retract(q, c, s, r, t):
     """Decode ran out of KV on rank ``r``: retract one running request (SGLang's
     ``length`` order: the fewest output tokens, then the longest prompt, then
@@ -523,7 +523,7 @@ def _publish_sgl(r, t, rs):
     _changed(r, t, rs)
 
 
-@njit
+@njit_inner(allocates=False)
 def _lpm_order(q, c, s, r):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
     (ties: arrival order), SGLang's ``lpm`` policy; above ``LPM_MAX_QUEUE``
@@ -532,8 +532,8 @@ def _lpm_order(q, c, s, r):
     n = rs[r, RS_QLEN]
     if n < 2 or n > LPM_MAX_QUEUE:
         return
-    ids = np.empty(n, dtype=np.int64)
-    key = np.empty(n, dtype=np.int64)
+    ids = s.lpm_ids
+    key = s.lpm_key
     i = rs[r, RS_QHEAD]
     k = 0
     while i >= 0 and k < n:
@@ -561,7 +561,7 @@ def _lpm_order(q, c, s, r):
     rs[r, RS_QTAIL] = ids[k - 1]
 
 
-@njit
+@njit_inner(allocates=False)
 def _start_step(q, f, c, s, r, t):
     """Start rank ``r``'s next step at ``t``, SGLang's scheduler (docs/simulator.md):
     a prefill step if any prompt tokens are to compute (an unfinished chunked
@@ -734,7 +734,7 @@ def _snapshot(r, t, rs):
     rs[r, RS_DS_TOK] = rs[r, RS_USED] - rs[r, RS_EVICTABLE] + rs[r, RS_QTOK]
 
 
-@njit
+@njit_inner(allocates=False)
 def _end_step(q, f, c, s, r, t):
     """Finish rank ``r``'s step at ``t`` (first tokens, decode tokens and their KV,
     completions, the load snapshot), start the next."""
@@ -898,6 +898,31 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     return nr
 
 
+@njit_inner(allocates=False)
+def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
+    """Interval publishing: every sample from number ``g`` stamped before ``limit``
+    (:func:`_interval_sample`); returns the new record count and the next sample number."""
+    R = order.shape[0]
+    cnt = 0
+    while True:
+        j = g % R
+        t = t0 + phs[j] + (g // R) * publish_ns
+        if t >= limit:
+            break
+        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr)
+        g += 1
+        cnt += 1
+        if cnt == 2 * R:
+            g_end = 0  # samples stamped before the limit: sum over ranks
+            for jj in range(R):
+                span = limit - t0 - phs[jj]
+                if span > 0:
+                    g_end += (span + publish_ns - 1) // publish_ns
+            if g_end - R > g:
+                g = g_end - R
+    return nr, g
+
+
 @njit
 def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local, g_lo, g_hi,
                        cur_rec, p, out):
@@ -925,7 +950,18 @@ def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local
     return p
 
 
-@njit
+@inline
+def _next_heartbeat(rs, R):
+    """The earliest pending heartbeat's stamp (INF: none)."""
+    t = INF
+    for r in range(R):
+        p = rs[r, RS_HB_PENDING]
+        if p >= 0 and p < t:
+            t = p
+    return t
+
+
+@njit_inner(allocates=False)
 def _flush_heartbeats(loads, tail, nl, t, rs, R):
     """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
 
@@ -955,12 +991,12 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
         nl += 1
 
 
-@njit
+@njit_inner(allocates=False)
 def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
     or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
     method, req_L, h_ids, rank_off = f.dispatch, q.input_tokens, q.h_ids, f.rank_off
-    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, v.idxr, v.table
+    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, c.idxr, v.table
     r0 = rank_off[w]
     nr = rank_off[w + 1] - r0
     if nr <= 1:
@@ -1018,12 +1054,136 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     return best
 
 
+def sim_cache(q, f, lag_ns):
+    """Empty caches and KV indexes (``layout.SimCache``) for :func:`simulate_nb` of
+    requests ``q`` on fleet ``f``, the index's events due ``lag_ns`` after the change.
+
+    Made by numpy (plain Python), whose large allocations are on huge pages.  lock,
+    nchild and last_use are written when a block is stored on a rank and read only
+    while it is present there, the heaps only below their sizes: no zero fill.  The
+    KV index's lag queue holds 4 values per event from ``ev[1]`` (``ev[0]`` values
+    held): every store is one block of an admitted request (each request is admitted
+    once) and every eviction undoes a store, so 8 values per prefix block bound it;
+    the queue restarts at 0 whenever the index has caught up, so few pages are used.
+    The router's index is block-major, so one block's holders are one cache line.
+    """
+    R = int(f.rank_off[f.n_workers])
+    B = q.btok.shape[0]
+    ev = np.empty(1 + 8 * q.h_ids.shape[0] + 8, dtype=np.int64)
+    ev[0] = 0
+    return SimCache(np.zeros((R, B), dtype=np.int8), np.empty((R, B), dtype=np.int32),
+                    np.empty((R, B), dtype=np.int32), np.empty((R, B), dtype=np.int64),
+                    np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
+                    ev, np.zeros((B, f.n_workers), dtype=np.int32),
+                    np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)
+
+
+@njit_inner(allocates=False)
+def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm, m_off, loads, tail,
+            nl, ptr):
+    """Request ``i`` arrives at ``t`` (the KV index brought to ``t``): its matches
+    (appended to ``m_worker``/``m_blocks`` from entry ``nm``, which have room for one
+    per fleet worker), the router's decision on the load samples written so far
+    (on-change publishing: ``loads[:, :nl]``, applied from row ``ptr``), the rank,
+    the queue.  Returns ``(nm, ptr, 1 if the router failed it else 0)``."""
+    req_L, h_off, h_ids, forced = q.input_tokens, q.h_off, q.h_ids, q.forced
+    fleet, in_fleet, dp_size = f.fleet, f.in_fleet, f.dp_size
+    st, rq, rs, rinf = s.st, s.rq, s.rs, s.rinf
+    idx, table, view_inflight, snap, est = c.idx, v.table, v.inflight, v.snap, v.est
+    oldest, dirty, depth, tmp_w, tmp_d = v.oldest, v.dirty, v.depth, v.tmp_w, v.tmp_d
+    nf = fleet.shape[0]
+    on_change = f.pub_delay > 0
+    # matches: one entry per fleet worker holding >= 1 leading block,
+    # deepest first, then worker id
+    lo = h_off[i]
+    n = h_off[i + 1] - lo
+    # depth[j]: leading blocks fleet worker j holds (walked block by block)
+    alive = nf
+    for j in range(nf):
+        depth[j] = 0
+    d = 0
+    while d < n and alive > 0:
+        b = h_ids[lo + d]
+        alive = 0
+        for j in range(nf):
+            if depth[j] == d and idx[b, fleet[j]] > 0:
+                depth[j] = d + 1
+                alive += 1
+        d += 1
+    cnt = 0
+    for j in range(nf):
+        w = fleet[j]
+        d = depth[j]
+        if d > 0:
+            x = cnt
+            while x > 0 and tmp_d[x - 1] < d:
+                tmp_d[x] = tmp_d[x - 1]
+                tmp_w[x] = tmp_w[x - 1]
+                x -= 1
+            tmp_d[x] = d
+            tmp_w[x] = w
+            cnt += 1
+    for x in range(cnt):
+        m_worker[nm + x] = tmp_w[x]
+        m_blocks[nm + x] = tmp_d[x]
+    m0 = nm
+    nm += cnt
+    m_off[i + 1] = nm
+    rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
+    # the load snapshot: exactly the samples written so far
+    # (interval publishing applied its samples to the rank table as it wrote them)
+    if on_change:
+        written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl],
+                              loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
+                              loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
+                              loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
+                              loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
+                              loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
+                              loads[LD_INFLIGHT, :nl])
+        ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
+    refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
+    w, reason, decision, failure = select_prefill_nb(
+        req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
+        knobs, 0, seed, i, v.audit, v.scratch, v.cand, v.seen)
+    if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
+        w, reason, decision, failure = forced[i], -1, -1, -1
+    rq[i, RQ_WORKER] = w
+    rq[i, RQ_REASON] = reason
+    rq[i, RQ_DECISION] = decision
+    rq[i, RQ_FAILURE] = failure
+    if w < 0:
+        st[i, ST_STATUS] = 4
+        rq[i, RQ_DONE] = t
+        rq[i, RQ_COMPLETIONS] += 1
+        return nm, ptr, 1
+    rinf[w] += 1
+    r = _dispatch(q, f, c, s, v, w, i, t, n, lo, seed)
+    cached = _cached_on(q, c, s, r, i)
+    rq[i, RQ_RANK] = r
+    st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
+    if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
+        _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
+    _enqueue(r, i, st, rs)
+    if rs[r, RS_PUB_SGL] == 0:
+        _changed(r, t, rs)
+    if rs[r, RS_KIND] == 0:
+        _start_step(q, f, c, s, r, t)
+        if rs[r, RS_PUB_SGL] == 1 and rs[r, RS_KIND] == 0:
+            # stalled (queued, nothing admitted): SGLang's idle loop re-publishes a
+            # changed load every 50 ms; the arrival shows at the next of those
+            _changed(r, t + STALL_PUBLISH_NS, rs)
+    else:
+        _cut_decode(r, t, rs)
+    return nm, ptr, 0
+
+
 @njit
-def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
+def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     """Run one closed-loop simulation of requests ``q`` (``layout.SimRequests``) on
-    fleet ``f`` (``layout.SimFleet``), the router deciding under ``knobs``, the
+    fleet ``f`` (``layout.SimFleet``) with empty caches ``c`` (``layout.SimCache``, made by
+    :func:`sim_cache`), the router deciding under ``knobs``, the
     ``kernels.layout.KnobArrays`` of one config (``replay.sweep.engine.encode_configs``),
-    with ``seed``, the snapshot's ``freshness`` (ns) and the KV index's lag ``lag_ns``.
+    with ``seed`` and the snapshot's ``freshness`` (ns).
 
     Only a request's full blocks are cached, published and matched (the router
     still counts every block as queried).  ``f.pub_delay`` > 0 selects on-change
@@ -1038,12 +1198,10 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     KV index applies them (``replay.capture.from_sim`` turns them into KV events).
     """
     req_ts, req_L, req_private, req_full = q.ts, q.input_tokens, q.private, q.full
-    h_off, h_ids, btok, forced = q.h_off, q.h_ids, q.btok, q.forced
-    n_workers, fleet, in_fleet, dp_size, rank_off = f.n_workers, f.fleet, f.in_fleet, f.dp_size, f.rank_off
+    n_workers, fleet, rank_off = f.n_workers, f.fleet, f.rank_off
     publish_ns, pub_delay, pub_idle, rank_phase = f.publish_ns, f.pub_delay, f.pub_idle, f.phase
     N = req_ts.shape[0]
     R = rank_off[n_workers]
-    B = btok.shape[0]
     nf = fleet.shape[0]
     # --- state
     rs = np.zeros((R, RS_NCOLS), dtype=np.int64)
@@ -1091,26 +1249,10 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     # the DP controllers: round-robin counters and last snapshot refresh, per worker
     rr = np.zeros(n_workers, dtype=np.int64)
     dpc_last = np.full(n_workers, -INF, dtype=np.int64)
-    # the router's per-rank KV index (dispatch "router" only)
-    idxr = np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32)
-    present = np.zeros((R, B), dtype=np.int8)
-    # lock, nchild and last_use are written when a block is stored on a rank and read only
-    # while it is present there; the heaps only below their sizes: no zero fill (about
-    # 100 MB of memset per run on the Mooncake log)
-    lock = np.empty((R, B), dtype=np.int32)
-    nchild = np.empty((R, B), dtype=np.int32)
-    last_use = np.empty((R, B), dtype=np.int64)
-    hk = np.empty((R, f.heap_cap), dtype=np.int64)
-    hb = np.empty((R, f.heap_cap), dtype=np.int64)
-    # block-major, so one block's holders are one cache line (the matches walk below)
-    idx = np.zeros((B, n_workers), dtype=np.int32)
+    # the caches and KV indexes come from the caller (numpy's large allocations are on
+    # huge pages: numba's would fault every 4 KiB page of about 100 MB per run)
+    ev, idx, idxr = c.ev, c.idx, c.idxr
     depth = np.zeros(max(nf, 1), dtype=np.int64)
-    # the KV index's lag queue: 4 values per event from ev[1], ev[0] values held.  Every
-    # store is one block of an admitted request (each request is admitted once) and every
-    # eviction undoes a store, so 8 values per prefix block bound it; np.empty touches only
-    # the pages used (the queue restarts at 0 whenever the index has caught up)
-    ev = np.empty(1 + 8 * h_ids.shape[0] + 8, dtype=np.int64)
-    ev[0] = 0
     ev_head = 0
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
@@ -1142,9 +1284,9 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
     tmp_d = np.zeros(max(nf, 1), dtype=np.int64)
-    s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last)
-    c = SimCache(present, lock, nchild, last_use, hk, hb, ev, lag_ns)
-    v = RouterView(idx, idxr, table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
+    s = SimState(rs, st, rq, run_ids, rinf, stats, rr, dpc_last, np.empty(LPM_MAX_QUEUE, dtype=np.int64),
+                 np.empty(LPM_MAX_QUEUE, dtype=np.int64))
+    v = RouterView(table, view_inflight, snap, est, oldest, dirty, audit, scratch_i, cand,
                    seen, depth, tmp_w, tmp_d)
     # --- clocks
     if N > 0 and on_change:
@@ -1167,6 +1309,7 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
     steps_changed = True
     t_step = INF
+    hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
     while n_done < N:
         stats[SS_EVENTS] += 1
         if steps_changed:
@@ -1202,9 +1345,12 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT:
                     rs[r, RS_HB_PENDING] = t   # a pending one it supersedes is dropped
+                    hb_next = min(hb_next, t)
                     rs[r, RS_HB_INF] = rinf[rs[r, RS_WORKER]]
                 else:
-                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                    if hb_next <= t:
+                        nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                        hb_next = _next_heartbeat(rs, R)
                     _write_sample(loads, tail, nl, t, r, rs, rinf)
                     nl += 1
                 rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
@@ -1215,27 +1361,9 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             # values cannot change inside the run, so past each rank's first two samples
             # only its last one matters (the rank table keeps the latest and the previous
             # sample): a long run (idle time) skips to its last R samples.
-            limit = min(t_step, t_arr + 1)
             loads = _grow2(loads, nl + R)
-            g = g_next
-            cnt = 0
-            while True:
-                j = g % R
-                t = t0 + phs[j] + (g // R) * publish_ns
-                if t >= limit:
-                    break
-                nl = _interval_sample(s, v, g, t, order[j], cur, loads, nl)
-                g += 1
-                cnt += 1
-                if cnt == 2 * R:
-                    g_end = 0  # samples stamped before the limit: sum over ranks
-                    for jj in range(R):
-                        span = limit - t0 - phs[jj]
-                        if span > 0:
-                            g_end += (span + publish_ns - 1) // publish_ns
-                    if g_end - R > g:
-                        g = g_end - R
-            g_next = g
+            nl, g_next = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
+                                       min(t_step, t_arr + 1))
         else:
             t = t_arr
             i = next_req
@@ -1244,7 +1372,9 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             if on_change:
                 loads = _grow2(loads, nl + R)
                 tail = _grow1(tail, nl + R)
-                nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                if hb_next <= t:
+                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
+                    hb_next = _next_heartbeat(rs, R)
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
@@ -1261,90 +1391,11 @@ def simulate_nb(q, f, knobs, seed, freshness, lag_ns, cache_log=None):
             if ev_head == ne and ne > 0:
                 ev[0] = 0
                 ev_head = 0
-            # matches: one entry per fleet worker holding >= 1 leading block,
-            # deepest first, then worker id
-            lo = h_off[i]
-            n = h_off[i + 1] - lo
-            # depth[j]: leading blocks fleet worker j holds (walked block by block)
-            alive = nf
-            for j in range(nf):
-                depth[j] = 0
-            d = 0
-            while d < n and alive > 0:
-                b = h_ids[lo + d]
-                alive = 0
-                for j in range(nf):
-                    if depth[j] == d and idx[b, fleet[j]] > 0:
-                        depth[j] = d + 1
-                        alive += 1
-                d += 1
-            cnt = 0
-            for j in range(nf):
-                w = fleet[j]
-                d = depth[j]
-                if d > 0:
-                    x = cnt
-                    while x > 0 and tmp_d[x - 1] < d:
-                        tmp_d[x] = tmp_d[x - 1]
-                        tmp_w[x] = tmp_w[x - 1]
-                        x -= 1
-                    tmp_d[x] = d
-                    tmp_w[x] = w
-                    cnt += 1
-            m_worker = _grow1(m_worker, nm + cnt)
-            m_blocks = _grow1(m_blocks, nm + cnt)
-            for x in range(cnt):
-                m_worker[nm + x] = tmp_w[x]
-                m_blocks[nm + x] = tmp_d[x]
-            m0 = nm
-            nm += cnt
-            m_off[i + 1] = nm
-            rq[i, RQ_BEST] = tmp_d[0] if cnt > 0 else 0
-            # the load snapshot: exactly the samples written so far
-            # (interval publishing applied its samples to the rank table as it wrote them)
-            if on_change:
-                written = LoadColumns(loads[LD_TS, :nl], loads[LD_WORKER, :nl],
-                                      loads[LD_RANK, :nl], loads[LD_RUNNING, :nl],
-                                      loads[LD_WAITING, :nl], loads[LD_TOKENS, :nl],
-                                      loads[LD_MAXTOT, :nl], tail[:nl], loads[LD_WU, :nl],
-                                      loads[LD_TOTAL, :nl], loads[LD_MAXRUN, :nl],
-                                      loads[LD_PTOK, :nl], loads[LD_PBUSY, :nl],
-                                      loads[LD_INFLIGHT, :nl])
-                ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
-            refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
-            w, reason, decision, failure = select_prefill_nb(
-                req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
-                knobs, 0, seed, i, audit, scratch_i, cand, seen)
-            if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
-                w, reason, decision, failure = forced[i], -1, -1, -1
-            rq[i, RQ_WORKER] = w
-            rq[i, RQ_REASON] = reason
-            rq[i, RQ_DECISION] = decision
-            rq[i, RQ_FAILURE] = failure
-            if w < 0:
-                st[i, ST_STATUS] = 4
-                rq[i, RQ_DONE] = t
-                rq[i, RQ_COMPLETIONS] += 1
-                n_done += 1
-                continue
-            rinf[w] += 1
-            r = _dispatch(q, f, c, s, v, w, i, t, n, lo, seed)
-            cached = _cached_on(q, c, s, r, i)
-            rq[i, RQ_RANK] = r
-            st[i, ST_UNC_ENQ] = max(req_L[i] - cached, 0)
-            if rs[r, RS_KIND] == 0 and rs[r, RS_QLEN] == 0 and rs[r, RS_RUN_N] == 0:
-                _snapshot(r, t, rs)   # an idle rank's last snapshot: the moment work arrives
-            _enqueue(r, i, st, rs)
-            if rs[r, RS_PUB_SGL] == 0:
-                _changed(r, t, rs)
-            if rs[r, RS_KIND] == 0:
-                _start_step(q, f, c, s, r, t)
-                if rs[r, RS_PUB_SGL] == 1 and rs[r, RS_KIND] == 0:
-                    # stalled (queued, nothing admitted): SGLang's idle loop re-publishes a
-                    # changed load every 50 ms; the arrival shows at the next of those
-                    _changed(r, t + STALL_PUBLISH_NS, rs)
-            else:
-                _cut_decode(r, t, rs)
+            m_worker = _grow1(m_worker, nm + nf)
+            m_blocks = _grow1(m_blocks, nm + nf)
+            nm, ptr, failed = _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks,
+                                      nm, m_off, loads, tail, nl, ptr)
+            n_done += failed
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])

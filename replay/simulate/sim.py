@@ -247,8 +247,8 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
     req = inputs["req"]
     if forced is not None:
         req = req._replace(forced=np.ascontiguousarray(forced, dtype=np.int64))
-    return nb.simulate_nb(req, inputs["fleet"], enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
-                          int(index_lag_ms) * 1_000_000,
+    cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000)
+    return nb.simulate_nb(req, inputs["fleet"], cache, enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
                           cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
@@ -264,14 +264,14 @@ def _load_rows(fleet: Fleet, inputs: dict, out: kl.SimOutputs) -> LoadRows:
 
 
 def _labels(codes: np.ndarray, names: Sequence[str]) -> pa.Array:
-    """``names[code]`` per code, null for a negative code: decoded from a dictionary in C++ (a
-    Python string per request would cost more than the table)."""
-    idx = pa.array(np.asarray(codes, dtype=np.int32), mask=np.asarray(codes) < 0)
-    return pa.DictionaryArray.from_arrays(idx, pa.array(list(names), type=pa.string())).dictionary_decode()
+    """String column of ``names[code]`` (null where ``code < 0``), decoded from a dictionary
+    in C++: a Python string per row would cost more than the simulation's kernel."""
+    return pa.DictionaryArray.from_arrays(
+        pa.array(codes.astype(np.int32), mask=codes < 0), pa.array(list(names), type=pa.string())
+    ).dictionary_decode()
 
 
 def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple:
-    urls = fleet.urls
     n = log.n_requests
 
     def ms(a, b):
@@ -282,14 +282,14 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
     qb = np.diff(log.hash_off)
     sel = rq[:, kl.RQ_WORKER]
     struct = pa.StructArray.from_arrays(
-        [_labels(m_w, urls),
+        [_labels(m_w, fleet.urls),
          pa.array(m_b, type=pa.int64())], names=["worker", "blocks"])
     matches = pa.ListArray.from_arrays(pa.array(m_off, type=pa.int32()), struct)
-    sel_names = _labels(sel, urls)
+    sel_names = _labels(sel, fleet.urls)
     requests = pa.table({
         "ts": pa.array(ts, type=pa.int64()),
         "request_id": pa.array(np.arange(n, dtype=np.int64)),
-        "model": pa.array([fleet.spec.model] * n, type=pa.string()),
+        "model": _labels(np.zeros(n, dtype=np.int64), [fleet.spec.model]),
         "input_tokens": pa.array(log.input_tokens.astype(np.int64)),
         "query_blocks": pa.array(qb.astype(np.int64)),
         "matches": matches,
