@@ -1099,6 +1099,8 @@ class Recommendation:
                 if v is False:
                     parts.append(spec.flag)
             else:
+                if k == "max_in_flight":  # the router takes the cap with the overloaded filter
+                    parts.append("--filter overloaded")
                 parts.append(f"{spec.flag} {knob_text(v)}")
         text = " ".join(parts) if parts else "(router defaults: no gate)"
         variants = [f"{KNOBS[k].flag} {v}" for k, v in cfg.variants().items()]
