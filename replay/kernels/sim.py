@@ -27,6 +27,7 @@ import numpy as np
 from replay.kernels._jit import JIT, njit
 from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from replay.kernels.layout import LoadColumns
+from replay.kernels.reorg import REORG, select_reorg_nb
 from replay.kernels.rng import draw_nb
 from replay.kernels.snapshot import (
     R_AT,
@@ -162,7 +163,8 @@ RQ_FIRST = 8
 RQ_DONE = 9
 RQ_BEST = 10
 RQ_COMPLETIONS = 11   # times the request completed (conservation: exactly 1)
-RQ_NCOLS = 12
+RQ_REORG_OUTCOME = 12  # labels.REORG_OUTCOMES code under --chat-routing reorg, else -1
+RQ_NCOLS = 13
 
 # load sample columns (the loads.parquet columns, in order)
 LD_TS = 0
@@ -1125,7 +1127,7 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
     dirty = np.ones(n_workers, dtype=np.bool_)
     ptr = 0
     audit = np.zeros(A_NCOLS, dtype=np.int64)
-    scratch_i = np.zeros((8, n_workers + 2), dtype=np.int64)
+    scratch_i = np.zeros((13, n_workers + 2), dtype=np.int64)  # 13 rows: kernels/reorg.py
     cand = np.zeros((n_workers + 1, C_NCOLS), dtype=np.int64)
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)
@@ -1295,9 +1297,16 @@ def simulate_nb(req_ts, req_L, req_out, req_private, req_full, h_off, h_ids, bto
                                       loads[LD_INFLIGHT, :nl])
                 ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
             refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
-            w, reason, decision, failure = select_prefill_nb(
-                req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
-                knobs, 0, seed, i, audit, scratch_i, cand, seen)
+            if knobs.chat_routing[0] == REORG:
+                # the reorg engine; the simulated fleet is one group (its members as plain engines)
+                w, reason, rq[i, RQ_REORG_OUTCOME] = select_reorg_nb(
+                    req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], fleet, in_fleet, snap, est,
+                    knobs, 0, seed, i, audit, scratch_i, cand)
+                decision, failure = -1, -1
+            else:
+                w, reason, decision, failure = select_prefill_nb(
+                    req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
+                    knobs, 0, seed, i, audit, scratch_i, cand, seen)
             if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
                 w, reason, decision, failure = forced[i], -1, -1, -1
             rq[i, RQ_WORKER] = w

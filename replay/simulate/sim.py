@@ -336,6 +336,10 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
                              type=pa.string()),
         "completions": pa.array(rq[:, nb.RQ_COMPLETIONS]),
     })
+    if (rq[:, nb.RQ_REORG_OUTCOME] >= 0).any():   # a reorg config: the replay's own outcome labels
+        outcomes = outcomes.append_column("reorg_outcome", pa.array(
+            [L_.name_or_none(L_.REORG_OUTCOMES, c) for c in rq[:, nb.RQ_REORG_OUTCOME].tolist()],
+            type=pa.string()))
     return requests, workers, outcomes
 
 
@@ -375,10 +379,13 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
     dec = rq[:, nb.RQ_DECISION]
     for code, name in enumerate(L_.DECISIONS):
         row[name] = int((dec == code).sum())
-    reason = rq[:, nb.RQ_REASON]
+    reason = np.where(rq[:, nb.RQ_REORG_OUTCOME] >= 0, -1, rq[:, nb.RQ_REASON])  # reorg: no policy reason
     for code, name in enumerate(L_.POLICY_REASONS):
         pr = np.array([L_.reason_to_policy_reason(int(r)) if r >= 0 else -1 for r in range(7)])
         row[f"policy_{name}"] = int(np.isin(reason, np.nonzero(pr == code)[0]).sum())
+    outcome = rq[:, nb.RQ_REORG_OUTCOME]
+    for code, name in enumerate(L_.REORG_OUTCOMES):   # the replay's own labels of a reorg config
+        row[f"reorg_{name}"] = int((outcome == code).sum())
     return row
 
 
