@@ -73,7 +73,7 @@ def bench_root() -> Path:
 
 
 def _generator_hash() -> str:
-    return hashlib.sha256((REPO / "replay" / "generate.py").read_bytes()).hexdigest()[:16]
+    return hashlib.sha256((REPO / "replay" / "trace" / "synthetic.py").read_bytes()).hexdigest()[:16]
 
 
 def size_label(n: int) -> str:
