@@ -10,11 +10,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from click.testing import CliRunner
+from test_closed_loop_answer import run
 from test_simulate import assert_jit_equals_plain
 
 from replay import labels
-from replay.cli import main
 from replay.config import RouterConfig
 from replay.simulate import simulate
 
@@ -22,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG = ROOT / "traces" / "sample-log" / "requests.jsonl"
 FLEET = ROOT / "traces" / "sample-fleet.toml"
 OUTCOME_COLS = [f"reorg_{o}" for o in labels.REORG_OUTCOMES]
-
-
-def run(*args, code=0):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    return r
 
 
 @pytest.fixture(scope="module")
