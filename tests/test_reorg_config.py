@@ -84,3 +84,16 @@ def test_sweep_cli_refuses_a_bad_engine_name_in_one_line(tmp_path):
                                     "--chat-routing", "legacy,fancy"])
     assert res.exit_code == 2, res.output
     assert "--chat-routing" in res.output and "Traceback" not in res.output
+
+
+def test_recommended_flags_are_a_deployable_reorg_command_line():
+    from replay.analysis.closed_loop import deploy_flags
+
+    row = {**RouterConfig(chat_routing="reorg", max_in_flight=4, worker_queue_limit=8).as_dict(), "config_id": 3}
+    flags = deploy_flags(row)
+    assert flags == "--worker-queue-limit 8 --chat-routing reorg --filter overloaded --max-in-flight 4"
+    # read back as a production command line (the filter is implied by the cap)
+    assert parse_router_command_line(flags.replace("--filter overloaded ", "")) == {
+        "worker_queue_limit": 8, "chat_routing": "reorg", "max_in_flight": 4}
+    ranked = {**RouterConfig(chat_routing="reorg", variant_reorg_ranking="power-of-two").as_dict(), "config_id": 1}
+    assert deploy_flags(ranked) is None   # a replay-only variant is not deployable
