@@ -59,3 +59,13 @@ def test_one_report_page_shows_both_engines(runs):
     # the decision-mix figure: the same slice under each engine, side by side
     labels = [json.loads(f'"{m}"') for m in re.findall(r'"((?:legacy|reorg) [^"]*)"', page)]
     assert {"legacy none/none", "reorg none/none", "reorg 4/2"} <= set(labels), labels[:10]
+
+
+def test_the_waterfall_pair_draws_the_other_engine(runs):
+    from replay.report import run_page
+
+    figs = run_page.figure_dicts(runs / "both")
+    ids = [int(str(t.get("name")).removeprefix("config ")) for t in figs["waterfall_pair"]["data"]]
+    s = pl.read_parquet(runs / "both" / "summary.parquet").filter(pl.col("config_id").is_in(ids))
+    assert sorted(s["chat_routing"]) == ["legacy", "reorg"], ids
+    assert s["worker_queue_limit"].n_unique() == 1 and s["saturation_queue_floor"].n_unique() == 1
