@@ -52,10 +52,16 @@ class RouterConfig:
     cache_candidate_min_workers: int = 8
     cache_candidate_ratio: float = 0.05
     cache_candidate_max_workers: int = 32
+    # the routing engine (ROUTER_REORG.md section 1): legacy ladder or the opt-in reorg
+    # engine, its load-only draw size and its one hard admission cap (--filter overloaded)
+    chat_routing: str = "legacy"
+    power_of_n_choices: int | None = None
+    max_in_flight: int | None = None
     # replay-only policy variants (docs/replay-model.md): not router
     # flags, never in given_flags(); the defaults are the router's behaviour
     variant_pin_order: str = "pressure"
     variant_floor_scaling: str = "fleet"
+    variant_reorg_ranking: str = "power-of-n"
 
     @classmethod
     def proposal_default(cls, **overrides) -> RouterConfig:
@@ -99,6 +105,7 @@ class RouterConfig:
         defaults); see :func:`validate_router_flags` for the checks and order.
         """
         validate_router_flags(self.given_flags(), policy)
+        validate_variants(self.as_dict())
         return self
 
 
@@ -153,10 +160,15 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("cache_candidate_min_workers", "--cache-candidate-min-workers", "int", False),
         KnobSpec("cache_candidate_ratio", "--cache-candidate-ratio", "float", False),
         KnobSpec("cache_candidate_max_workers", "--cache-candidate-max-workers", "int", False),
+        KnobSpec("chat_routing", "--chat-routing", "choice", False, choices=("legacy", "reorg")),
+        KnobSpec("power_of_n_choices", "--power-of-n-choices", "int", True),
+        KnobSpec("max_in_flight", "--max-in-flight", "int", True),
         KnobSpec("variant_pin_order", "--pin-order", "choice", False,
                  choices=("pressure", "locality"), router=False),
         KnobSpec("variant_floor_scaling", "--floor-scaling", "choice", False,
                  choices=("fleet", "per-worker"), router=False),
+        KnobSpec("variant_reorg_ranking", "--reorg-ranking", "choice", False,
+                 choices=("power-of-n", "power-of-n-fold", "power-of-two"), router=False),
     )
 }
 """Every knob by field name, in ``KNOB_NAMES`` order."""
@@ -238,6 +250,22 @@ def validate_router_flags(args: Mapping[str, Any], policy: str = "cache_aware") 
     limit = args.get("worker_queue_limit")
     floor = args.get("saturation_queue_floor")
     mlc = args.get("min_load_choices")
+    reorg = args.get("chat_routing", "legacy") == "reorg"
+
+    # ROUTER_REORG.md 1.1: --power-of-n-choices is a NonZero integer (a parse error,
+    # clap's text), then 1.2 item 1, checked before the legacy builders.
+    pon = args.get("power_of_n_choices")
+    if pon is not None and pon == 0:
+        raise ConfigError(
+            "invalid value '0' for '--power-of-n-choices <N>': number would be zero for non-zero type")
+    if pon is not None and not reorg:
+        raise ConfigError("--power-of-n-choices requires --chat-routing reorg")
+    # REPLAY CHOICE: legacy's --filter overloaded --max-in-flight eligibility filter is
+    # not modelled (ROUTER_REORG.md section 6 row 20); under reorg it is the
+    # in-flight admission cap.  Not a router refusal: the replay's own.
+    if args.get("max_in_flight") is not None and not reorg:
+        raise ConfigError("the replay models --max-in-flight only under --chat-routing reorg "
+                          "(legacy's overloaded filter is not modelled)")
 
     # 1-5: value checks, before any policy check.
     if limit is not None and limit == 0:
@@ -289,6 +317,30 @@ def validate_router_flags(args: Mapping[str, Any], policy: str = "cache_aware") 
             "--cache-candidate-min-workers and --cache-candidate-max-workers "
             "must be positive and min must not exceed max"
         )
+
+    # ROUTER_REORG.md 1.2 item 5: policies_reorg::factory::validate, after every
+    # legacy builder (the replay's policy is cache_aware: 5.1-5.4 cannot fail).
+    if reorg and eff["min_load_choices"] != 2:
+        raise ConfigError("reorg cache fallback requires --min-load-choices 2")
+
+
+_LEGACY_VARIANTS = ("variant_pin_order", "variant_floor_scaling")
+_REORG_VARIANTS = ("variant_reorg_ranking",)
+
+
+def validate_variants(knobs: Mapping[str, Any]) -> None:
+    """The replay's own refusals of the replay-only variants (not router text):
+    a variant applies to one routing engine only, and the power-of-two revision
+    (ROUTER_REORG.md section 0, A1) has no ``--power-of-n-choices``."""
+    routing = knobs.get("chat_routing", "legacy")
+    other = _LEGACY_VARIANTS if routing == "reorg" else _REORG_VARIANTS
+    for k in other:
+        if k in knobs and not _same_value(knobs[k], _DEFAULTS[k]):
+            raise ConfigError(f"the replay-only variant {KNOBS[k].flag} does not apply to "
+                              f"--chat-routing {routing}")
+    if knobs.get("variant_reorg_ranking") == "power-of-two" and knobs.get("power_of_n_choices") is not None:
+        raise ConfigError("--power-of-n-choices does not exist in the power-of-two revision "
+                          "(--reorg-ranking power-of-two)")
 
 
 def parse_router_command_line(text: str, option: str = "--router-flags") -> dict[str, Any]:

@@ -43,6 +43,7 @@ DECISION_FIELDS: tuple[tuple[str, type, object, str], ...] = (
     ("lost_queue_gate", np.int64, 0, "matched blocks lost to queue-gate diversion (waterfall)"),
     ("lost_capacity", np.int64, 0, "matched blocks lost to capacity admission (waterfall)"),
     ("lost_to", np.int8, -1, "labels.LOSS_STEPS code of the first step that lost blocks; -1 if none or failed"),
+    ("reorg_outcome", np.int8, -1, "labels.REORG_OUTCOMES code (the replay's own) of a reorg decision; -1 if legacy"),
     ("selected_queue_ms", np.float64, np.nan, "estimated_prefill_queue_ms of the chosen worker; NaN if none"),
 )
 

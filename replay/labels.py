@@ -73,6 +73,22 @@ FAILURES = (
 )
 
 # ---------------------------------------------------------------------------
+# Outcomes of the reorg engine (ROUTER_REORG.md sections 2, 3 and 5).  The reorg
+# engine books no router label at all: these are the replay's own names for
+# what happened to a request, so a reorg run can be read beside legacy's labels
+# (docs/replay-model.md, "The reorg engine").  NO_REORG_OUTCOME on a legacy decision.
+NO_REORG_OUTCOME = -1
+REORG_CACHE_WIN = 0         # Pick.reason cache_candidate: a cache candidate won the tournament
+REORG_SATURATION_PIN = 1    # Pick.reason saturation_pin: the saturated tier or the floor pin
+REORG_MISS_FALLBACK = 2     # Pick.reason no_cache_candidate (a miss, or an unavailable indexer)
+REORG_NO_ADMISSIBLE = 3     # 503 policy_selection_failed: a hard rejection, never a cold worker
+REORG_NO_WORKERS = 4        # 503 no_healthy_workers / no_prefill_workers_available
+REORG_INDEXER_REJECTED = 5  # 500 internal_error: the indexer rejected the query
+
+REORG_OUTCOMES = ("cache_win", "saturation_pin", "miss_fallback", "no_admissible_engine",
+                  "no_workers", "indexer_rejected")
+
+# ---------------------------------------------------------------------------
 # prefill_pressure_source of a cache resolution (section 3.7); NO_SOURCE when
 # no resolution ran.
 NO_SOURCE = -1

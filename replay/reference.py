@@ -21,7 +21,7 @@ and documented in ``docs/replay-model.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cmp_to_key
 
@@ -1049,24 +1049,37 @@ def first_entry_blocks(signal: PrefixSignal | None, worker: Worker) -> int:
     return 0
 
 
-def locality_triple(signal: PrefixSignal | None, selected: Worker | None) -> tuple | None:
+def worker_blocks(signal: PrefixSignal | None, worker: Worker, merged: bool = False) -> int:
+    """A worker's matched blocks: its first entry's (legacy, section 0 item 13), or
+    with ``merged`` its deepest entry's (the reorg's merge, ROUTER_REORG.md 3.3)."""
+    if not merged:
+        return first_entry_blocks(signal, worker)
+    return merged_depths(signal).get(worker, 0)
+
+
+def locality_triple(signal: PrefixSignal | None, selected: Worker | None, merged: bool = False) -> tuple | None:
     """Section 5.4 (and section 0 items 10, 13, 16): ``(query, matched, selected)``
-    blocks, or None when there is no prefix signal (nothing is booked)."""
+    blocks, or None when there is no prefix signal (nothing is booked).
+
+    REPLAY CHOICE: a reorg decision (``merged``) books nothing; its selected
+    blocks are the chosen worker's deepest entry, the depth the reorg itself
+    reads (docs/replay-model.md, "The reorg engine")."""
     if signal is None or signal.query_blocks <= 0:
         return None
     query = signal.query_blocks
     matched = min(signal.best, query) if signal.is_matched else 0
-    sel = min(first_entry_blocks(signal, selected), matched) if selected is not None else 0
+    sel = min(worker_blocks(signal, selected, merged), matched) if selected is not None else 0
     return (query, matched, sel)
 
 
-def selected_uncached_tokens(L: int, signal: PrefixSignal | None, selected: Worker) -> int:
+def selected_uncached_tokens(L: int, signal: PrefixSignal | None, selected: Worker, merged: bool = False) -> int:
     """Section 0 item 16: ``L - H`` for the chosen worker, H by the section 2 estimate."""
     if signal is None or signal.query_blocks <= 0:
         return L
     # REPLAY CHOICE: H uses the worker's *first* entry in matches (item 13's
-    # definition of "a worker's blocks"), even if that entry has 0 blocks.
-    h = estimate_matched_prefix_tokens(L, signal.query_blocks, first_entry_blocks(signal, selected))
+    # definition of "a worker's blocks"), even if that entry has 0 blocks
+    # (a reorg decision: its deepest entry, as locality_triple).
+    h = estimate_matched_prefix_tokens(L, signal.query_blocks, worker_blocks(signal, selected, merged))
     return max(L - h, 0)
 
 
@@ -1086,6 +1099,7 @@ class Selection:
     failure: int = labels.NO_FAILURE
     resolution: CacheResolution | None = None
     diverted_overlap_blocks: int | None = None  # observed into the histogram (5.3 arm 4)
+    reorg_outcome: int = labels.NO_REORG_OUTCOME  # labels.REORG_OUTCOMES code of a reorg selection
 
     @property
     def policy_reason(self) -> int:
@@ -1155,6 +1169,254 @@ def select_prefill(
 
 
 # =============================================================================
+# The reorg engine (ROUTER_REORG.md, line A): --chat-routing reorg
+# =============================================================================
+
+REORG_DEFAULT_CHOICES = 2
+"""``power_of_n_choices`` when the flag is not given (ROUTER_REORG.md 1.1)."""
+
+
+class NoAdmissible(Exception):
+    """ROUTER_REORG.md 3.8 / 4 step 6: ``NoAdmissibleEngine`` / ``AdmissionRejected``:
+    the bucket fails with these (engine, reason) rejections."""
+
+    def __init__(self, rejections: list):
+        super().__init__(rejections)
+        self.rejections = rejections
+
+
+def reorg_admits(snapshot: Snapshot | None, worker: Worker, cfg: RouterConfig) -> bool:
+    """ROUTER_REORG.md 3.5: line A's only cap, ``max_inflight_requests`` (``--max-in-flight``):
+    admit unless the router-local in-flight count reaches it.  The request's size
+    plays no part and KV capacity is not checked."""
+    cap = cfg.max_in_flight
+    if cap is None:
+        return True
+    inflight = snapshot.inflight_of(worker) if snapshot is not None else 0
+    return not inflight >= cap
+
+
+def reorg_draw(n: int, cfg: RouterConfig, rng: DrawStream) -> list:
+    """ROUTER_REORG.md 4 step 3: the sampled positions of a pool of ``n >= 1``, in sample order.
+
+    power-of-n (both A2 revisions): ``min(N, n)`` distinct positions, uniformly, in
+    uniformly random order, as a partial Fisher-Yates over the pool order
+    (decision 3; ``N >= n`` still shuffles).  power-of-two (A1): ``i``, then ``j``
+    over the other ``n - 1``; a pool of one needs no draw.
+    """
+    if cfg.variant_reorg_ranking == "power-of-two":
+        if n == 1:
+            return [0]
+        i = rng.next() % n
+        j = rng.next() % (n - 1)
+        if j >= i:
+            j += 1
+        return [i, j]
+    m = min(cfg.power_of_n_choices or REORG_DEFAULT_CHOICES, n)
+    idx = list(range(n))
+    for i in range(m):
+        j = i + rng.next() % (n - i)
+        idx[i], idx[j] = idx[j], idx[i]
+    return idx[:m]
+
+
+def reorg_least_pressure(sample: Sequence[Worker], snapshot: Snapshot | None, cfg: RouterConfig) -> Worker:
+    """ROUTER_REORG.md 4 step 5: the winner of a sample (prefill stages)."""
+    if cfg.variant_reorg_ranking == "power-of-n":
+        # 3b33a3d2's least_prefill_pressure: the whole sample ranked at once; engine
+        # loads only if every sampled engine has a native aggregate, queue time only
+        # if every one has an estimate; ties keep the earliest sampled.
+        loads = CandidateLoads(snapshot, sample)
+        best = sample[0]
+        for w in sample[1:]:
+            if loads.compare_prefill_pressure_total(w, best) < 0:
+                best = w
+        return best
+    # 03473357's fold and A1's pair: the running winner is replaced only when it
+    # compares Greater under the pairwise free function.
+    best = sample[0]
+    for w in sample[1:]:
+        if compare_prefill_pressure(best, w, snapshot) > 0:
+            best = w
+    return best
+
+
+def reorg_load_pick(pool: Sequence[Worker], snapshot: Snapshot | None, cfg: RouterConfig,
+                    rng: DrawStream) -> Worker:
+    """ROUTER_REORG.md 4: ``PowerOfNPolicy`` / ``PowerOfTwoPolicy`` over a non-empty pool, no caps."""
+    return reorg_least_pressure([pool[i] for i in reorg_draw(len(pool), cfg, rng)], snapshot, cfg)
+
+
+def merged_depths(signal: PrefixSignal | None) -> dict:
+    """ROUTER_REORG.md 3.3 step 1: ``depth[address]`` = the deepest of its entries
+    (an entry with 0 blocks creates the key)."""
+    depth: dict = {}
+    if signal is None:
+        return depth
+    for address, blocks in signal.matches:
+        if address is None:
+            continue
+        depth[address] = max(depth.get(address, 0), blocks)
+    return depth
+
+
+def reorg_candidates(L: int, signal: PrefixSignal | None, group: Sequence[Worker],
+                     snapshot: Snapshot | None, cfg: RouterConfig) -> list:
+    """ROUTER_REORG.md 3.3: the first K candidates in sort order (empty: a miss)."""
+    if signal is None or signal.query_blocks <= 0 or not signal.is_matched:
+        return []
+    q = signal.query_blocks
+    depth = merged_depths(signal)
+    prepared = []
+    for w in group:                      # group order; addresses outside it never count
+        if w not in depth:
+            continue
+        blocks = min(depth[w], q)
+        h = (L * blocks) // q
+        if blocks <= 0:
+            continue
+        if cfg.cache_affinity_min_matched_tokens is not None and h < cfg.cache_affinity_min_matched_tokens:
+            continue
+        if cfg.cache_affinity_min_match_ratio is not None and h / max(L, 1) < cfg.cache_affinity_min_match_ratio:
+            continue
+        prepared.append(Candidate(w, h, L - h, blocks))
+    if not prepared:
+        return []
+    k = candidate_limit(len(group), cfg)
+    loads = CandidateLoads(snapshot, [c.worker for c in prepared])
+
+    def key(a: Candidate, b: Candidate) -> int:
+        # REPLAY CHOICE: the sort's pressure key is legacy decision 7's set-wide
+        # rule (ROUTER_REORG.md 9.4), as in the legacy seed order
+        return (_cmp(a.uncached_tokens, b.uncached_tokens)
+                or loads.compare_prefill_pressure_total(a.worker, b.worker) or _cmp(a.worker, b.worker))
+
+    return sorted(prepared, key=cmp_to_key(key))[:k]
+
+
+def reorg_cache_pick(L: int, signal: PrefixSignal | None, group: Sequence[Worker],
+                     snapshot: Snapshot | None, cfg: RouterConfig, rng: DrawStream,
+                     admits: Callable | None = None) -> Selection:
+    """ROUTER_REORG.md 3 (``CacheAwarePolicy::pick``) over one non-empty group.
+
+    Returns the pick (worker, reorg outcome, the resolution as the legacy audit
+    fields read it); raises :class:`NoAdmissible` when the bucket fails.
+    ``admits(snapshot, worker, cfg)`` is the hard admission (default
+    :func:`reorg_admits`; the router's own tests use stubs)."""
+    admit = admits or reorg_admits
+    limit, floor = gate_bounds(cfg)
+    cands = reorg_candidates(L, signal, group, snapshot, cfg)
+    res: CacheResolution | None = None
+    rejections: list = []
+    if cands:
+        all_queued = fleet_is_all_queued(snapshot, group, limit)
+        evaluated = [c for c in cands if queue_gate_admits(snapshot, c.worker, limit)]
+        gated = [c for c in cands if not queue_gate_admits(snapshot, c.worker, limit)]
+        saturated = not evaluated and bool(gated) and all_queued and floor is None
+        if saturated:
+            evaluated = list(gated)
+        loads = CandidateLoads(snapshot, [c.worker for c in evaluated])
+        admitted = []
+        for c in evaluated:                                              # 3.5
+            if admit(snapshot, c.worker, cfg):
+                admitted.append(c)
+            else:
+                rejections.append(c.worker)
+        res = CacheResolution(
+            decision=None, prefill_pressure_source=loads.prefill_pressure_source(),
+            admission_evaluated_candidates=len(evaluated), admission_rejected_candidates=len(rejections),
+            queue_gate_rejected_candidates=len(gated),
+            queue_gate_best_rejected_blocks=max((c.matched_blocks for c in gated), default=0),
+            queue_gate_fell_back=saturated, fleet_all_queued=all_queued)
+        res.depths["prepared"] = max(c.matched_blocks for c in cands)
+        res.depths["evaluated"] = max((c.matched_blocks for c in evaluated), default=0)
+        res.depths["admitted"] = max((c.matched_blocks for c in admitted), default=0)
+        if admitted:                                                     # 3.6
+            least = admitted[0]
+            for c in admitted:
+                if c.uncached_tokens < least.uncached_tokens:
+                    least = c
+            ceiling = least.uncached_tokens + cfg.cache_switch_margin_tokens
+            winner = least
+            guarded = cfg.pressure_guard and loads.compare_engine
+            compared = overrides = 0
+            for c in admitted:
+                if c is winner or c.uncached_tokens > ceiling:
+                    continue
+                baseline = tournament_compare(winner, c, False, loads, cfg)
+                result = baseline
+                if guarded:
+                    compared += 1
+                    result = tournament_compare(winner, c, True, loads, cfg)
+                    overrides += result != baseline
+                if result > 0:
+                    winner = c
+            res.pressure_guard_compared_pairs = compared
+            res.pressure_guard_overrides = overrides
+            # Pick.reason is saturation_pin in the saturated tier; the reason column keeps
+            # legacy's DecisionReason of the same tier (CacheCandidate, as the waterfall reads it)
+            outcome = labels.REORG_SATURATION_PIN if saturated else labels.REORG_CACHE_WIN
+            res.decision = Decision(winner.worker, labels.CACHE_CANDIDATE)
+            return Selection(worker=winner.worker, reason=labels.CACHE_CANDIDATE, resolution=res,
+                             reorg_outcome=outcome)
+        if floor is not None and not any_fresh_queue_below(snapshot, group, floor):   # 3.7
+            pin_loads = CandidateLoads(snapshot, [c.worker for c in gated])
+            ok = []
+            for c in gated:
+                if admit(snapshot, c.worker, cfg):
+                    ok.append(c)
+                else:
+                    rejections.append(c.worker)
+            res.depths["pin_pool"] = max((c.matched_blocks for c in ok), default=0)
+            if ok:
+                target = ok[0]
+                for c in ok[1:]:
+                    if (pin_loads.compare_prefill_pressure(c.worker, target.worker)
+                            or _cmp(c.worker, target.worker)) < 0:
+                        target = c
+                res.decision = Decision(target.worker, labels.SATURATION_PIN)
+                return Selection(worker=target.worker, reason=labels.SATURATION_PIN, resolution=res,
+                                 reorg_outcome=labels.REORG_SATURATION_PIN)
+        if rejections:                                                   # 3.8
+            raise NoAdmissible(rejections)
+    # 3.9: the miss fallback over the unqueued tier, its own draw, then this policy's caps
+    pool = [w for w in group if queue_gate_admits(snapshot, w, limit)] or list(group)
+    w = reorg_load_pick(pool, snapshot, cfg, rng)
+    if not admit(snapshot, w, cfg):
+        raise NoAdmissible([w])
+    return Selection(worker=w, reason=labels.NO_REASON, resolution=res, reorg_outcome=labels.REORG_MISS_FALLBACK)
+
+
+def reorg_groups(fleet: Sequence[Worker], plain: Sequence[bool]) -> list:
+    """ROUTER_REORG.md 1.4 / 2: the factory buckets' groups in rank order: the plain
+    engines (bucket ``plain``), then the prefill engines (bucket ``pd``), each in
+    id order; ``plain[i]`` tells whether ``fleet[i]`` is a plain engine."""
+    return [sorted(w for w, p in zip(fleet, plain, strict=True) if p),
+            sorted(w for w, p in zip(fleet, plain, strict=True) if not p)]
+
+
+def select_reorg(L: int, signal: PrefixSignal | None, fleet: Sequence[Worker], plain: Sequence[bool],
+                 snapshot: Snapshot | None, cfg: RouterConfig, rng: DrawStream,
+                 indexer_rejected: bool = False, admits: Callable | None = None) -> Selection:
+    """ROUTER_REORG.md section 8 ``reorg_select`` (policy cache_aware): the buckets in
+    order; a bucket without engines or failing with rejections passes to the next.
+
+    REPLAY CHOICE: the draws of every bucket attempt continue one stream (the
+    router's draws are independent per call; so are these)."""
+    rejected = False
+    for group in reorg_groups(fleet, plain):
+        if not group:
+            continue
+        if indexer_rejected:          # 3.2: InvalidSignal stops the route at once (500)
+            return Selection(worker=None, reorg_outcome=labels.REORG_INDEXER_REJECTED)
+        try:
+            return reorg_cache_pick(L, signal, group, snapshot, cfg, rng, admits)
+        except NoAdmissible:
+            rejected = True
+    return Selection(worker=None, reorg_outcome=labels.REORG_NO_ADMISSIBLE if rejected else labels.REORG_NO_WORKERS)
+
+
+# =============================================================================
 # End to end: replay a Trace under a grid of configs
 # =============================================================================
 
@@ -1220,6 +1482,7 @@ def replay(
     n_loads = int(trace.load_ts.shape[0])
     j = 0
     fleets: dict = {}
+    plains: dict = {}
     for i in range(n_req):
         ts = int(trace.req_ts[i])
         # Section 0 item 1: a sample with ts <= request ts is visible.
@@ -1239,6 +1502,8 @@ def replay(
         model = int(trace.req_model[i])
         if model not in fleets:
             fleets[model] = [int(x) for x in trace.fleet(model)]
+            plains[model] = [not trace.has_workers_table or int(trace.worker_role[w]) == labels.ROLE_PLAIN
+                             for w in fleets[model]]
         fleet = fleets[model]
         L = int(trace.req_input_tokens[i])
         signal = _request_signal(trace, i)
@@ -1249,7 +1514,10 @@ def replay(
         for c, cfg in enumerate(configs):
             # Section 0 item 4: the draw counter of each (request, config) starts at 0.
             rng = DrawStream(seed, req_index)
-            sel = select_prefill(L, signal, fleet, snap, cfg, rng)
+            if cfg.chat_routing == "reorg":
+                sel = select_reorg(L, signal, fleet, plains[model], snap, cfg, rng)
+            else:
+                sel = select_prefill(L, signal, fleet, snap, cfg, rng)
             _store(out, i, c, sel, L, signal, snap)
     return out
 
@@ -1303,7 +1571,9 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: PrefixSign
     # set even when the selection failed; selected_blocks needs a chosen worker
     # and stays 0 on a failure.  (The router books no triple on a 503: mask
     # with decision >= 0 to reproduce its counters.)
-    triple = locality_triple(signal, sel.worker)
+    reorg = sel.reorg_outcome != labels.NO_REORG_OUTCOME
+    out["reorg_outcome"][i, c] = sel.reorg_outcome
+    triple = locality_triple(signal, sel.worker, merged=reorg)
     if triple is not None:
         out["matched_blocks"][i, c] = triple[1]
     if sel.worker is None:
@@ -1312,7 +1582,8 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: PrefixSign
     w = sel.worker
     out["worker"][i, c] = w
     out["reason"][i, c] = sel.reason
-    out["policy_reason"][i, c] = sel.policy_reason
+    # reorg books no policy reason and no cache-aware label (ROUTER_REORG.md section 5)
+    out["policy_reason"][i, c] = labels.NO_POLICY_REASON if reorg else sel.policy_reason
     out["decision"][i, c] = sel.decision
     if triple is not None:
         out["selected_blocks"][i, c] = triple[2]
@@ -1321,7 +1592,7 @@ def _store(out: dict, i: int, c: int, sel: Selection, L: int, signal: PrefixSign
             out[f"lost_{step}"][i, c] = lost[step]
         out["lost_to"][i, c] = next((k for k, step in enumerate(labels.LOSS_STEPS) if lost[step] > 0),
                                     labels.NO_LOSS)
-    out["uncached_tokens"][i, c] = selected_uncached_tokens(L, signal, w)
+    out["uncached_tokens"][i, c] = selected_uncached_tokens(L, signal, w, merged=reorg)
     b = snap.basic_of(w)
     if b is not None:
         out["selected_waiting"][i, c] = b.waiting

@@ -84,5 +84,5 @@ def test_inner_kernel_refuses_a_python_call():
     TypeError when called from Python, before and after the grid kernel used it."""
     for _ in range(2):
         with pytest.raises(TypeError, match="other kernels only"):
-            one_pass._decide_request(*([0] * 14))
+            one_pass._decide_request(*([0] * 15))
         _replay(load_trace(SAMPLE))

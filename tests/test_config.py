@@ -411,6 +411,8 @@ def test_nullable_knobs_are_those_the_router_allows_unset():
         "pressure_abs_threshold_ms",
         "cache_affinity_min_matched_tokens",
         "cache_affinity_min_match_ratio",
+        "power_of_n_choices",
+        "max_in_flight",
     }
     assert tuple(KNOBS) == KNOB_NAMES
     for k, spec in KNOBS.items():

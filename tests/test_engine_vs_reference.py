@@ -185,3 +185,51 @@ def test_kernel_equals_reference_on_fleets_over_a_word(n_workers):
     assert_same(ref, ker, f"{n_workers} workers")
     # the sampler's rungs did choose, from tiers that are neither empty nor the whole fleet
     assert (ker["reason"] == 0).any()
+
+
+def reorg_configs() -> list[RouterConfig]:
+    """The reorg engine's knobs crossed with the gate, floor, guard and candidate knobs,
+    beside two legacy configs (one grid holds both engines)."""
+    out = [RouterConfig(), RouterConfig(worker_queue_limit=2, saturation_queue_floor=1)]
+    for limit, floor in ((None, None), (2, None), (2, 1), (5, 3), (1, 1)):
+        for ranking, n in (("power-of-n", None), ("power-of-n", 3), ("power-of-n-fold", 9), ("power-of-two", None)):
+            for cap in (None, 1, 3):
+                out.append(RouterConfig(
+                    chat_routing="reorg", worker_queue_limit=limit, saturation_queue_floor=floor,
+                    power_of_n_choices=n, variant_reorg_ranking=ranking, max_in_flight=cap,
+                    cache_affinity_min_matched_tokens=(0 if cap != 3 else 1024),
+                    cache_affinity_min_match_ratio=(0.3 if n == 9 else None),
+                    cache_candidate_min_workers=(2 if n == 3 else 8),
+                    cache_switch_margin_tokens=(0 if cap is None else 1024),
+                    pressure_guard=ranking != "power-of-two", pressure_abs_threshold_ms=(5.0 if n == 3 else None)))
+    return out
+
+
+REORG_CONFIGS = reorg_configs()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), shape=shapes, rng_seed=st.integers(0, 2**63 - 1))
+def test_reorg_kernel_equals_reference_on_generated_traces(seed, shape, rng_seed):
+    """Plain, prefill and mixed fleets (the buckets), duplicate and unknown match entries
+    (the depth merge), caps that reject (503s) and every ranking revision."""
+    trace = random_trace(seed, shape)
+    assert_same(reference.replay(trace, REORG_CONFIGS, seed=rng_seed),
+                engine.decide_all(trace, REORG_CONFIGS, seed=rng_seed), f"trace seed {seed}, {shape}")
+
+
+def test_reorg_kernel_equals_reference_on_a_parquet_trace(parquet_trace):
+    grid = Grid.from_texts({"--chat-routing": "legacy,reorg", "--worker-queue-limit": "none,1..4",
+                            "--saturation-queue-floor": "none,1,2", "--max-in-flight": "none,2",
+                            "--power-of-n-choices": "none,3"})
+    ref = reference.replay(parquet_trace, grid.configs, seed=1)
+    ker = engine.decide_all(parquet_trace, grid.configs, seed=1)
+    assert_same(ref, ker, "generated parquet trace, both engines")
+    reorg = np.array([c.chat_routing == "reorg" for c in grid.configs])
+    outcomes = set(np.unique(ker["reorg_outcome"][:, reorg]).tolist())
+    assert {0, 1, 2, 3} <= outcomes, outcomes   # cache win, pin, miss fallback and 503s all occur
+    assert (ker["reorg_outcome"][:, ~reorg] == -1).all() and (ker["decision"][:, reorg] == -1).all()
+    # a reorg config alone decides as its column in the grid (the shared outcome memo)
+    c = int(np.flatnonzero(reorg)[7])
+    alone = engine.decide_all(parquet_trace, [grid.configs[c]], seed=1)
+    assert_same({k: v[:, c:c + 1] for k, v in ker.items()}, alone, "reorg config alone")

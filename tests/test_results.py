@@ -35,7 +35,8 @@ FAILURES = ["prefill_admission_exhausted", "cache_candidates_exhausted", "propos
 
 GEN_GRID = ["--worker-queue-limit", "none,2,4,8", "--saturation-queue-floor", "none,1,2",
             "--disable-pressure-guard", "true,false"]
-MODELS_GRID = ["--worker-queue-limit", "none,1,2", "--saturation-queue-floor", "none,1"]
+MODELS_GRID = ["--worker-queue-limit", "none,1,2", "--saturation-queue-floor", "none,1",
+               "--chat-routing", "legacy,reorg", "--max-in-flight", "none,0"]
 
 
 def cli_sweep(trace, out, *args):
@@ -110,6 +111,8 @@ def expected_summary(run) -> dict[int, dict]:
             e[f"policy_{p}"] = r.filter(pl.col("policy_reason") == p).height
         for f in FAILURES:
             e[f"failure_{f}"] = g.filter(pl.col("failure") == f).height
+        for o in labels.REORG_OUTCOMES:
+            e[f"reorg_{o}"] = g.filter(pl.col("reorg_outcome") == o).height
         q = int(r["query_blocks"].sum())
         m = int(r["matched_blocks"].sum())
         s = int(r["selected_blocks"].sum())
@@ -120,7 +123,7 @@ def expected_summary(run) -> dict[int, dict]:
                            if chances.height else None)
         e["pinned"] = r.filter(pl.col("reason") == "SaturationPin").height
         e["diverted"] = r.filter((pl.col("gate_rejected") > 0) & ~pl.col("fell_back")
-                                 & (pl.col("reason") != "SaturationPin")).height
+                                 & (pl.col("reason").fill_null("") != "SaturationPin")).height
         e["fell_back"] = r.filter(pl.col("fell_back")).height
         e["fleet_all_queued"] = r.filter(pl.col("fleet_all_queued")).height
         waits = r["selected_waiting"].drop_nulls().to_list()
@@ -152,7 +155,9 @@ def expected_summary(run) -> dict[int, dict]:
             e[f"lost_{step}"] = int(lost[f"lost_{step}"].sum())
         e["lost_pin"] = int(lost.filter(pl.col("reason") == "SaturationPin")["rest"].sum())
         e["lost_tournament"] = int(lost.filter(pl.col("reason") == "CacheCandidate")["rest"].sum())
-        e["lost_fallback"] = int(lost.filter(~pl.col("reason").is_in(["SaturationPin", "CacheCandidate"]))
+        # (a reorg miss fallback has no legacy reason: null)
+        e["lost_fallback"] = int(lost.filter(~pl.col("reason").fill_null("").is_in(["SaturationPin",
+                                                                                    "CacheCandidate"]))
                                  ["rest"].sum())
         if has_sel:
             # the code's definition: routed requests whose selected_worker is a known worker
@@ -211,8 +216,19 @@ def test_recomputation_exercises_every_path(runs):
     assert gen["agreement"].drop_nulls().len() == gen.height
     assert 0 < gen["agreement_requests"].min() < gen["requests"].min()
     models = runs["models"]["summary"]
-    assert (models["failed"] == 2).all()  # model c has no fleet
-    assert (models["failure_proposal_empty"] == 2).all()
+    legacy = models.filter(pl.col("chat_routing") == "legacy")
+    reorg = models.filter(pl.col("chat_routing") == "reorg")
+    assert (legacy["failed"] == 2).all()  # model c has no fleet
+    assert (legacy["failure_proposal_empty"] == 2).all()
+    # the reorg books no router label; its own outcomes: no engines for model c, and
+    # 503s under the in-flight cap
+    assert (reorg["reorg_no_workers"] == 2).all() and (reorg["failure_proposal_empty"] == 0).all()
+    assert (reorg["failed"] == 2 + reorg["reorg_no_admissible_engine"]).all()
+    assert reorg["reorg_no_admissible_engine"].max() > 0
+    for col in ("reorg_cache_win", "reorg_miss_fallback", "reorg_saturation_pin"):
+        assert reorg[col].sum() > 0, col
+    assert (legacy.select(pl.col("^reorg_.*$")).sum_horizontal() == 0).all()
+    assert (reorg.select(DECISION_LABELS).sum_horizontal() == 0).all()
     assert "agreement" not in models.columns  # no selected_worker column in that trace
 
 
@@ -225,10 +241,16 @@ def test_decisions_file_shape(runs, name):
     assert set(dec["config_id"].unique()) == set(summary["config_id"])
     assert set(dec["request_id"].unique()) == set(req["request_id"])
     routed = dec["worker"].is_not_null()
-    # failure columns are null exactly on routed rows, label columns exactly on failed rows
-    assert (dec["failure"].is_null() == routed).all()
-    for col in ("reason", "policy_reason", "decision", "uncached_tokens"):
-        assert (dec[col].is_not_null() == routed).all(), col
+    reorg = dec["reorg_outcome"].is_not_null()
+    # legacy: failure columns are null exactly on routed rows, label columns exactly on
+    # failed rows; the reorg books no router label at all, only its own outcome
+    assert (dec["failure"].is_null() == (routed | reorg)).all()
+    leg = dec.filter(~reorg)
+    for col in ("reason", "policy_reason", "decision"):
+        assert (leg[col].is_not_null() == leg["worker"].is_not_null()).all(), col
+    assert (dec.filter(reorg)["policy_reason"].is_null()).all() and (dec.filter(reorg)["decision"].is_null()).all()
+    assert (dec["uncached_tokens"].is_not_null() == routed).all()
+    assert set(dec["reorg_outcome"].drop_nulls()) <= set(labels.REORG_OUTCOMES)
     assert set(dec["decision"].drop_nulls()) <= set(DECISION_LABELS)
     assert set(dec["reason"].drop_nulls()) <= set(labels.REASONS)
     # rows are (request, config) in trace time order, configs in id order

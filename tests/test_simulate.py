@@ -681,8 +681,9 @@ assert r.stats["ss_evictions"] > 0
 """
 
 
-@pytest.mark.parametrize("publish", ["interval", "on_change", "sglang"])
-def test_kernel_equals_plain_python(tmp_path, publish):
+def assert_jit_equals_plain(tmp_path, code: str, *args: str) -> None:
+    """Run ``code`` (writing a simulation to ``sys.argv[1]``) jitted and as plain Python
+    (``NUMBA_DISABLE_JIT``): the files written are byte for byte the same."""
     import os
     import subprocess
     import sys
@@ -693,12 +694,17 @@ def test_kernel_equals_plain_python(tmp_path, publish):
         if mode == "plain":
             env["NUMBA_DISABLE_JIT"] = "1"
         out = tmp_path / mode
-        p = subprocess.run([sys.executable, "-c", _PLAIN, str(out), publish], env=env, check=False,
+        p = subprocess.run([sys.executable, "-c", code, str(out), *args], env=env, check=False,
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         outs[mode] = out
     for name in ("requests.parquet", "loads.parquet", "outcomes.parquet"):
         assert (outs["jit"] / name).read_bytes() == (outs["plain"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("publish", ["interval", "on_change", "sglang"])
+def test_kernel_equals_plain_python(tmp_path, publish):
+    assert_jit_equals_plain(tmp_path, _PLAIN, publish)
 
 
 def test_grid_seeds_on_ray_equal_local(tmp_path):

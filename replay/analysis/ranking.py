@@ -82,6 +82,8 @@ def router_flags(row: dict) -> str:
             if v is False:
                 parts.append(spec.flag)
         else:
+            if k == "max_in_flight":  # the router takes the cap with the overloaded filter
+                parts.append("--filter overloaded")
             parts.append(f"{spec.flag} {knob_text(v)}")
     text = " ".join(parts) if parts else NO_GATE_TEXT
     variants = [f"{KNOBS[k].flag} {v}" for k, v in cfg.variants().items()]

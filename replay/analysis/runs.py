@@ -245,9 +245,38 @@ def _unswept_hint(a: Run, b: Run, ma: pl.DataFrame, mb: pl.DataFrame, knobs: Seq
             + (f" {swept}" if swept else ""))
 
 
-def _label_expr(col: str, suffix: str) -> pl.Expr:
-    """The transition label: the label column, or ``failed:<failure>`` on a failed request."""
-    return pl.coalesce(pl.col(col), pl.lit("failed:") + pl.col("failure"), pl.lit("failed")).alias(f"label_{suffix}")
+def _label_expr(col: str, suffix: str, reorg: bool = False) -> pl.Expr:
+    """The transition label: the label column, or ``failed:<failure>`` on a failed request;
+    a reorg decision (no router label) reads ``reorg:<its outcome>``."""
+    own = [pl.lit("reorg:") + pl.col("reorg_outcome")] if reorg else []
+    return pl.coalesce(pl.col(col), *own, pl.lit("failed:") + pl.col("failure"),
+                       pl.lit("failed")).alias(f"label_{suffix}")
+
+
+_ENGINE_KNOBS = ("chat_routing", "power_of_n_choices", "max_in_flight", "variant_reorg_ranking",
+                 "variant_pin_order", "variant_floor_scaling")
+
+
+def _across_text(cmp: Comparison) -> str:
+    ea = set(cmp.a.summary["chat_routing"].to_list()) if "chat_routing" in cmp.a.summary.columns else set()
+    eb = set(cmp.b.summary["chat_routing"].to_list()) if "chat_routing" in cmp.b.summary.columns else set()
+    if ea and eb and ea != eb:
+        return (f"the knobs both engines share (A routes with {', '.join(sorted(ea))}, B with "
+                f"{', '.join(sorted(eb))}: a reorg decision reads reorg:<outcome>, the replay's own label)")
+    return "the router's knobs (the runs differ in a replay-only policy variant)"
+
+
+def _match_across_engines(a: pl.DataFrame, b: pl.DataFrame, knobs: Sequence[str]) -> pl.DataFrame:
+    """Pairs of a legacy run and a reorg run of one trace (each one engine): matched by
+    the knobs both engines share (limit, floor, candidate and guard knobs), when each
+    run holds one config per such setting."""
+    if "chat_routing" not in knobs or a["chat_routing"].n_unique() != 1 or b["chat_routing"].n_unique() != 1 \
+            or a["chat_routing"][0] == b["chat_routing"][0]:
+        return match_configs(a, b, knobs).head(0)
+    shared = [k for k in knobs if k not in _ENGINE_KNOBS]
+    if any(t.select(shared).is_duplicated().any() for t in (a, b)):
+        return match_configs(a, b, knobs).head(0)
+    return match_configs(a, b, shared)
 
 
 def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
@@ -276,6 +305,10 @@ def compare_runs(a: Run | str | os.PathLike, b: Run | str | os.PathLike, *,
     across = False
     if pairs.height == 0:
         pairs = _match_across_variants(ma, mb, knobs)
+        shown = [k for k in shown if k in pairs.columns]
+        across = pairs.height > 0
+    if pairs.height == 0:
+        pairs = _match_across_engines(ma, mb, knobs)
         shown = [k for k in shown if k in pairs.columns]
         across = pairs.height > 0
     if pairs.height == 0:
@@ -313,13 +346,14 @@ def _changed_requests(a: Run, b: Run, pairs: pl.DataFrame, label: str) -> pl.Laz
     cols = ["request_id", "config_id", "worker", label, "failure", "selected_blocks"]
 
     def side(run: Run, s: str) -> pl.LazyFrame:
+        reorg = "reorg_outcome" in decision_store.columns_of(run.decisions[0])
         lf = decision_store.scan_decisions(run.decisions, [c for c in cols if c != "selected_blocks"]
-                                           + ["selected_blocks"])
-        lf = lf.with_columns(pl.col("config_id").cast(pl.Int64), _label_expr(label, s))
+                                           + ["selected_blocks"] + (["reorg_outcome"] if reorg else []))
+        lf = lf.with_columns(pl.col("config_id").cast(pl.Int64), _label_expr(label, s, reorg))
         key = f"config_id_{s}"
         lf = lf.rename({"config_id": key, "worker": f"worker_{s}",
                         "selected_blocks": f"selected_blocks_{s}"})
-        return lf.drop(label, "failure")
+        return lf.drop(label, "failure", *(["reorg_outcome"] if reorg else []))
 
     la = side(a, "a").join(ids.select("config_id_a", "config_id_b", "config"), on="config_id_a")
     lb = side(b, "b")
@@ -401,8 +435,7 @@ def format_comparison(cmp: Comparison, *, limit: int = 20, width: int = 100) -> 
     lines = [f"compare A={a.path}", f"     vs B={b.path}",
              f"same trace ({len(a.trace_hashes)} files, sha256 equal), "
              f"{cmp.pairs.height} configs matched by "
-             + ("the router's knobs (the runs differ in a replay-only policy variant)"
-                if cmp.across_variants else "knob values")
+             + (_across_text(cmp) if cmp.across_variants else "knob values")
              + (f", {len(cmp.only_a)} only in A" if cmp.only_a else "")
              + (f", {len(cmp.only_b)} only in B" if cmp.only_b else "")]
     if cmp.setting_changes:

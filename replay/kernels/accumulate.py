@@ -39,6 +39,7 @@ from replay.kernels.layout import (
     O_POLICY_REASON,
     O_PRESSURE_SOURCE,
     O_REASON,
+    O_REORG_OUTCOME,
     O_SELECTED_BLOCKS,
     O_SELECTED_WAITING,
     O_SELECTED_WAITING_UNCACHED,
@@ -52,6 +53,7 @@ _FAILED = ACC["failed"]
 _DEC0 = ACC["decision_cache_hit"]
 _POL0 = ACC["policy_cache_candidate"]
 _FAIL0 = ACC["failure_prefill_admission_exhausted"]
+_REORG0 = ACC["reorg_" + labels.REORG_OUTCOMES[0]]
 _QUERY = ACC["query_blocks"]
 _MATCHED = ACC["matched_blocks"]
 _SELECTED = ACC["selected_blocks"]
@@ -122,6 +124,9 @@ def decision_terms_nb(t, row, ms, q, selected_worker, top):
     # by book_block_constants_nb.  A replayed 503 counts as a disagreement.
     if selected_worker >= 0 and selected_worker == w:
         t[_AGREE] = 1
+    outcome = row[O_REORG_OUTCOME]
+    if outcome >= 0:  # a reorg decision: the replay's own outcome, and no router label
+        t[_REORG0 + outcome] = 1
     if w < 0:
         t[_FAILED] = 1
         f = row[O_FAILURE]
@@ -130,8 +135,10 @@ def decision_terms_nb(t, row, ms, q, selected_worker, top):
         return
     t[_ROUTED] = 1
     dec = row[O_DECISION]
-    t[_DEC0 + dec] += 1
-    t[_POL0 + row[O_POLICY_REASON]] += 1
+    if dec >= 0:
+        t[_DEC0 + dec] += 1
+    if row[O_POLICY_REASON] >= 0:
+        t[_POL0 + row[O_POLICY_REASON]] += 1
     t[_QUERY] = q
     matched = row[O_MATCHED_BLOCKS]
     if matched > 0:

@@ -84,7 +84,8 @@ A_DEPTH_PREPARED = 11
 A_DEPTH_EVALUATED = 12
 A_DEPTH_ADMITTED = 13
 A_DEPTH_PIN_POOL = 14
-A_NCOLS = 15
+A_PIN_REJECTED = 15     # reorg: pin candidates its caps rejected (legacy's pin skips them silently)
+A_NCOLS = 16
 
 
 # Policy variants (docs/replay-model.md "Policy variants"): codes of the
@@ -153,6 +154,20 @@ def cache_candidate_admitted_nb(snap, w, L, uncached, budget):
     if not has_kv_capacity_nb(snap, w, L):
         return False
     return budget < 0 or snap[w, S_WU] + uncached <= budget
+
+
+LEGACY_ADMISSION = -2
+"""The ``cap`` of a cache resolution under legacy's KV admission (3.5); a reorg
+resolution passes its in-flight cap instead (-1 = none; ROUTER_REORG.md 3.5)."""
+
+
+@njit(allocates=False)
+def candidate_admitted_nb(snap, w, L, uncached, budget, cap):
+    """Hard admission of a cache candidate: legacy's (``cap == LEGACY_ADMISSION``),
+    or the reorg's in-flight cap on the router-local count (request size unused)."""
+    if cap == LEGACY_ADMISSION:
+        return cache_candidate_admitted_nb(snap, w, L, uncached, budget)
+    return cap < 0 or snap[w, S_INFLIGHT] < cap
 
 
 @njit(allocates=False)
@@ -320,6 +335,13 @@ def prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet
     K = candidate_limit_nb(n_fleet, cmin, cratio, cmax)
     if K <= 0:
         return 0
+    sort_candidates_nb(snap, est, cand, n, tmp_workers)
+    return min(n, K)
+
+
+@njit(allocates=False)
+def sort_candidates_nb(snap, est, cand, n, tmp_workers):
+    """Sort ``cand[:n]`` into seed order (2 step 8) over the pressure coverage of all ``n``."""
     for i in range(n):
         tmp_workers[i] = cand[i, C_WORKER]
     engine, all_est = set_coverage_nb(snap, est, tmp_workers, n)
@@ -332,7 +354,6 @@ def prepare_candidates_nb(L, query_blocks, m_worker, m_blocks, in_fleet, n_fleet
                 cand[j, col] = cand[j - 1, col]
                 cand[j - 1, col] = t
             j -= 1
-    return min(n, K)
 
 
 # ---------------------------------------------------------------------------
@@ -380,16 +401,18 @@ def resolve_cache_nb(cand, n, L, snap, est, fleet, limit, floor, margin, guard,
                                  abs_ms, rel, audit, ev, rj, adm, tmp,
                                  fleet_all_queued_nb(snap, fleet, limit, wcol),
                                  floor >= 0 and any_fresh_queue_below_nb(snap, fleet, floor, wcol),
-                                 wcol, pin_locality)
+                                 wcol, pin_locality, LEGACY_ADMISSION)
 
 
 @njit_inner(allocates=False)
 def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens, abs_ms,
-                          rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality):
+                          rel, audit, ev, rj, adm, tmp, all_queued, any_below, wcol, pin_locality, cap):
     """``resolve_cache_nb`` given the two fleet-wide readings, which depend only on
     the snapshot and the limit / floor: ``fleet_is_all_queued`` (3.2) and
     ``any_fresh_queue_below(floor)`` (3.6).  The grid pass computes them once per
-    request and value.
+    request and value.  ``cap`` picks the hard admission (``candidate_admitted_nb``):
+    the reorg's resolution is this one with its own caps (ROUTER_REORG.md 3.4-3.7),
+    its pin's rejections counted in ``A_PIN_REJECTED``.
     """
     for j in range(A_NCOLS):
         audit[j] = 0
@@ -435,7 +458,7 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
     for k in range(n_ev):
         i = ev[k]
         d_ev = max(d_ev, cand[i, C_BLOCKS])
-        if cache_candidate_admitted_nb(snap, cand[i, C_WORKER], L, cand[i, C_E], cand[i, C_BUDGET]):
+        if candidate_admitted_nb(snap, cand[i, C_WORKER], L, cand[i, C_E], cand[i, C_BUDGET], cap):
             adm[n_adm] = i
             n_adm += 1
             d_adm = max(d_adm, cand[i, C_BLOCKS])
@@ -453,7 +476,8 @@ def resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, ab
             for k in range(n_rj):
                 i = rj[k]
                 w = cand[i, C_WORKER]
-                if not cache_candidate_admitted_nb(snap, w, L, cand[i, C_E], cand[i, C_BUDGET]):
+                if not candidate_admitted_nb(snap, w, L, cand[i, C_E], cand[i, C_BUDGET], cap):
+                    audit[A_PIN_REJECTED] += 1
                     continue
                 audit[A_DEPTH_PIN_POOL] = max(audit[A_DEPTH_PIN_POOL], cand[i, C_BLOCKS])
                 if best < 0:
@@ -852,7 +876,7 @@ def cache_rung_with_nb(n, cand, L, snap, est, limit, floor, margin, guard, abs_t
         return -1, -1, CACHE_MISS
     w = resolve_cache_with_nb(cand, n, L, snap, est, limit, floor, margin, guard, abs_tokens,
                               abs_ms, rel, audit, scratch_i[1], scratch_i[2], scratch_i[3],
-                              scratch_i[4], all_queued, any_below, wcol, pin_locality)
+                              scratch_i[4], all_queued, any_below, wcol, pin_locality, LEGACY_ADMISSION)
     if w >= 0:
         reason = audit[A_REASON]
         if reason == SATURATION_PIN or audit[A_FELL_BACK] == 1:

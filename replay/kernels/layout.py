@@ -121,9 +121,10 @@ is empty when the trace records none."""
 Matches = namedtuple("Matches", ("offsets", "worker", "blocks"), module=__name__)
 Matches.__doc__ = """CSR match entries: request ``i`` owns ``offsets[i]..offsets[i+1]`` (int64)."""
 
-Fleets = namedtuple("Fleets", ("offsets", "workers", "member"), module=__name__)
+Fleets = namedtuple("Fleets", ("offsets", "workers", "member", "plain"), module=__name__)
 Fleets.__doc__ = """Per model ``m``: its fleet ``workers[offsets[m]:offsets[m+1]]`` (ascending ids)
-and ``member[m, w]`` (bool)."""
+and ``member[m, w]`` (bool); ``plain[w]``: worker ``w`` is a plain engine, not a
+prefill one (the reorg's buckets, ``kernels/reorg.py``; all true without a workers table)."""
 
 BlockStates = namedtuple("BlockStates", ("lo", "ptrs", "tables", "inflights"), module=__name__)
 BlockStates.__doc__ = """Per thread block ``b`` of a chunk: requests ``lo[b]..lo[b+1]`` and the
@@ -141,6 +142,7 @@ ACC_NAMES = (
     *(f"decision_{d}" for d in labels.DECISIONS),
     *(f"policy_{p}" for p in labels.POLICY_REASONS),
     *(f"failure_{f}" for f in labels.FAILURES),
+    *(f"reorg_{o}" for o in labels.REORG_OUTCOMES),
     "query_blocks", "matched_blocks", "selected_blocks",
     "owner_hits", "owner_chances", "diverted", "pinned", "fell_back", "fleet_all_queued",
     "waiting_known", "waiting_sum", "waiting_uncached_known", "waiting_uncached_sum",
@@ -331,7 +333,8 @@ RQ_FIRST = 8
 RQ_DONE = 9
 RQ_BEST = 10
 RQ_COMPLETIONS = 11   # times the request completed (conservation: exactly 1)
-RQ_NCOLS = 12
+RQ_REORG_OUTCOME = 12  # labels.REORG_OUTCOMES code under --chat-routing reorg, else -1
+RQ_NCOLS = 13
 
 # load sample columns (the loads.parquet columns, in order)
 LD_TS = 0

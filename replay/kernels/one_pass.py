@@ -71,6 +71,7 @@ from replay.kernels.layout import (
     O_POLICY_REASON,
     O_PRESSURE_SOURCE,
     O_REASON,
+    O_REORG_OUTCOME,
     O_SELECTED_BLOCKS,
     O_SELECTED_WAITING,
     O_SELECTED_WAITING_UNCACHED,
@@ -78,6 +79,8 @@ from replay.kernels.layout import (
     O_WORKER,
 )
 from replay.kernels.layout import Accumulators as layout_acc
+from replay.kernels.reorg import NO_WORKERS, REORG, merged_blocks_nb, pick_nb, select_reorg_nb
+from replay.kernels.reorg import prepare_nb as reorg_prepare_nb
 from replay.kernels.rng import draw_key_nb
 from replay.kernels.snapshot import (
     S_BASIC,
@@ -101,7 +104,8 @@ Scratch = namedtuple("Scratch", (
     "lclass",      # int64[2, lim_vals]: limit class of each distinct limit (row: gate reading)
     "fleet_wait",  # int64[2, max_fleet]: gate reading per fleet worker (huge when absent)
     "audit",       # int64[A_NCOLS]: the last cache resolution's audit
-    "ints",        # int64[9, width]: scratch rows of decide.py, rows 6/7/8 the keys to reset (memo, ladder, rung)
+    "ints",        # int64[13, width]: scratch rows of decide.py, rows 6/7/8 the keys to reset (memo, ladder,
+                   # rung), rows 10-12 the reorg's pool and groups (kernels/reorg.py)
     "cands",       # int64[n_groups, max_matches, C_NCOLS]: prepared candidates per group
     "group_n",     # int64[n_groups]: candidates kept per group
     "group_rep",   # int64[n_groups]: a config of each group
@@ -203,7 +207,7 @@ def new_scratch(plan, n_workers: int, max_fleet: int, max_matches: int,
         np.zeros((2, n_lim), dtype=np.int64),
         np.zeros((2, max(max_fleet, 1)), dtype=np.int64),
         np.zeros(A_NCOLS, dtype=np.int64),
-        np.zeros((9, width), dtype=np.int64),
+        np.zeros((13, width), dtype=np.int64),
         np.zeros((n_groups, max(max_matches, 1), C_NCOLS), dtype=np.int64),
         np.zeros(n_groups, dtype=np.int64),
         group_rep,
@@ -258,7 +262,7 @@ def _count_below(values, n, bound):
 
 
 @njit_inner(allocates=False)
-def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, snap,
+def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet, fleet, plain, snap,
                     est, knobs_at, plan, seed, sc_at):
     """Decide one request under every config.
 
@@ -272,6 +276,11 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     books (their count, then the configs).
     Candidates are prepared once per knob group (``sc.cands[g]``,
     ``sc.group_n[g]``; ``sc.group_rep[g]`` is a config of the group).
+    A reorg config (``kernels/reorg.py``) shares decisions by the same (group,
+    limit class, floor class) key when its group is the whole fleet (a fleet of
+    plain engines only, or of prefill engines only: ``plain[w]``); in a fleet
+    of both its buckets differ from the fleet, and each such config is decided
+    on its own.
     Returns (cache-rung evaluations, domain-rung evaluations) and the
     request's fleet readings (``snapshot.fleet_reading_nb``: smallest fresh
     waiting count, -1 when none; fresh fleet workers).
@@ -385,10 +394,28 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
     # candidates once per knob group; whether a limit gates any of them (when
     # none is gated, neither the fell-back tier nor the pin can fire, so the
     # floor cannot change the outcome)
+    k_routing = knobs.chat_routing
+    n_plain = -1
     for g in range(group_n.shape[0]):
         c0 = group_rep[g]
         n = 0
-        if has_signal and m_worker.shape[0] > 0:
+        if k_routing[c0] == REORG:
+            if n_plain < 0:
+                n_plain = 0
+                for j in range(n_fleet):
+                    n_plain += plain[fleet[j]]
+            if n_plain != 0 and n_plain != n_fleet:
+                group_n[g] = -1  # two buckets: decided config by config
+                for j in range(lim_vals.shape[0]):
+                    gated_n[g, j] = 1
+                continue
+            if has_signal and m_worker.shape[0] > 0:
+                n = reorg_prepare_nb(L, qb, m_worker, m_blocks, fleet, snap, est,
+                                     knobs.cache_affinity_min_matched_tokens[c0],
+                                     knobs.cache_affinity_min_match_ratio[c0],
+                                     knobs.cache_candidate_min_workers[c0], knobs.cache_candidate_ratio[c0],
+                                     knobs.cache_candidate_max_workers[c0], cands[g], scratch_i[0])
+        elif has_signal and m_worker.shape[0] > 0:
             n = prepare_candidates_nb(L, qb, m_worker, m_blocks, in_fleet, n_fleet, snap, est,
                                       knobs.cache_affinity_min_matched_tokens[c0],
                                       knobs.cache_affinity_min_match_ratio[c0],
@@ -450,18 +477,21 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
         s1 = -1
         s2 = -1
         prev = -1
+        reorg = k_routing[c] == REORG
+        direct = reorg and group_n[g] < 0
         for tt in range(t, end):
             c = gl_cfg[tt]
             fl = gl_floor[tt]
             fcl = 0 if fl < 0 else (2 if fmin < fl else 1)
             fc = fcl if n_gated > 0 else 0
-            slot = s0 if fc == 0 else (s1 if fc == 1 else s2)
+            slot = -1 if direct else (s0 if fc == 0 else (s1 if fc == 1 else s2))
             if slot < 0:
                 key = (g * width + lcl) * 3 + fc
-                slot = memo[key]
+                slot = -1 if direct else memo[key]
                 if slot < 0:
-                    scratch_i[6, used] = key
-                    used += 1
+                    if not direct:
+                        scratch_i[6, used] = key
+                        used += 1
                     lim = k_limit[c]
                     all_queued = lim >= 0 and n_fleet > 0 and n_absent == 0 and lcl == 1
                     # the cache rung sees the limit only through the set of gated candidates
@@ -470,11 +500,37 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                     # evaluation per rung key, and a rung that chose decides the whole row
                     rk = ((g * rwidth + n_gated) * 2 + (1 if all_queued else 0)) * 3 + fc
                     rrow = rung[rk]
-                    if rrow[_R_SET] == 1 and rrow[_R_W] >= 0:
+                    outcome = -1
+                    if not reorg and rrow[_R_SET] == 1 and rrow[_R_W] >= 0:
                         slot = rrow[_R_SLOT]
                     else:
                         slot = n_dist
-                        if rrow[_R_SET] == 1:
+                        if reorg:
+                            # the reorg: no rung or ladder sharing (its miss fallback draws over
+                            # the unqueued tier, named by the limit class like the whole key)
+                            failure = -1
+                            decision = -1
+                            if direct:
+                                w, reason, outcome = select_reorg_nb(
+                                    L, qb, m_worker, m_blocks, fleet, plain, snap, est, knobs, c, seed,
+                                    req_index, audit, scratch_i, cands[g])
+                            elif n_fleet == 0:
+                                w, reason, outcome = -1, -1, NO_WORKERS
+                                for j in range(A_NCOLS):
+                                    audit[j] = 0
+                                audit[A_REASON] = -2
+                            else:
+                                w, reason, outcome, _d = pick_nb(
+                                    group_n[g], cands[g], L, fleet, snap, est, lim, k_floor[c], k_margin[c],
+                                    k_guard[c] == 1, k_abs_tokens[c], k_abs_ms[c], k_rel[c],
+                                    knobs.max_in_flight[c], knobs.power_of_n_choices[c],
+                                    knobs.variant_reorg_ranking[c], rkey, 0, audit, scratch_i, all_queued,
+                                    fcl == 2)
+                                if w < 0:   # the bucket failed: no other bucket has engines
+                                    for j in range(A_NCOLS):
+                                        audit[j] = 0
+                                    audit[A_REASON] = -2
+                        elif rrow[_R_SET] == 1:
                             for j in range(A_NCOLS):
                                 audit[j] = rrow[j]
                             w = np.int64(-1)
@@ -495,8 +551,9 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                             rrow[_R_LABEL] = decision
                             scratch_i[8, n_rungs] = rk
                             n_rungs += 1
-                        failure = -1
-                        if w < 0:
+                        if not reorg:
+                            failure = -1
+                        if w < 0 and not reorg:
                             # the domain rungs depend on (group, limit class) only: computed once
                             lk = g * width + lcl
                             if ladder_w[lk] == -2:
@@ -533,7 +590,8 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                         row = res_i[n_dist]
                         row[O_WORKER] = w
                         row[O_REASON] = reason
-                        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 else -1
+                        row[O_POLICY_REASON] = _POLICY_OF_REASON[reason] if reason >= 0 and not reorg else -1
+                        row[O_REORG_OUTCOME] = outcome
                         row[O_DECISION] = decision
                         row[O_FAILURE] = failure
                         row[O_MATCHED_BLOCKS] = matched
@@ -549,6 +607,10 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                         row[O_PRESSURE_SOURCE] = audit[A_SOURCE] if resolved else -1
                         if w >= 0:
                             _q, _m, sel_blocks, uncached = locality_nb(L, qb, best_prefix, m_worker, m_blocks, w)
+                            if reorg and qb > 0:   # the chosen worker's deepest entry (reference.worker_blocks)
+                                blocks = min(merged_blocks_nb(m_worker, m_blocks, w), qb)
+                                sel_blocks = min(blocks, matched)
+                                uncached = max(L - (L * blocks) // qb, 0)
                             row[O_SELECTED_BLOCKS] = sel_blocks
                             row[O_UNCACHED_TOKENS] = uncached
                             (row[O_LOST_CANDIDATES], row[O_LOST_QUEUE_GATE], row[O_LOST_CAPACITY],
@@ -581,9 +643,10 @@ def _decide_request(req_index, L, qb, best_prefix, m_worker, m_blocks, in_fleet,
                                 break
                         if slot == n_dist:
                             n_dist += 1
-                        if rrow[_R_W] >= 0:
+                        if rrow[_R_W] >= 0 and not reorg:
                             rrow[_R_SLOT] = slot
-                    memo[key] = slot
+                    if not direct:
+                        memo[key] = slot
                 if fc == 0:
                     s0 = slot
                 elif fc == 1:
@@ -696,7 +759,7 @@ def run_chunk_nb(blocks, req, matches, fleets, loads, dp_size, freshness, knobs,
             hi = m_off[i + 1]
             n_rung, n_ladder, fleet_min[i], fleet_fresh[i] = _decide_request_at(link, (
                 req.index[i], req.input_tokens[i], req.query_blocks[i], req.best_prefix_blocks[i],
-                matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, snap, est,
+                matches.worker[lo:hi], matches.blocks[lo:hi], fleets.member[mdl], fleet, fleets.plain, snap, est,
                 knobs_at, plan, seed, sc_at))
             s_rung += n_rung
             s_ladder += n_ladder

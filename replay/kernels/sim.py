@@ -77,6 +77,7 @@ from replay.kernels.layout import (
     RQ_NCOLS,
     RQ_RANK,
     RQ_REASON,
+    RQ_REORG_OUTCOME,
     RQ_WORKER,
     RS_BUD_REQ,
     RS_BUD_TOK,
@@ -161,6 +162,7 @@ from replay.kernels.layout import (
     SimOutputs,
     SimState,
 )
+from replay.kernels.reorg import REORG, select_reorg_nb
 from replay.kernels.rng import draw_nb
 from replay.kernels.snapshot import (
     R_AT,
@@ -1142,9 +1144,16 @@ def _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks, nm,
                               loads[LD_INFLIGHT, :nl])
         ptr = advance_dirty_nb(ptr, t, written, dp_size, table, view_inflight, dirty)
     refresh_nb(table, view_inflight, dp_size, t, freshness, snap, est, oldest, dirty)
-    w, reason, decision, failure = select_prefill_nb(
-        req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
-        knobs, 0, seed, i, v.audit, v.scratch, v.cand, v.seen)
+    if knobs.chat_routing[0] == REORG:
+        # the reorg engine; the simulated fleet is one group (its members as plain engines)
+        w, reason, rq[i, RQ_REORG_OUTCOME] = select_reorg_nb(
+            req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], fleet, in_fleet, snap, est,
+            knobs, 0, seed, i, v.audit, v.scratch, v.cand)
+        decision, failure = -1, -1
+    else:
+        w, reason, decision, failure = select_prefill_nb(
+            req_L[i], n, m_worker[m0:nm], m_blocks[m0:nm], in_fleet, fleet, snap, est,
+            knobs, 0, seed, i, v.audit, v.scratch, v.cand, v.seen)
     if forced[i] >= 0:  # validation: the worker production chose, not the router's pick
         w, reason, decision, failure = forced[i], -1, -1, -1
     rq[i, RQ_WORKER] = w
@@ -1279,7 +1288,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     dirty = np.ones(n_workers, dtype=np.bool_)
     ptr = 0
     audit = np.zeros(A_NCOLS, dtype=np.int64)
-    scratch_i = np.zeros((8, n_workers + 2), dtype=np.int64)
+    scratch_i = np.zeros((13, n_workers + 2), dtype=np.int64)  # 13 rows: kernels/reorg.py
     cand = np.zeros((n_workers + 1, C_NCOLS), dtype=np.int64)
     seen = np.zeros(n_workers, dtype=np.bool_)
     tmp_w = np.zeros(max(nf, 1), dtype=np.int64)

@@ -100,7 +100,7 @@ def inner_signatures(run_sig: tuple) -> dict:
     scratch_t = numba.typeof(one_pass.Scratch(*(np.zeros((1,) * ndim, dtype=dtype)
                                                  for dtype, ndim in (one_pass.SCRATCH_TYPES[f]
                                                                      for f in one_pass.Scratch._fields))))
-    decide_sig = (i8, i8, i8, i8, ro_i8, ro_i8, _arr(b1, 1, True), ro_i8, _arr(i8, 2), _arr(f8, 1),
+    decide_sig = (i8, i8, i8, i8, ro_i8, ro_i8, _arr(b1, 1, True), ro_i8, _arr(b1, 1, True), _arr(i8, 2), _arr(f8, 1),
                   types.CPointer(knobs_t), plan_t, i8, types.CPointer(scratch_t))
     rung_sig = (i8, _arr(i8, 2), i8, _arr(i8, 2), _arr(f8, 1), i8, i8, i8, b1, i8, f8, f8,
                 _arr(i8, 1), _arr(i8, 2), b1, b1, i8, b1)

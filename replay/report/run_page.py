@@ -71,6 +71,8 @@ DECISION_COLORS = {
     "cache_hit": "#2ca02c", "cache_miss": "#9aa5b1", "cache_worker_queued": "#ff7f0e",
     "all_queued": "#d62728", FAILED: "#222222",
 }
+REORG_ROUTED = ("cache_win", "saturation_pin", "miss_fallback")
+REORG_COLORS = {"cache_win": "#98df8a", "saturation_pin": "#c5b0d5", "miss_fallback": "#c7c7c7"}
 REASON_COLORS = {
     "cache_candidate": "#2ca02c", "saturation_pin": "#9467bd", "no_cache_candidate": "#9aa5b1",
     "no_cache_candidate_admission_backup": "#8c564b", "no_cache_candidate_pressure_backup": "#e377c2",
@@ -329,13 +331,28 @@ def _ordered_configs(a: ReportView) -> list[dict]:
     return sorted(a.slice_rows, key=lambda r: (_num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
 
 
+def _mix_rows(a: ReportView) -> tuple[list[dict], list[str]]:
+    """The configs of the mix figures and their x labels: the grid's slice, or, when
+    the grid holds both routing engines, that slice under each engine side by side."""
+    if "chat_routing" not in a.other_varying:
+        rows = _ordered_configs(a)
+        return rows, [a.label(r, short=True) for r in rows]
+    keep = {k: v for k, v in a.slice.items() if k != "chat_routing"}
+    rows = sorted((r for r in a.rows.values() if all(_same(r[k], v) for k, v in keep.items())),
+                  key=lambda r: (r["chat_routing"], _num_key(r[LIMIT]), _num_key(r[FLOOR]), r["config_id"]))
+    return rows, [f"{r['chat_routing']} {a.label(r, short=True)}" for r in rows]
+
+
 def fig_mix(a: ReportView, kind: str) -> dict:
-    """Stacked shares per config: decision labels (``kind="decision"``) or policy reasons."""
-    rows = _ordered_configs(a)
-    x = [a.label(r, short=True) for r in rows]
+    """Stacked shares per config: decision labels (``kind="decision"``; a reorg config's
+    own outcome labels beside legacy's, docs/replay-model.md) or policy reasons."""
+    rows, x = _mix_rows(a)
     if kind == "decision":
         cats = [(d, d, DECISION_COLORS[d]) for d in labels.DECISIONS]
-        title = "Decision labels per config (share of requests)"
+        # the reorg books no label: its routed outcomes (its 503s are in "failed")
+        cats += [(f"reorg_{o}", f"reorg {o} (ours)", REORG_COLORS[o]) for o in REORG_ROUTED
+                 if f"reorg_{o}" in rows[0]] if rows else []
+        title = "Decision labels per config (share of requests; reorg: the replay's own outcome labels)"
     else:
         cats = [(f"policy_{p}", p, REASON_COLORS[p]) for p in labels.POLICY_REASONS]
         title = "Policy reasons per config (share of requests)"

@@ -17,7 +17,7 @@ from typing import Any
 
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
-from replay.config import KNOB_SHORT
+from replay.config import KNOB_SHORT, RouterConfig
 from replay.errors import ParamError
 from replay.report import figspec as fs
 
@@ -235,10 +235,28 @@ def _pair(view) -> tuple[dict, dict | None]:
 
             raise ParamError("beside", f"{beside}: no such config_id in this run")
         return a, view.rows[beside]
-    b = view.baseline_for(a)
+    b = _other_engine(view, a) or view.baseline_for(a)
     if b is None or b["config_id"] == a["config_id"]:
         b = next((r for r in rows if r["config_id"] != a["config_id"]), None)
     return a, b
+
+
+_ENGINE_ONLY = ("chat_routing", "power_of_n_choices", "max_in_flight", "variant_reorg_ranking",
+                "variant_pin_order", "variant_floor_scaling")
+
+
+def _other_engine(view, a: Mapping[str, Any]) -> dict | None:
+    """In a grid holding both routing engines: ``a``'s limit, floor and shared knobs under the
+    other engine (its own knobs at their defaults), drawn beside ``a``."""
+    if "chat_routing" not in getattr(view, "other_varying", ()):
+        return None
+    default = RouterConfig()
+    for r in view.rows.values():
+        if r["chat_routing"] != a["chat_routing"] \
+                and all(r[k] == a[k] for k in view.knobs if k not in _ENGINE_ONLY) \
+                and all(r[k] == getattr(default, k) for k in _ENGINE_ONLY if k != "chat_routing" and k in r):
+            return r
+    return None
 
 
 def waterfall_figures(view) -> dict[str, Any]:

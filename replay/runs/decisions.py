@@ -59,7 +59,7 @@ LONG_COLUMNS = (
     "uncached_tokens", "gate_rejected", "admission_evaluated", "admission_rejected", "best_rejected_blocks",
     "fleet_all_queued", "fell_back", "selected_waiting", "selected_waiting_uncached", "selected_queue_ms",
     "pressure_source", "guard_compared", "guard_overrides", "blocks_lost", "lost_to", "lost_candidates",
-    "lost_queue_gate", "lost_capacity",
+    "lost_queue_gate", "lost_capacity", "reorg_outcome",
 )
 """The long table's columns, in order (a file from an earlier version may lack some)."""
 

@@ -111,6 +111,11 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
          "cold prefill tokens", "si"),
     _col("agreement", "rate", "neither", "1pt", "replayed worker == the trace's selected_worker",
          "agreement with production", "pct"),
+    # the reorg engine's own outcome labels (docs/replay-model.md, "The reorg engine"); 0 under legacy
+    *(_share(f"share_reorg_{o}", f"reorg_{o}", "requests", better, "1pt",
+             f"reorg {o.replace('_', ' ')} (the replay's own label) / requests", f"reorg {o.replace('_', ' ')} share")
+      for o, better in (("cache_win", "higher"), ("saturation_pin", "neither"), ("miss_fallback", "lower"),
+                        ("no_admissible_engine", "lower"), ("no_workers", "lower"))),
     # the locality waterfall (docs/replay-model.md): matched blocks each step gave away
     *(_col(f"lost_{step}", "count", "lower", "10%", f"matched blocks lost to {step.replace('_', ' ')}",
            f"blocks lost to {step.replace('_', ' ')}", "si")
@@ -124,6 +129,10 @@ ALIASES = {"pin_share": "pinned_share", "all_queued_share": "share_all_queued", 
 LABEL_SHARES = ("share_cache_hit", "share_cache_miss", "share_cache_worker_queued", "share_all_queued")
 """The cache-aware decision-label shares (label count / requests)."""
 
+REORG_SHARES = ("share_reorg_cache_win", "share_reorg_saturation_pin", "share_reorg_miss_fallback",
+                "share_reorg_no_admissible_engine", "share_reorg_no_workers")
+"""The reorg engine's outcome shares (the replay's own labels, 0 under legacy): beside legacy's in ``compare``."""
+
 CHECKED = ("hit_rate", "matched_rate", "owner_rate", *LABEL_SHARES, "share_failed", "pinned_share",
            "diverted_share", "pinned", "diverted", "selected_waiting_p50", "selected_waiting_p99",
            "selected_waiting_mean", "selected_queue_ms_mean", "cold_prefill_tokens", "agreement")
@@ -136,7 +145,7 @@ DEFAULT_TOLERANCES = {"hit_rate": "0.5pt", "selected_waiting_p99": "10%", **{s: 
 """The gate's defaults: hit rate may drop 0.5 points, p99 pressure rise 10%, label shares move 1 point."""
 
 COMPARE_METRICS = (
-    "hit_rate", "matched_rate", "owner_rate", *LABEL_SHARES, "share_failed", "pinned", "diverted",
+    "hit_rate", "matched_rate", "owner_rate", *LABEL_SHARES, *REORG_SHARES, "share_failed", "pinned", "diverted",
     "pinned_share", "diverted_share", "selected_waiting_p50", "selected_waiting_p99", "selected_waiting_mean",
     "selected_queue_ms_mean", "cold_prefill_tokens", "agreement",
     "lost_candidates", "lost_queue_gate", "lost_capacity", "lost_pin", "lost_tournament", "lost_fallback",

@@ -334,6 +334,9 @@ def _tables(log: RequestLog, fleet: Fleet, rq, m_off, m_w, m_b, inputs) -> tuple
         "decision": _labels(rq[:, kl.RQ_DECISION], L_.DECISIONS),
         "completions": pa.array(rq[:, kl.RQ_COMPLETIONS]),
     })
+    if (rq[:, kl.RQ_REORG_OUTCOME] >= 0).any():   # a reorg config: the replay's own outcome labels
+        outcomes = outcomes.append_column("reorg_outcome",
+                                          _labels(rq[:, kl.RQ_REORG_OUTCOME], L_.REORG_OUTCOMES))
     return requests, workers, outcomes
 
 
@@ -373,10 +376,13 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
     dec = rq[:, kl.RQ_DECISION]
     for code, name in enumerate(L_.DECISIONS):
         row[name] = int((dec == code).sum())
-    reason = rq[:, kl.RQ_REASON]
+    reason = np.where(rq[:, kl.RQ_REORG_OUTCOME] >= 0, -1, rq[:, kl.RQ_REASON])  # reorg: no policy reason
     for code, name in enumerate(L_.POLICY_REASONS):
         pr = np.array([L_.reason_to_policy_reason(int(r)) if r >= 0 else -1 for r in range(7)])
         row[f"policy_{name}"] = int(np.isin(reason, np.nonzero(pr == code)[0]).sum())
+    outcome = rq[:, kl.RQ_REORG_OUTCOME]
+    for code, name in enumerate(L_.REORG_OUTCOMES):   # the replay's own labels of a reorg config
+        row[f"reorg_{name}"] = int((outcome == code).sum())
     return row
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from replay import labels
 from replay.config import KNOBS, RouterConfig
 from replay.fields import DECISION_FIELDS, empty_decisions
 from replay.kernels import accumulate as kacc
@@ -166,7 +167,10 @@ def fleet_tables(trace: Trace) -> layout.Fleets:
         in_fleet[m, f] = True
         offs.append(offs[-1] + len(f))
     fleet_w = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
-    return layout.Fleets(np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet)
+    plain = np.ones(max(trace.n_workers, 1), dtype=np.bool_)
+    if trace.has_workers_table:
+        plain[:trace.n_workers] = np.asarray(trace.worker_role) == labels.ROLE_PLAIN
+    return layout.Fleets(np.array(offs, dtype=np.int64), fleet_w.astype(np.int64), in_fleet, plain)
 
 
 def load_columns(trace: Trace) -> layout.LoadColumns:
@@ -344,7 +348,8 @@ def kernel_signatures() -> dict:
     run_args = (
         layout.BlockStates(np.zeros(2, dtype=np.int64), ptrs, tables, inflights),
         layout.Requests(*(i64 for _ in layout.Requests._fields)), layout.Matches(i64, i64, i64),
-        layout.Fleets(i64, i64, readonly(np.zeros((1, 1), dtype=np.bool_))), loads, i64, 0,
+        layout.Fleets(i64, i64, readonly(np.zeros((1, 1), dtype=np.bool_)), readonly(np.zeros(1, dtype=np.bool_))),
+        loads, i64, 0,
         frozen(enc.knobs), frozen(enc.plan), 0, 0, False,
         layout.Outputs(np.zeros((layout.O_NCOLS, 1, 1), dtype=np.int64),
                        np.zeros((layout.F_NCOLS, 1, 1), dtype=np.float64),

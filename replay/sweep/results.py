@@ -64,6 +64,8 @@ class Accumulator:
             cols[f"policy_{p}"] = a[:, ACC[f"policy_{p}"]]
         for f in labels.FAILURES:
             cols[f"failure_{f}"] = a[:, ACC[f"failure_{f}"]]
+        for o in labels.REORG_OUTCOMES:  # the replay's own outcomes of a reorg config (0 under legacy)
+            cols[f"reorg_{o}"] = a[:, ACC[f"reorg_{o}"]]
 
         def ratio(num, den):
             num = np.asarray(num, dtype=np.float64)
@@ -152,7 +154,7 @@ _CODE_FIELDS = {   # label codes and nullable counts: null where < 0
     "worker": kl.O_WORKER, "reason": kl.O_REASON, "policy_reason": kl.O_POLICY_REASON,
     "decision": kl.O_DECISION, "failure": kl.O_FAILURE, "uncached_tokens": kl.O_UNCACHED_TOKENS,
     "selected_waiting": kl.O_SELECTED_WAITING, "selected_waiting_uncached": kl.O_SELECTED_WAITING_UNCACHED,
-    "pressure_source": kl.O_PRESSURE_SOURCE, "lost_to": kl.O_LOST_TO,
+    "pressure_source": kl.O_PRESSURE_SOURCE, "lost_to": kl.O_LOST_TO, "reorg_outcome": kl.O_REORG_OUTCOME,
 }
 _PLAIN_FIELDS = {  # never null
     "matched_blocks": kl.O_MATCHED_BLOCKS, "selected_blocks": kl.O_SELECTED_BLOCKS,
@@ -188,6 +190,7 @@ class DecisionWriter:
         self.failures = pa.array(labels.FAILURES, type=pa.string())
         self.sources = pa.array(labels.PRESSURE_SOURCES, type=pa.string())
         self.loss_steps = pa.array(labels.LOSS_STEPS, type=pa.string())
+        self.reorg_outcomes = pa.array(labels.REORG_OUTCOMES, type=pa.string())
         self.writer: pq.ParquetWriter | None = None     # the outcomes layout (pyarrow)
         self.flat: fp.FlatParquetWriter | None = None   # the long layout
         self._config_cache: tuple[int, fp.Runs] | None = None
@@ -209,7 +212,7 @@ class DecisionWriter:
         """The label columns and the strings their codes index."""
         return {"worker": self.workers, "reason": self.reasons, "policy_reason": self.policy,
                 "decision": self.decisions, "failure": self.failures, "pressure_source": self.sources,
-                "lost_to": self.loss_steps}
+                "lost_to": self.loss_steps, "reorg_outcome": self.reorg_outcomes}
 
     def _fields(self, o: np.ndarray, ms: np.ndarray) -> dict[str, pa.Array]:
         """The per-decision columns (all but request_id, config_id and query_blocks) of

@@ -59,6 +59,10 @@ def _knob_value(name: str, v):
         if not isinstance(v, bool):
             _fail(key, f"must be true or false{null}, got {json.dumps(v)}")
         return v
+    if spec.kind == "choice":
+        if not isinstance(v, str) or v not in spec.choices:
+            _fail(key, f"must be one of {', '.join(spec.choices)}, got {one_line(json.dumps(v))}")
+        return v
     if spec.kind == "int":
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
             _fail(key, f"must be an integer >= 0{null}, got {one_line(json.dumps(v))}")
