@@ -291,3 +291,10 @@ def test_a_simulate_grid_too_large_to_run_is_refused_up_front(tmp_path, args, co
     refused(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "o", "--requests", "100", *args),
             counted, "more than the 10,000 one simulate runs")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_calibrate_prediction_grid_too_large_to_run_is_refused_before_the_fit(tmp_path):
+    refused(invoke("calibrate", SAMPLE, "--out", tmp_path / "f.toml", "--validate", tmp_path / "v",
+                   "--worker-queue-limit", "1..200", "--seeds", "100", "-q"),
+            "200 config(s) x 100 seeds = 20,000 simulations")
+    assert list(tmp_path.iterdir()) == []
