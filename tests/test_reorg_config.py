@@ -87,7 +87,7 @@ def test_sweep_cli_refuses_a_bad_engine_name_in_one_line(tmp_path):
 
 
 def test_recommended_flags_are_a_deployable_reorg_command_line():
-    from replay.analysis.closed_loop import deploy_flags
+    from replay.analysis.ranking import deploy_flags
 
     row = {**RouterConfig(chat_routing="reorg", max_in_flight=4, worker_queue_limit=8).as_dict(), "config_id": 3}
     flags = deploy_flags(row)
