@@ -298,3 +298,38 @@ def test_a_calibrate_prediction_grid_too_large_to_run_is_refused_before_the_fit(
                    "--worker-queue-limit", "1..200", "--seeds", "100", "-q"),
             "200 config(s) x 100 seeds = 20,000 simulations")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------
+# a trace without load samples: calibrate refuses it as validate does; simulate reads it as a log
+
+
+def test_calibrate_refuses_a_trace_without_loads_as_validate_does_and_simulate_reads_it(calibrated, tmp_path):
+    d = _trace(tmp_path, "t")
+    (d / "loads.parquet").unlink()
+    before = digest_tree(d)
+    want = refused(invoke("validate", d), f"loads.parquet: file not found in {d} (nor a loads/ folder)")
+    fleet = tmp_path / "fleet.toml"
+    shutil.copy(calibrated, fleet)      # the previous fit, which --force may replace
+    old = fleet.read_bytes()
+    got = refused(invoke("calibrate", d, "--out", fleet, "--force", "-q"))
+    assert got == want
+    assert fleet.read_bytes() == old
+    refused(invoke("calibrate", d, "--out", tmp_path / "new.toml", "--validate", tmp_path / "v", "-q"),
+            want.removeprefix("error: "))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.toml", "t"]
+    # simulate needs only the requests: the same trace is a request log to it
+    ok(invoke("simulate", d, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "sim", "--requests", "200", "-q"))
+    assert pl.read_parquet(tmp_path / "sim" / "requests.parquet").height == 200
+    assert digest_tree(d) == before
+
+
+def test_validate_says_a_generated_trace_records_no_production_router(tmp_path):
+    ok(invoke("generate", tmp_path / "gen", "--requests", "200", "--seed", "3"))
+    out = ok(invoke("validate", tmp_path / "gen"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("trace.json:"))
+    assert line.startswith("trace.json: synthetic, no production router recorded"), line
+    assert "production router defaults" not in out
+    # a recorded trace whose trace.json names no router flags still reads as production defaults
+    d = _trace(tmp_path, "t", info=lambda j: {k: v for k, v in j.items() if k != "router"})
+    assert "trace.json: production router defaults" in ok(invoke("validate", d))

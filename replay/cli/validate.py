@@ -74,9 +74,14 @@ def format_report(facts: TraceFacts) -> str:
         lines.append("page size (block size of hash_ids): " + ", ".join(
             f"{m} {p}" for m, p in f.page_sizes.items()))
     if f.trace_json is not None:
+        from replay.runs.rundir import GENERATE_SOURCE  # lazy: loaded when the command runs
+
         router = f.trace_json["router"]
-        lines.append("trace.json: production router "
-                     + (", ".join(f"{k}={v}" for k, v in router.items()) if router else "defaults")
+        synthetic = not router and str(f.trace_json["source"] or "").startswith(GENERATE_SOURCE)
+        lines.append("trace.json: " + ("synthetic, no production router recorded" if synthetic else
+                                       "production router "
+                                       + (", ".join(f"{k}={v}" for k, v in router.items()) if router
+                                          else "defaults"))
                      + (" (per dp rank)" if f.trace_json["per_dp_rank"] else "")
                      + (f"; source: {f.trace_json['source']}" if f.trace_json["source"] else ""))
         cm = f.trace_json.get("capture_matches") or {}

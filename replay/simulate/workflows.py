@@ -35,6 +35,7 @@ from replay.simulate.plan import PLAN_KIND, FleetPoint, fleet_points, plan_grid
 from replay.simulate.seeds import parse_seeds
 from replay.simulate.sim import SimResult, simulate
 from replay.simulate.tracelog import RecordedTrace, is_trace_dir, read_trace_log
+from replay.trace.files import parts_or_fail
 
 # -- calibrate: a recorded trace -> a fitted fleet file, its fidelity, a prediction grid ---------------
 
@@ -107,6 +108,8 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     rundir.guard([(out, FLEET_KIND), (validate_dir, FIDELITY_KIND)], inputs=[trace_dir], force=force)
     parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
     rec = read_trace_log(trace_dir, block_size=block_size)
+    if rec.loads is None:   # the fit reads the load samples: refused as validate refuses such a trace
+        parts_or_fail(str(trace_dir), "loads")
     cal = fit_fleet(rec, decode_model=decode_model)
     # checked before anything is written: a fit the simulator cannot run blames the trace's counters
     cal.to_fleet(where=f"{trace_dir}: the fleet fitted from its loads.parquet counters cannot be simulated")
