@@ -11,12 +11,12 @@ these and prints (docs/api.md lists every name with the command it serves).
   :func:`compare_runs`, :func:`write_comparison`, :func:`make_baseline`,
   :func:`write_baseline`, :func:`load_baseline`, :func:`check_run`,
   :func:`recommend`, :func:`load_closed_loop`, :func:`recommend_closed_loop`,
-  :func:`read_plan`, :func:`answer_plan`.
+  :func:`read_plan`, :func:`answer_plan`, :func:`recommend_dir` (any of the three, told apart).
 * Closed loop: :func:`load_fleet`, :func:`read_log`, :func:`read_simulation_log`,
   :func:`simulate`, :func:`simulate_grid`, :func:`simulate_log`, :func:`calibrate_trace`, :func:`plan_fleets`.
 * Capture: :class:`Recorder`, :class:`ImportSpec`, :func:`import_capture`.
 * Errors: :class:`ReplayError` (one line), :class:`ParamError` (names the
-  parameter), :class:`ConfigError`, :class:`TraceError`.
+  parameter), :class:`ParamsError` (names several), :class:`ConfigError`, :class:`TraceError`.
 
 The names are imported on first use (PEP 562), so ``import replay`` (and every
 CLI start, ``--help`` included) does not import numba, polars or the engine
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from replay.analysis.closed_loop import recommend as recommend_closed_loop
     from replay.analysis.plan import plan as answer_plan
     from replay.analysis.plan import read_plan
+    from replay.analysis.recommend import recommend_dir
     from replay.analysis.runs import (
         check_run,
         compare_runs,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from replay.capture.importer import ImportSpec, import_capture
     from replay.capture.recorder import Recorder
     from replay.config import Grid, RouterConfig
-    from replay.errors import ConfigError, ParamError, ReplayError
+    from replay.errors import ConfigError, ParamError, ParamsError, ReplayError
     from replay.runs.decisions import read_decisions
     from replay.runs.rundir import load_run
     from replay.simulate import load_fleet, read_log, simulate, simulate_grid
@@ -62,7 +63,8 @@ if TYPE_CHECKING:
 # public name -> the module that defines it ("module:attribute" where the public name differs)
 _LAZY = {
     "Grid": "config", "RouterConfig": "config",
-    "ConfigError": "errors", "ParamError": "errors", "ReplayError": "errors",
+    "ConfigError": "errors", "ParamError": "errors", "ParamsError": "errors",
+    "ReplayError": "errors",
     "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
     "read_trace_info": "trace", "request_log": "trace", "generate_trace": "trace.synthetic",
     "decide_all": "sweep.engine", "iter_chunks": "sweep.engine",
@@ -73,7 +75,7 @@ _LAZY = {
     "recommend": "analysis.runs",
     "load_closed_loop": "analysis.closed_loop:load_grid",
     "recommend_closed_loop": "analysis.closed_loop:recommend",
-    "read_plan": "analysis.plan", "answer_plan": "analysis.plan:plan",
+    "read_plan": "analysis.plan", "answer_plan": "analysis.plan:plan", "recommend_dir": "analysis.recommend",
     "load_fleet": "simulate", "read_log": "simulate", "simulate": "simulate", "simulate_grid": "simulate",
     "read_simulation_log": "simulate.workflows", "calibrate_trace": "simulate.workflows",
     "plan_fleets": "simulate.workflows", "simulate_log": "simulate.workflows",
@@ -81,11 +83,11 @@ _LAZY = {
 }
 
 __all__ = [
-    "ConfigError", "Grid", "ImportSpec", "ParamError", "Recorder", "ReplayError", "RouterConfig",
+    "ConfigError", "Grid", "ImportSpec", "ParamError", "ParamsError", "Recorder", "ReplayError", "RouterConfig",
     "SweepResult", "Trace", "TraceError", "answer_plan", "calibrate_trace", "check_run", "compare_runs",
     "decide_all", "generate_trace", "import_capture", "iter_chunks", "load_baseline", "load_closed_loop",
     "load_fleet", "load_run", "load_trace", "make_baseline", "plan_fleets", "read_decisions", "read_log",
-    "read_plan", "read_simulation_log", "read_trace_info", "recommend", "recommend_closed_loop",
+    "read_plan", "read_simulation_log", "read_trace_info", "recommend", "recommend_closed_loop", "recommend_dir",
     "request_log", "run_sweep", "simulate", "simulate_grid", "simulate_log", "validate_trace", "write_baseline",
     "write_comparison",
 ]

@@ -31,6 +31,30 @@ class ParamError(ReplayError):
         return f"{self.flag} {self.text}"
 
 
+class _Named:
+    """A parameter in a :class:`ParamsError` text: ``{name}`` or ``{name:METAVAR}``."""
+
+    def __init__(self, name: str, sep: str):
+        self.name, self.sep = name, sep
+
+    def __format__(self, metavar: str) -> str:
+        return self.name + (self.sep + metavar if metavar else "")
+
+
+class ParamsError(ReplayError):
+    """A bad combination of arguments, naming several parameters inside one sentence:
+    ``text`` holds ``{param}`` or ``{param:METAVAR}`` fields (and ``{value}`` fields
+    filled from ``values`` as they are).  The library reads
+    ``param`` / ``param=METAVAR``; the CLI ``--param`` / ``--param METAVAR``."""
+
+    def __init__(self, text: str, *params: str, **values: object):
+        super().__init__(text.format(**values, **{p: _Named(p, "=") for p in params}))
+        self.text, self.params, self.values = text, params, values
+
+    def cli_text(self) -> str:
+        return self.text.format(**self.values, **{p: _Named("--" + p.replace("_", "-"), " ") for p in self.params})
+
+
 class NeedsForce(ReplayError):
     """An output that exists and is replaced only when asked: the library's text says
     ``force=True``, the CLI's ``--force``, in the place between ``before`` and ``after``."""

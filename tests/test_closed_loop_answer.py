@@ -22,6 +22,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from replay import ParamsError, recommend_dir
 from replay.cli import main
 from replay.config import RouterConfig
 from replay.simulate import FleetSpec, build_fleet, generate_log, simulate
@@ -172,6 +173,23 @@ def test_closed_loop_bound_errors_are_one_line(light, args, needle):
 def test_open_loop_run_refuses_a_ttft_bound(light):
     r = run("recommend", light / "run", "--max-ttft-p99-ms", "5", code=2)
     assert "open-loop run has no TTFT" in r.stderr
+
+
+def test_the_library_answer_is_the_commands_and_its_refusals_name_parameters(light):
+    grid = recommend_dir(light / "fit", max_ttft_p99_ms=2000)
+    assert grid.kind == "closed loop" and grid.flags
+    cli = run("recommend", light / "fit", "--max-ttft-p99-ms", 2000, code=0 if grid.met else 1).stdout
+    assert "\n".join(grid.lines) + "\n" == cli and grid.met == ("NO CONFIG QUALIFIES" not in cli)
+    assert recommend_dir(light / "run", max_p99_waiting=8).kind == "open loop"
+    with pytest.raises(ParamsError) as err:
+        recommend_dir(light / "fit")
+    assert str(err.value) == (f"{light / 'fit'}: a closed-loop grid needs a bound: max_ttft_p99_ms=MS or "
+                              "max_queue_wait_p99_ms=MS")
+    assert run("recommend", light / "fit", code=2).stderr == f"error: {err.value.cli_text()}\n"
+    assert err.value.cli_text() == (f"{light / 'fit'}: a closed-loop grid needs a bound: --max-ttft-p99-ms MS "
+                                    "or --max-queue-wait-p99-ms MS")
+    with pytest.raises(ParamsError, match="^an open-loop run needs max_p99_waiting=N$"):
+        recommend_dir(light / "run")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ small tmpfs where this machine lets us mount one (skipped otherwise)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from replay.cli import main
+from replay.runs import rundir
 
 GRID = ["--worker-queue-limit", "none,1..8", "--saturation-queue-floor", "none,1..4"]
 
@@ -179,6 +181,30 @@ def test_a_swap_killed_between_its_renames_is_undone(gen_trace, tmp_path):
     assert "put back the previous output from .run.old-" in res.stderr
     assert "removed 1 unfinished folder(s)" in res.stderr
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert hidden(tmp_path) == []
+
+
+def test_the_library_tells_its_notes_to_the_logger_not_stderr(tmp_path, capfd):
+    """Library code prints nothing itself: what ``recover`` did goes to the ``replay`` logger
+    (the command prints it as ``note: ...``, above) and back to the caller."""
+    host = format(zlib.crc32(socket.gethostname().encode()) & 0xFFFFFF, "06x")
+    pid = _dead_pid()
+    (tmp_path / f".run.old-{pid}@{host}-abc123").mkdir()
+    (tmp_path / f".run.old-{pid}@{host}-abc123" / "summary.parquet").write_bytes(b"old run")
+    (tmp_path / f".run.partial-{pid}@{host}-xyz").mkdir()
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("replay")
+    log.addHandler(handler)
+    try:
+        lines = rundir.recover(tmp_path / "run")
+    finally:
+        log.removeHandler(handler)
+    assert capfd.readouterr().err == ""
+    assert heard == lines and len(lines) == 2
+    assert "put back the previous output from .run.old-" in lines[0] and "removed 1 unfinished" in lines[1]
+    assert (tmp_path / "run" / "summary.parquet").read_bytes() == b"old run"
     assert hidden(tmp_path) == []
 
 

@@ -207,7 +207,7 @@ def recommend_plan(run_dir, ttft_ms: float | None, wait_ms: float | None, echo, 
     """``recommend --plan``: print the plan; 0 when every level has a fleet, 1 when one has none.
     ``bound_kind``: check the bound on the mean's 95% interval (``mean``) or the worst seed (``seed-range``)."""
     if (ttft_ms is None) == (wait_ms is None):
-        raise ReplayError("--plan needs exactly one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
+        raise ReplayError("recommend_plan needs exactly one of ttft_ms and wait_ms")
     metric, bound_ms = ("ttft", ttft_ms) if ttft_ms is not None else ("queue_wait", wait_ms)
     t = read_plan(run_dir)
     col = bound_column(t, metric, bound_kind)

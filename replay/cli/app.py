@@ -7,7 +7,9 @@ stderr and exit code 2; nothing a user gave us is modified.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -28,13 +30,36 @@ class InputError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True, file=file or sys.stderr)
 
 
+class _Notes(logging.Handler):
+    """The library's warnings (logger ``replay``) as ``note: ...`` lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"note: {record.getMessage()}", err=True)
+
+
+@contextlib.contextmanager
+def _library_notes():
+    """While a command runs, the library's warnings are printed as notes (once: not
+    passed on to a root handler as well)."""
+    log = logging.getLogger("replay")
+    handler, propagate = _Notes(), log.propagate
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
 def user_errors(fn):
     """Decorator: library ReplayErrors become one-line InputErrors (exit 2)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _library_notes():
+                return fn(*args, **kwargs)
         except ReplayError as err:          # the library names a parameter, the CLI its flag
             raise InputError(err.cli_text()) from None
         except OSError as err:              # a full disk, a read-only file system, a permission

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-import textwrap
-from pathlib import Path
 
 import click
 
@@ -85,73 +82,20 @@ level has none); a directory with plan_summary.parquet is read so without
 def recommend(run_dir, bound, ttft_ms, wait_ms, plan_mode, bound_kind, as_json, emit_flags, force):
     """Recommend a config: from a closed-loop grid (with intervals), or an open-loop run (labelled)."""
 
-    from replay.analysis import closed_loop, flags_file, ranking  # lazy: loaded when the command runs
-    from replay.analysis import runs as analysis  # lazy: loaded when the command runs
-    from replay.analysis.plan import PLAN_TABLE, recommend_plan  # lazy: loaded when the command runs
-    from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.analysis import flags_file  # lazy: loaded when the command runs
+    from replay.analysis.recommend import recommend_dir  # lazy: loaded when the command runs
 
     flags_file.guard(emit_flags, inputs=[run_dir], force=force)  # before any output: refused, nothing printed
-
-    def emit(per_dp, source):
-        if emit_flags is not None:
-            flags_file.write(emit_flags, per_dp, source, inputs=[run_dir], force=force)
-            if not as_json:
-                click.echo(f"router flags -> {emit_flags}")
-
-    if plan_mode or (Path(run_dir) / PLAN_TABLE).is_file():  # a capacity plan (docs/capacity.md)
-        if bound is not None:
-            raise ReplayError("--plan bounds TTFT p99 (--max-ttft-p99-ms) or queue wait p99 "
-                              "(--max-queue-wait-p99-ms), not --max-p99-waiting")
-        if emit_flags is not None:
-            raise ReplayError("--emit-flags applies to a config recommendation, not --plan (a plan "
-                              "answers per traffic level; its flags are in --json)")
-        sys.exit(recommend_plan(run_dir, ttft_ms, wait_ms, click.echo, as_json=as_json, bound_kind=bound_kind))
-    if closed_loop.is_grid(run_dir) and not (Path(run_dir) / analysis.rundir.RUN_JSON).is_file():
-        if bound is not None:
-            raise ReplayError(f"{run_dir}: a closed-loop grid: bound TTFT p99 (--max-ttft-p99-ms) or queue "
-                              "wait p99 (--max-queue-wait-p99-ms), not --max-p99-waiting (an open-loop metric)")
-        if ttft_ms is not None and wait_ms is not None:
-            raise ReplayError("give one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
-        if ttft_ms is None and wait_ms is None:
-            raise ReplayError(f"{run_dir}: a closed-loop grid needs a bound: --max-ttft-p99-ms MS or "
-                              "--max-queue-wait-p99-ms MS")
-        grid = closed_loop.load_grid(run_dir)
-        rec = closed_loop.recommend(grid, bound_ms=ttft_ms if ttft_ms is not None else wait_ms,
-                                    on="ttft" if ttft_ms is not None else "queue_wait", bound_kind=bound_kind)
-        if as_json:
-            click.echo(json.dumps(rec.to_json(), default=str))
-        else:
-            click.echo(closed_loop.format_recommendation(rec))
-        flags = ranking.deploy_flags(rec.best)
-        sizes = closed_loop.dp_sizes(grid) or {None: 0}
-        emit({d: flags for d in sizes}, f"{run_dir} (closed loop, {rec.bound_col} <= "
-                                        f"{rec.bound_ms:g} ms)")
-        sys.exit(0 if rec.best is not None else 1)
-    if ttft_ms is not None or wait_ms is not None:
-        raise ReplayError(f"{run_dir}: an open-loop run has no TTFT or queue wait; bound it with "
-                          "--max-p99-waiting N, or give a closed-loop grid (simulate / calibrate --validate)")
-    if bound is None:
-        raise ReplayError("an open-loop run needs --max-p99-waiting N")
-    run = analysis.load_run(run_dir)
-    recs = analysis.recommend(run, bound)
-
-    trace = (run.meta.get("trace") or {}).get("path")
-    notes = [closed_loop.open_loop_line(trace)]
-    found, _notes = closed_loop.find_for_run(run.path, run.meta)
-    if found is not None:
-        notes.append(f"a closed-loop grid of this trace exists: router-replay recommend {found.path} "
-                     "--max-ttft-p99-ms MS")
-    if as_json:
-        click.echo(json.dumps({"run": str(run.path), "kind": "open loop", "answers": [r.to_json() for r in recs],
-                               "notes": notes}, default=str))
-    else:
-        click.echo(analysis.format_recommendations(recs, run))
-        for n in notes:
-            click.echo(textwrap.fill(f"note: {n}", width=100, subsequent_indent="  ", break_on_hyphens=False))
-    dp = run.meta.get("dp_size")
-    emit({(r.dp_size if r.dp_size is not None else (dp if isinstance(dp, int) else None)): r.deploy_flags()
-          for r in recs}, f"{run.path} (open loop, selected_waiting_p99 <= {bound:g})")
-    sys.exit(0 if all(r.best is not None for r in recs) else 1)
+    answer = recommend_dir(run_dir, max_p99_waiting=bound, max_ttft_p99_ms=ttft_ms, max_queue_wait_p99_ms=wait_ms,
+                           plan=plan_mode, bound_kind=bound_kind, as_json=as_json,
+                           emit_flags=emit_flags is not None)
+    for line in answer.lines:
+        click.echo(line)
+    if emit_flags is not None and answer.kind != "plan":
+        flags_file.write(emit_flags, answer.flags, answer.flags_source, inputs=[run_dir], force=force)
+        if not as_json:
+            click.echo(f"router flags -> {emit_flags}")
+    sys.exit(0 if answer.met else 1)
 
 
 COMMANDS = [recommend]

@@ -45,12 +45,12 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -452,8 +452,8 @@ def guard(outputs: Iterable[str | os.PathLike | tuple[str | os.PathLike | None, 
     reads (files or directories; missing ones are skipped, the command
     reports those itself).  ``force``: the user's ``--force``.  Raises
     :class:`ReplayError` (one line) on a violation; otherwise cleans what a
-    killed run left beside a directory output (telling ``say``, default
-    stderr) and returns the outputs' real paths (symlinks resolved), in order.
+    killed run left beside a directory output (telling ``say``, default a
+    warning on the ``replay`` logger) and returns the outputs' real paths (symlinks resolved), in order.
     """
     ins = _input_paths(inputs)
     seen: dict[Path, str] = {}
@@ -567,6 +567,15 @@ def _dead(path: Path, pid: int | None, now: float) -> bool:
     return now - newest > 3600
 
 
+_log = logging.getLogger(__name__)
+
+
+def _note(text: str) -> None:
+    """What this module tells the user: a warning on the ``replay`` logger (the CLI prints
+    it as ``note: ...`` on stderr; a library caller sees it as its logging is set up)."""
+    _log.warning(text)
+
+
 def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None) -> list[str]:
     """Clean what killed runs left beside directory output ``out`` and say what was done.
 
@@ -576,7 +585,7 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
     of live runs are left alone.  Returns the lines said.
     """
     out = _real(out)
-    say = say or (lambda text: print(f"note: {text}", file=sys.stderr))
+    say = say or _note
     lines: list[str] = []
     if not out.parent.is_dir():
         return lines
@@ -745,8 +754,7 @@ def _check_unchanged(out: Path) -> None:
     if not force:
         raise NeedsForce(f"{out}: another run wrote it while this one ran, and it is not replaced "
                          "without ", " (the other run won)")
-    print(f"note: {out}: another run wrote it while this one ran; this run finished later and "
-          f"replaces it", file=sys.stderr)
+    _note(f"{out}: another run wrote it while this one ran; this run finished later and replaces it")
 
 
 @contextlib.contextmanager
