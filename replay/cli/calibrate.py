@@ -12,7 +12,7 @@ import os
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import check_seeds, check_simulations
+from replay.cli.limits import check_seeds
 from replay.cli.simulate import grid_progress, grid_table
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
@@ -87,14 +87,6 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
         raise ReplayError("--seeds applies to the prediction grid: give router knobs and --validate")
     check_seeds(seeds_text)
     grid = Grid.from_texts(texts) if texts else None
-    if grid is not None:
-        from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
-
-        try:
-            n_seeds = len(parse_seeds(seeds_text, 0) or [])
-        except ValueError:
-            n_seeds = 0             # refused with its own line before the fit (calibrate_trace)
-        check_simulations(len(grid.configs), n_seeds, 1)
     if as_json:
         quiet = True
 

@@ -34,22 +34,6 @@ def check_seeds(text: str | None) -> None:
                           f"need {_gib(n * SEED_BYTES)}, and each seed replays the whole grid once more)")
 
 
-MAX_SIMULATIONS = 10_000
-"""Most simulations one ``simulate`` runs (configs x seeds x fleet and traffic points): each writes
-a trace directory of its own (76 KB for 100 requests of the sample log, more for a longer log),
-and 100,000 configs of ``--worker-queue-limit 1..100000`` ran for hours filling the disk."""
-
-
-def check_simulations(configs: int, seeds: int, points: int) -> None:
-    """Refuse a simulate grid or plan of more than :data:`MAX_SIMULATIONS` runs before any work."""
-    n = configs * max(seeds, 1) * max(points, 1)
-    if n > MAX_SIMULATIONS:
-        parts = [f"{configs:,} config(s)"] + ([f"{seeds:,} seeds"] if seeds else []) + (
-            [f"{points:,} fleet x traffic points"] if points > 1 else [])
-        raise ReplayError(f"{' x '.join(parts)} = {n:,} simulations, more than the {MAX_SIMULATIONS:,} one simulate "
-                          "runs (each writes a trace directory of its own); split the grid")
-
-
 def check_fleet_sizes(workers: list | None, dp_sizes: list | None) -> None:
     """``--workers`` and ``--dp-size`` values a simulated fleet can have: at least 1 (0 used to be
     blamed on the fleet file), dp_size at most the largest a trace may have."""

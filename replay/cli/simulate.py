@@ -8,7 +8,7 @@ import math
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import check_fleet_sizes, check_seeds, check_simulations
+from replay.cli.limits import check_fleet_sizes, check_seeds
 from replay.cli.progress import Progress
 from replay.cli.sweep import _knob_options
 from replay.config import KNOB_SHORT, KNOBS, Grid
@@ -109,7 +109,6 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
 
     from replay.runs.names import LOADS, SIM_JSON  # lazy: loaded when the command runs
     from replay.simulate.plan import parse_list  # lazy: loaded when the command runs
-    from replay.simulate.seeds import parse_seeds  # lazy: loaded when the command runs
     from replay.simulate.sim import interval_rows  # lazy: loaded when the command runs
     from replay.simulate.workflows import simulate_log  # lazy: loaded when the command runs
 
@@ -120,10 +119,6 @@ def simulate(log, fleet_path, out, workers_text, dp_text, scale_text, per_dp_ran
     scales = parse_list(scale_text, "--load-scale", float, 1e-9)
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     grid = Grid.from_texts(texts)
-    planning = scales is not None or any(v is not None and len(v) > 1 for v in (workers_l, dp_l))
-    seeds = parse_seeds(seeds_text, seed)
-    check_simulations(len(grid.configs), len(seeds or []),
-                      math.prod(len(v or [1]) for v in (workers_l, dp_l, scales)) if planning else 1)
     if grid.warning_line() and not quiet:
         click.echo(f"warning: {grid.warning_line(SIM_JSON)}", err=True)
         for line in grid.skipped_lines():

@@ -41,6 +41,22 @@ from replay.simulate.sim import SEEDS_TABLE, SUMMARY, _json, grid_task, kernel_i
 from replay.sweep.pool import Call, Pool, TaskFailed, pool
 from replay.trace.files import log_identity
 
+MAX_SIMULATIONS = 10_000
+"""Most simulations one ``simulate`` runs (configs x seeds x fleet and traffic points): each writes
+a trace directory of its own (76 KB for 100 requests of the sample log, more for a longer log),
+and 100,000 configs of ``--worker-queue-limit 1..100000`` ran for hours filling the disk."""
+
+
+def check_simulations(configs: int, seeds: int, points: int) -> None:
+    """Refuse a simulate grid or plan of more than :data:`MAX_SIMULATIONS` runs before any work."""
+    n = configs * max(seeds, 1) * max(points, 1)
+    if n > MAX_SIMULATIONS:
+        parts = [f"{configs:,} config(s)"] + ([f"{seeds:,} seeds"] if seeds else []) + (
+            [f"{points:,} fleet x traffic points"] if points > 1 else [])
+        raise ReplayError(f"{' x '.join(parts)} = {n:,} simulations, more than the {MAX_SIMULATIONS:,} one simulate "
+                          "runs (each writes a trace directory of its own); split the grid")
+
+
 JOURNAL = "journal.jsonl"
 OWNER = "owner"
 

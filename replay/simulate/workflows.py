@@ -7,6 +7,7 @@ The command parses its flags, calls one function here and prints what it returns
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from replay.capture.outguard import CAPTURE
 from replay.config import Grid, fleet_dp_size
 from replay.errors import ParamError
 from replay.runs import rundir
-from replay.simulate.batch import simulate_grid
+from replay.simulate.batch import check_simulations, simulate_grid
 from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
 from replay.simulate.fidelity import FIDELITY_JSON, FIDELITY_TOOL, FLEET_MARKER, Fidelity, recorded_seed
@@ -106,7 +107,9 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
             raise ParamError("validate_dir", f"{validate_dir}: would hold the fleet file {out}; "
                              "write the fleet file elsewhere", flag="--validate")
     rundir.guard([(out, FLEET_KIND), (validate_dir, FIDELITY_KIND)], inputs=[trace_dir], force=force)
-    parse_seeds(seeds, 0)     # refused now, not after the fit and the validation
+    n_seeds = len(parse_seeds(seeds, 0) or [])     # refused now, not after the fit and the validation
+    if grid is not None:
+        check_simulations(len(grid.configs), n_seeds, 1)
     rec = read_trace_log(trace_dir, block_size=block_size)
     if rec.loads is None:   # the fit reads the load samples: refused as validate refuses such a trace
         parts_or_fail(str(trace_dir), "loads")
@@ -258,6 +261,8 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
                   *([(capture_out, CAPTURE)] if capture_out else [])],
                  inputs=[log, fleet_path], force=force)
     seed_list = parse_seeds(seeds, seed)
+    check_simulations(len(grid.configs), len(seed_list or []),
+                      math.prod(len(v or [1]) for v in (workers, dp_sizes, scales)) if planning else 1)
     fleet = load_fleet(fleet_path, workers=workers[0] if workers else None,
                        dp_size=dp_sizes[0] if dp_sizes else None, resize=planning, **overrides)
     if per_dp_rank and not planning:
