@@ -92,7 +92,8 @@ def test_parameter_recovery(prod, calibrated):
     # every value printed with its samples, and what was not fitted said plainly
     assert output.count("prefill_tokens_per_s = ") == N_WORKERS
     assert "samples" in output and "residual" in output
-    assert "not fitted (not in any trace): chunked_prefill_size" in output
+    assert "max_prefill_tokens, schedule_policy, enable_mixed_chunk: not fitted" in output
+    assert "chunked_prefill_size = 0" not in output   # never claimed unfitted when it was fitted
 
 
 def test_calibrate_json_carries_fitted_values_and_fidelity_parts(prod, calibrated, tmp_path):

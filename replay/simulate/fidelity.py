@@ -32,7 +32,13 @@ Parts (see docs/calibration.md):
                   (``sweep``'s agreement) >= 0.99: the router model, flags and
                   seed reproduce production's decisions given its state
 ``agreement``     router in the loop picks production's worker for >= 95% of
-                  the requests
+                  the requests, or, where the loop drifts by itself, for no
+                  fewer than the model's own run under another seed agrees
+                  with its run under the recorded seed, less 5 points: on a
+                  chaotic fleet (sessions whose cache follows their last
+                  turn) one small timing difference changes every later pick,
+                  and the model cannot agree with production more than with
+                  itself
 ``dispatch``      the share of each worker's requests each data-parallel rank
                   served, forced run against the recording (``dp_rank`` in the
                   trace), within 5 points on every rank: the fleet's
@@ -60,6 +66,8 @@ from replay.simulate.tracelog import RecordedTrace
 from replay.sweep.run import run_sweep
 
 GRID_NS = 100_000_000
+AGREEMENT_MIN = 0.95      # router-in-the-loop picks equal to production's, on a loop that does not drift
+AGREEMENT_SLACK = 0.05    # below the model's own seed-to-seed agreement, on a loop that does
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
 FIDELITY_JSON = names.FIDELITY_JSON
 FIDELITY_TOOL = "router-replay calibrate"   # fidelity.json's marker (rundir.guard recognises the dir)
@@ -217,7 +225,8 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
              out_dir: str | Path | None = None, force: bool = False,
              progress: Callable[[int], None] | None = None) -> Fidelity:
     """Compare ``fleet`` with the recording ``rec`` (forced placement and router in the loop);
-    ``progress(1)`` after each of the two simulations."""
+    ``progress(1)`` after each of the three simulations (forced placement, router in the
+    loop, the loop under another seed)."""
     if len(fleet.prefill) != len(rec.urls):
         raise ReplayError(f"the fleet has {len(fleet.prefill)} prefill workers, the trace "
                           f"{len(rec.urls)}")
@@ -242,6 +251,13 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
     loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
                     freshness_ms=freshness_ms, force=force)
     runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
+    if progress is not None:
+        progress(1)
+    # the model against itself under another seed: how far the loop drifts on its own
+    other: SimResult | None = None
+    if has["selected_worker"]:
+        other = simulate(rec.log, fleet, cfg, None, seed=(seed + 1) % 2**63, freshness_ms=freshness_ms)
+        runs["router_other_seed"] = {"seconds": other.seconds, "summary": other.summary}
     if progress is not None:
         progress(1)
     # the run compared with the recording: forced placement; without selected_worker the
@@ -371,7 +387,15 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         for name, m in (("affinity", known & ~sampled), ("sampled", known & sampled)):
             if m.any():
                 parts_txt.append(f"{name} {float(same[m].mean()):.3f} of {int(m.sum()):,}")
-        parts.append(Part("agreement", agree, ">= 0.95", agree >= 0.95,
+        want, want_t = AGREEMENT_MIN, f">= {AGREEMENT_MIN:g}"
+        if other is not None:
+            own = float((np.asarray(other.outcomes["worker"].to_list(), dtype=object)
+                         == np.asarray(sel, dtype=object))[known].mean())
+            if own - AGREEMENT_SLACK < want:
+                want = own - AGREEMENT_SLACK
+                want_t = f">= {want:.3f} (the model's own agreement across seeds, {own:.3f}, - {AGREEMENT_SLACK:g})"
+            parts_txt.append(f"the model agrees with itself under another seed on {own:.3f}")
+        parts.append(Part("agreement", agree, want_t, agree >= want,
                           "; ".join(parts_txt) + f"; router flags {cfg.given_flags() or 'defaults'}, "
                           f"seed {seed}" + ("" if rec.info.get("router") is not None else
                                             "; no trace.json: router defaults assumed")))
