@@ -164,6 +164,7 @@ def test_agreement_is_judged_against_the_loops_own_drift(world, world_on_change)
     bad = json.loads((world["dir"] / "fit" / "fidelity.json").read_text())
     part = {p["name"]: p for p in good["parts"]}["agreement"]
     assert part["passed"] and part["value"] < 0.95, part
+    assert good["good"], good["failing"]   # every part: the model is right there
     assert not bad["good"] and "agreement" in bad["failing"], bad["failing"]
 
 
