@@ -1,18 +1,19 @@
 """A small SGLang-like engine fleet, written for the tests independently of the simulator.
 
 It shares no code with ``replay.kernels.sim``: plain Python, its own event loop, cache and
-router.  Ranks run FCFS queues with chunked prefill and *mixed* steps (running decodes ride
+router. Ranks run FCFS queues with chunked prefill and *mixed* steps (running decodes ride
 in every prefill step), a step time that grows with the batch, a page-granular prefix cache
 with LRU eviction of unreferenced leaves, round-robin data-parallel dispatch, and LoadStat
 samples after every step plus a heartbeat every second while nothing changes (or, with
 ``cadence="sglang"``, after each prefill step, after every 15th decode step since the last
-sample and on going idle).  Its router sends a request to the worker holding the longest
-cached prefix when that worker has fewer than ``queue_limit`` waiting requests, else to the
-least loaded worker; or, given ``router`` (a ``RouterConfig``), the production router does:
-``replay.reference.select_prefill`` (the router's spec, held equal to the sweep's kernels)
-on the samples this engine published and the prefix each worker truly holds.  The router
-is the product under test, not the engine model: the engine shares nothing with the
-simulator.
+sample and on going idle); a sample an arrival causes is stamped 1 us after it, as a
+recorder stamps what it receives (the router had routed the request by then). Its router
+sends a request to the worker holding the longest cached prefix when that worker has fewer
+than ``queue_limit`` waiting requests, else to the least loaded worker; or, given ``router``
+(a ``RouterConfig``), the production router does: ``replay.reference.select_prefill`` (the
+router's spec, held equal to the sweep's kernels) on the samples this engine published and
+the prefix each worker truly holds. The router is the product under test, not the engine
+model: the engine shares nothing with the simulator.
 
 :func:`run` writes a trace directory (requests, loads, workers, outcomes with ``dp_rank``)
 that ``replay.simulate.tracelog.read_trace_log`` reads."""
@@ -294,8 +295,8 @@ def run(log, n_workers: int, dp: int, eng: Engine, out: Path, *, queue_limit: in
         rk.queue.append(i)
         if rk.busy_until < 0:
             start(best, r, t)
-        if cadence != "sglang":
-            publish(best, r, t)
+        if cadence != "sglang":   # stamped 1 us on, as a recorder stamps what it receives: the
+            publish(best, r, t + 1e-6)   # router routed this request before the sample existed
     # heartbeats: an unchanged load re-sent every heartbeat_s between samples
     per: dict[tuple[int, int], list[tuple]] = {}
     for s in samples:

@@ -79,8 +79,17 @@ def _summary(d: Path) -> pl.DataFrame:
     return pl.read_parquet(d / "fit" / "prediction" / "closed_loop_summary.parquet")
 
 
+def _seeds_disagree_on_answer(r: dict, bound_ms: float) -> bool:
+    # a config whose seeds disagree stays in only when every seed meets the bound and the
+    # seeds' served hit rates lie within 2 points of each other
+    if r["stable"]:
+        return False
+    return not (r["ttft_ms_p99_max"] <= bound_ms and r["true_hit_rate_max"] - r["true_hit_rate_min"] <= 0.02)
+
+
 def _independent_pick(s: pl.DataFrame, bound_ms: float) -> dict | None:
-    rows = [r for r in s.iter_rows(named=True) if r["stable"] and r["ttft_ms_p99_hi"] <= bound_ms]
+    rows = [r for r in s.iter_rows(named=True)
+            if r["ttft_ms_p99_hi"] <= bound_ms and not _seeds_disagree_on_answer(r, bound_ms)]
     rows.sort(key=lambda r: (-r["true_hit_rate"], r["ttft_ms_p99"], r["config_id"]))
     return rows[0] if rows else None
 
@@ -107,7 +116,7 @@ def test_closed_loop_answer_differs_from_the_open_loop_pick(saturated):
            f"(config {want['config_id']})" in text
     assert f"router flags: --worker-queue-limit {want['worker_queue_limit']}" in text
     assert "deploy per dp_size: dp_size 2 (4 workers)" in text
-    unstable = s.filter(~pl.col("stable")).height
+    unstable = sum(_seeds_disagree_on_answer(r, bound) for r in s.iter_rows(named=True))
     assert f"({unstable} unstable" in text
     # the report of the run gives the same answer first, and the open-loop headline the no-gate config
     out = saturated / "bound.html"

@@ -12,6 +12,10 @@ mean over seeds).  Acceptance (stated, not tuned per draw):
   over configs);
 * recommend's pick (TTFT p99 SLO fixed at 6 s) within 0.5 points of the truth's best
   served hit rate among the configs whose true TTFT p99 meets the SLO;
+* the engine is run twice, publishing its load on SGLang's cadence and on change with a
+  1 s heartbeat; it publishes at a step's end before it admits the next batch (SGLang
+  after), which the sglang-cadence case shows and the regret there is kept as a strict
+  expected failure;
 * a case the model cannot represent (a session-affine rank choice) comes out POOR and names
   ``dispatch``, a part the faithful case passes.
 
@@ -92,17 +96,15 @@ def _limit(v) -> str:
     return "none" if v is None else str(v)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    d = tmp_path_factory.mktemp("regret")
+def _world(d, cadence: str) -> dict:
     log, eng = sessions(31), _hidden(31)
-    engine_run(log, WORKERS, DP, eng, d / "prod", router=PROD, seed=TRUTH_SEEDS[0], cadence="sglang")
+    engine_run(log, WORKERS, DP, eng, d / "prod", router=PROD, seed=TRUTH_SEEDS[0], cadence=cadence)
     truth = {}
     for lim in LIMITS:
         runs = []
         for s in TRUTH_SEEDS:
             engine_run(log, WORKERS, DP, eng, d / f"truth-{_limit(lim)}-{s}",
-                       router=RouterConfig(worker_queue_limit=lim), seed=s, cadence="sglang")
+                       router=RouterConfig(worker_queue_limit=lim), seed=s, cadence=cadence)
             runs.append(_served(d / f"truth-{_limit(lim)}-{s}"))
         truth[_limit(lim)] = tuple(float(np.mean(x)) for x in zip(*runs, strict=True))
     r = CliRunner().invoke(main, ["calibrate", str(d / "prod"), "--out", str(d / "fleet.toml"),
@@ -115,21 +117,66 @@ def world(tmp_path_factory):
     return dict(dir=d, log=log, truth=truth, pred=pred, config=config, calibrate_output=r.output)
 
 
-def test_calibrated_cadence_and_prediction_errors(world):
-    assert "publish_policy = sglang" in world["calibrate_output"]
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The engine publishing on SGLang's LoadStat cadence (prefill steps, every 15th decode step)."""
+    return _world(tmp_path_factory.mktemp("regret"), "sglang")
+
+
+@pytest.fixture(scope="module")
+def world_on_change(tmp_path_factory):
+    """The engine publishing after every change (arrival, step) with a 1 s heartbeat."""
+    return _world(tmp_path_factory.mktemp("regret-on-change"), "step")
+
+
+def _errors(world) -> tuple[float, float]:
     truth, pred = world["truth"], world["pred"]
     hit_err = [abs(pred[k][0] - truth[k][0]) * 100 for k in truth]
     p99_err = [abs(pred[k][1] / truth[k][1] - 1) for k in truth]
     print(f"\nhit error (points) {np.round(hit_err, 2)}, median {np.median(hit_err):.2f}; "
           f"TTFT p99 error {np.round(p99_err, 3)}, median {np.median(p99_err):.3f}")
-    assert np.median(hit_err) <= 1.0
-    assert np.median(p99_err) <= 0.25
+    return float(np.median(hit_err)), float(np.median(p99_err))
 
 
-@pytest.mark.xfail(strict=True, reason="measured: recommend picks nothing (exit 1): every config's "
-                   "seeds disagree, the closed loop on these sessions is chaotic; its best unstable "
-                   "config (limit 2: 79.8% predicted, 76.3% true) would be 1.9 points short")
+def test_calibrated_cadence_and_prediction_errors(world):
+    assert "publish_policy = sglang" in world["calibrate_output"]
+    hit, p99 = _errors(world)
+    assert hit <= 1.0
+    assert p99 <= 0.25
+
+
+def test_on_change_cadence_and_prediction_errors(world_on_change):
+    assert "publish_policy = on_change" in world_on_change["calibrate_output"]
+    hit, p99 = _errors(world_on_change)
+    assert hit <= 1.0
+    assert p99 <= 0.25
+
+
+def test_recommend_regret_within_half_a_point_on_change(world_on_change):
+    _check_regret(world_on_change)
+
+
+def test_agreement_is_judged_against_the_loops_own_drift(world, world_on_change):
+    """Where the model predicts the grid well (on-change publishing) the router-in-the-loop
+    agreement passes against the model's own drift, far below 0.95; where the engine reads
+    its load before admission, which the model does not, it fails and is named."""
+    good = json.loads((world_on_change["dir"] / "fit" / "fidelity.json").read_text())
+    bad = json.loads((world["dir"] / "fit" / "fidelity.json").read_text())
+    part = {p["name"]: p for p in good["parts"]}["agreement"]
+    assert part["passed"] and part["value"] < 0.95, part
+    assert good["good"], good["failing"]   # every part: the model is right there
+    assert not bad["good"] and "agreement" in bad["failing"], bad["failing"]
+
+
+@pytest.mark.xfail(strict=True, reason="measured: recommend picks limit 4, 0.63 points short of the no-gate "
+                   "config: this engine publishes its load at a step's end before it admits the next "
+                   "batch, so the router sees the requests that batch takes as waiting; SGLang, and the "
+                   "model, publish after (docs/simulator.md, 'When the load is read')")
 def test_recommend_regret_within_half_a_point(world):
+    _check_regret(world)
+
+
+def _check_regret(world) -> None:
     truth = world["truth"]
     r = CliRunner().invoke(main, ["recommend", str(world["dir"] / "fit"), "--max-ttft-p99-ms", str(SLO_MS),
                                   "--json"])

@@ -35,6 +35,7 @@ from replay.analysis import ranking
 from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS
 from replay.errors import ParamError, ReplayError
 from replay.runs import names
+from replay.simulate.seeds import HIT_POINTS
 
 SUMMARY = names.CLOSED_LOOP
 SIM_JSON = names.SIM_JSON
@@ -383,10 +384,32 @@ def varying(grid: ClosedLoopGrid) -> list[str]:
     return ks or [k for k in GATE_KNOBS if k in s.columns]
 
 
+def disagrees(row: dict, col: str, bound_ms: float | None) -> bool:
+    """Whether a config's seeds disagree in a way that can change the answer.
+
+    A config without a verdict (one seed of several) does; one whose seeds all agree
+    (``stable``) does not.  One whose seeds disagree does when some seed meets the bound
+    on ``col`` and another does not (the SLO verdict depends on the day), or when the
+    seeds' served hit rates span more than ``2 * HIT_POINTS`` points (the ranking metric
+    is bimodal: its mean is a value no seed produced).  Seeds that disagree only on how
+    far under the bound they stay leave the config in, its verdict shown."""
+    stable = row.get("stable")
+    if stable is None:
+        return True
+    if stable:
+        return False
+    lo, hi = num(row.get(f"{col}_min")), num(row.get(f"{col}_max"))
+    if bound_ms is not None and (lo is None or hi is None or (lo <= bound_ms < hi)):
+        return True
+    hlo, hhi = num(row.get("true_hit_rate_min")), num(row.get("true_hit_rate_max"))
+    return hlo is None or hhi is None or (hhi - hlo) * 100 > 2 * HIT_POINTS
+
+
 def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
               bound_kind: str = "mean") -> ClosedLoopRecommendation:
-    """Best mean true hit rate among the stable configs whose upper 95% bound of ``on``'s
-    metric (TTFT p99 or queue wait p99, ms) is at most ``bound_ms`` (no bound: None);
+    """Best mean true hit rate among the configs whose upper 95% bound of ``on``'s
+    metric (TTFT p99 or queue wait p99, ms) is at most ``bound_ms`` (no bound: None) and
+    whose seeds do not disagree in a way that changes the answer (:func:`disagrees`);
     ``bound_kind="seed-range"`` checks the worst seed's value instead.
 
     A one-seed grid has no interval and no verdict: its point values are used and
@@ -418,7 +441,7 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
             return None
         return num(r.get(upper_col)) if grid.seeded else num(r.get(col))
 
-    checks = [("unstable", lambda r: r.get("stable") is not True)] if grid.seeded else []
+    checks = [("unstable", lambda r: disagrees(r, col, bound_ms))] if grid.seeded else []
     ranked = ranking.rank(rows, value=value, bound=bound_ms, checks=checks,
                           order=lambda r: (-(num(r["true_hit_rate"]) or 0.0), num(r[col]) or 0.0, r["config_id"]))
     excluded = {"unstable": [], **ranked.excluded}
@@ -474,8 +497,8 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
     bound_t = ("no bound" if rec.bound_ms is None
                else f"{label} <= {rec.bound_ms / 1000:g} s, checked on {rec.checked_on}")
     lines.append(f"recommend (closed loop, {g.path}, {g.summary.height} configs x {g.n_seeds} seed"
-                 f"{'s' if g.n_seeds != 1 else ''}): best mean true (served) hit rate among stable configs "
-                 f"with {bound_t}")
+                 f"{'s' if g.n_seeds != 1 else ''}): best mean true (served) hit rate with {bound_t}, among "
+                 "configs whose seeds agree on the bound and on hit rate")
     if not g.seeded:
         lines.append("  one seed per config: no 95% interval and no stability verdict; the point values are "
                      "used (re-run simulate with --seeds 5 for an answer that holds across seeds)")
@@ -493,7 +516,7 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
         if cands:
             up = rec.bound_col + BOUND_KINDS[rec.bound_kind][0]
             lo = min(cands, key=lambda r: num(r.get(up)) or num(r[rec.bound_col]) or math.inf)
-            lines.append(f"  lowest {label} among stable configs: {_both(lo, rec.bound_col, seconds)} "
+            lines.append(f"  lowest {label} among the configs above the bound: {_both(lo, rec.bound_col, seconds)} "
                          f"({lo['config']}); "
                          "raise the bound or simulate tighter limits")
         return "\n".join(lines)
@@ -506,7 +529,12 @@ def format_recommendation(rec: ClosedLoopRecommendation) -> str:
             + " (one router config for the whole simulated fleet)")
     lines.append(f"  true hit rate {_both(b, 'true_hit_rate')}, {label} {_both(b, rec.bound_col, seconds)}, "
                  f"TTFT p50 {interval(b, 'ttft_ms_p50', seconds)}"
-                 + (f", stable over seeds {','.join(map(str, b.get('seeds') or []))}" if g.seeded else ""))
+                 + (f", stable over seeds {','.join(map(str, b.get('seeds') or []))}"
+                    if g.seeded and b.get("stable") else ""))
+    if g.seeded and b.get("stable") is False:
+        lines.append(f"  its seeds disagree on {label} (seeds {','.join(map(str, b.get('unstable_seeds') or []))}"
+                     " off the median) but every seed stays within the bound and within "
+                     f"{2 * HIT_POINTS:g} points of hit rate; more seeds (simulate --seeds N) firm it up")
     r = rec.runner_up
     if r is not None:
         d = rec.distinguishable

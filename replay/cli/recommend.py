@@ -15,10 +15,10 @@ DIR is a closed-loop grid (a `simulate` grid directory, or a `calibrate
 (`sweep`).
 
 \b
-Closed loop (the answer): among the configs that are stable over the seeds
-and whose TTFT p99 (--max-ttft-p99-ms) or queue wait p99
-(--max-queue-wait-p99-ms) meets the bound, the best mean true (served) hit
-rate; says when the best two cannot be told apart within their intervals,
+Closed loop (the answer): among the configs whose TTFT p99
+(--max-ttft-p99-ms) or queue wait p99 (--max-queue-wait-p99-ms) meets the
+bound and whose seeds agree on that verdict and on hit rate, the best mean
+true (served) hit rate; says when the best two cannot be told apart within their intervals,
 and the model's fidelity (fidelity.json) before any prediction. With seeds
 the bound is checked on the upper end of the 95% interval of the mean
 (--bound mean, where the average lies) or on the worst seed (--bound

@@ -90,12 +90,17 @@ def _stability(rec: cl.ClosedLoopRecommendation) -> str:
     if not g.seeded:
         return ("One seed per config: no interval and no stability verdict "
                 "(simulate with --seeds 5 for an answer that holds across seeds).")
-    unstable = rec.excluded["unstable"]
+    unstable = [r for r in g.summary.iter_rows(named=True) if r.get("stable") is not True]
     out = f"Stable over {g.n_seeds} seeds: {g.summary.height - len(unstable)} of {g.summary.height} configs"
     if unstable:
         out += " (unstable: " + "; ".join(
             f"config {u['config_id']}, seeds {','.join(map(str, u.get('unstable_seeds') or []))} disagree"
             for u in unstable[:4]) + ("; ..." if len(unstable) > 4 else "") + ")"
+        left = len(rec.excluded["unstable"])
+        out += (f"; {left} left out because their seeds disagree on the SLO verdict or by more than "
+                f"{2 * cl.HIT_POINTS:g} points of hit rate" if left else
+                "; none left out for it: their seeds agree on the SLO verdict and within "
+                f"{2 * cl.HIT_POINTS:g} points of hit rate")
     d = rec.distinguishable
     if d is True:
         out += "; the pick is better than the runner-up beyond their 95% intervals of the mean."

@@ -150,8 +150,7 @@ class Calibration:
                 out.append(f"{k} = {_toml(self.engine[k])}" + (f"  # {f.how}" if f else ""))
             elif f is not None:
                 out.append(f"# {k}: not fitted ({f.how}); SGLang's default used")
-        out.append("# max_prefill_tokens, schedule_policy: not fitted (a trace does not record "
-                   "them); SGLang's defaults used")
+        out.append(f"# {UNFITTED_LINE}")
         for k, v in self.publish.items():
             f = notes.get((None, k))
             out.append(f"{k} = {_toml(v)}" + (f"  # {f.how}" if f else ""))
@@ -168,6 +167,12 @@ class Calibration:
                          f"  # {f.samples:,} samples" if f.fitted else "  # not fitted: default")
                 out.append(f"{k} = {_toml(w[k])}{c}")
         return "\n".join(out) + "\n"
+
+
+UNFITTED_ENGINE_KEYS = ("max_prefill_tokens", "schedule_policy", "enable_mixed_chunk")
+UNFITTED_LINE = (f"{', '.join(UNFITTED_ENGINE_KEYS)}: not fitted (a trace does not record them); "
+                 "SGLang's defaults used")
+"""What calibrate never fits, said once (the fleet file's comment and the command's output)."""
 
 
 def _toml(v: Any) -> str:

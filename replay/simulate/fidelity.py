@@ -32,7 +32,14 @@ Parts (see docs/calibration.md):
                   (``sweep``'s agreement) >= 0.99: the router model, flags and
                   seed reproduce production's decisions given its state
 ``agreement``     router in the loop picks production's worker for >= 95% of
-                  the requests
+                  the requests, or, where the loop drifts by itself, for no
+                  fewer than the model agrees with itself run with every
+                  decode speed 0.1% faster (same seed), less 5 points: on a
+                  chaotic fleet (sessions whose cache follows their last
+                  turn) one small timing difference changes every later pick,
+                  and no model fitted to a recording can agree with
+                  production more than with itself nudged by less than a fit
+                  resolves
 ``dispatch``      the share of each worker's requests each data-parallel rank
                   served, forced run against the recording (``dp_rank`` in the
                   trace), within 5 points on every rank: the fleet's
@@ -44,7 +51,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,9 @@ from replay.simulate.tracelog import RecordedTrace
 from replay.sweep.run import run_sweep
 
 GRID_NS = 100_000_000
+AGREEMENT_MIN = 0.95      # router-in-the-loop picks equal to production's, on a loop that does not drift
+AGREEMENT_SLACK = 0.05    # below the model's agreement with itself nudged by DRIFT, on a loop that does
+DRIFT = 1e-3              # the nudge: every decode speed 0.1% faster (what calibrate --refine resolves)
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
 FIDELITY_JSON = names.FIDELITY_JSON
 FIDELITY_TOOL = "router-replay calibrate"   # fidelity.json's marker (rundir.guard recognises the dir)
@@ -217,7 +227,8 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
              out_dir: str | Path | None = None, force: bool = False,
              progress: Callable[[int], None] | None = None) -> Fidelity:
     """Compare ``fleet`` with the recording ``rec`` (forced placement and router in the loop);
-    ``progress(1)`` after each of the two simulations."""
+    ``progress(1)`` after each of the three simulations (forced placement, router in the
+    loop, the loop with decode speeds nudged)."""
     if len(fleet.prefill) != len(rec.urls):
         raise ReplayError(f"the fleet has {len(fleet.prefill)} prefill workers, the trace "
                           f"{len(rec.urls)}")
@@ -242,6 +253,16 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
     loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
                     freshness_ms=freshness_ms, force=force)
     runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
+    if progress is not None:
+        progress(1)
+    # the model against itself with every decode speed DRIFT faster (below what a fit
+    # resolves), same seed: how far the loop drifts on its own
+    other: SimResult | None = None
+    if has["selected_worker"]:
+        nudged = Fleet(tuple(replace(w, decode_tokens_per_s=w.decode_tokens_per_s * (1 + DRIFT))
+                             for w in fleet.workers), fleet.spec)
+        other = simulate(rec.log, nudged, cfg, None, seed=seed, freshness_ms=freshness_ms)
+        runs["router_nudged"] = {"seconds": other.seconds, "summary": other.summary}
     if progress is not None:
         progress(1)
     # the run compared with the recording: forced placement; without selected_worker the
@@ -371,7 +392,16 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
         for name, m in (("affinity", known & ~sampled), ("sampled", known & sampled)):
             if m.any():
                 parts_txt.append(f"{name} {float(same[m].mean()):.3f} of {int(m.sum()):,}")
-        parts.append(Part("agreement", agree, ">= 0.95", agree >= 0.95,
+        want, want_t = AGREEMENT_MIN, f">= {AGREEMENT_MIN:g}"
+        if other is not None:
+            own = float((np.asarray(other.outcomes["worker"].to_list(), dtype=object)
+                         == np.asarray(sel, dtype=object))[known].mean())
+            if own - AGREEMENT_SLACK < want:
+                want = own - AGREEMENT_SLACK
+                want_t = (f">= {want:.3f} (the model's agreement with itself {DRIFT:.1%} faster, {own:.3f}, "
+                          f"- {AGREEMENT_SLACK:g})")
+            parts_txt.append(f"the model agrees with itself {DRIFT:.1%} faster on {own:.3f}")
+        parts.append(Part("agreement", agree, want_t, agree >= want,
                           "; ".join(parts_txt) + f"; router flags {cfg.given_flags() or 'defaults'}, "
                           f"seed {seed}" + ("" if rec.info.get("router") is not None else
                                             "; no trace.json: router defaults assumed")))

@@ -138,7 +138,7 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
         vdir = Path(validate_dir)
         tmp: Path | None = rundir.partial_beside(vdir)
         try:
-            with progress(2, "validating") as step:
+            with progress(3, "validating") as step:
                 fid = validate_fleet(rec, fleet, seed=seed, freshness_ms=freshness_ms, out_dir=tmp, force=True,
                                      progress=step)
             fid.write(tmp)
