@@ -330,8 +330,11 @@ def test_calibrate_validate_simulate_recommend(chain):
     assert summ.height == 3
     got = re.findall(r"recommended: limit=(\w+) \(config (\d+)\)", r.output)
     assert len(got) == 1, r.output
-    # the grid's best stable config by mean served hit rate (then TTFT p99, then id), read here
-    best = min((row for row in summ.iter_rows(named=True) if row["stable"]),
+    # the grid's best config by mean served hit rate (then TTFT p99, then id) among those whose
+    # seeds agree, or disagree only within the bound and within 2 points of hit rate, read here
+    best = min((row for row in summ.iter_rows(named=True)
+                if row["stable"] or (row["ttft_ms_p99_max"] <= 10**9
+                                     and row["true_hit_rate_max"] - row["true_hit_rate_min"] <= 0.02)),
                key=lambda row: (-row["true_hit_rate"], row["ttft_ms_p99"], row["config_id"]))
     assert int(got[0][1]) == best["config_id"], (r.output, best)
     assert got[0][0] == ("none" if best["worker_queue_limit"] is None else str(best["worker_queue_limit"]))
