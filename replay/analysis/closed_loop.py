@@ -35,7 +35,7 @@ from replay.analysis import ranking
 from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS
 from replay.errors import ParamError, ReplayError
 from replay.runs import names
-from replay.simulate.seeds import HIT_POINTS
+from replay.runs.metrics import HIT_POINTS
 
 SUMMARY = names.CLOSED_LOOP
 SIM_JSON = names.SIM_JSON

@@ -32,6 +32,13 @@ from typing import Any
 from replay.config import KNOB_NAMES, KNOBS
 from replay.errors import ReplayError
 
+HIT_POINTS = 1.0
+"""A seed disagrees when its served hit rate is more than this many points from the seeds'
+median (``replay.simulate.seeds``); a closed-loop answer leaves a config out when its seeds
+span more than twice this (``replay.analysis.closed_loop.disagrees``)."""
+P99_FACTOR = 1.25
+"""...or when its TTFT p99 is more than this factor from the seeds' median."""
+
 
 @dataclass(frozen=True)
 class Metric:

@@ -24,9 +24,7 @@ import numpy as np
 import polars as pl
 
 from replay.errors import ParamError
-
-HIT_POINTS = 1.0
-P99_FACTOR = 1.25
+from replay.runs.metrics import HIT_POINTS, P99_FACTOR
 
 
 def parse_seeds(text: str | None, base: int) -> list[int] | None:
