@@ -39,8 +39,8 @@ from replay.runs import names
 SUMMARY = names.CLOSED_LOOP
 SIM_JSON = names.SIM_JSON
 FIDELITY_JSON = names.FIDELITY_JSON
-PREDICTION = "prediction"
-SIM_TOOL = "router-replay simulate"
+PREDICTION = names.PREDICTION
+SIM_TOOL = names.SIM_TOOL
 
 BOUNDS = {"ttft": ("ttft_ms_p99", "TTFT p99"), "queue_wait": ("queue_wait_ms_p99", "queue wait p99")}
 """The closed-loop metrics a recommendation can bound: option key -> (summary column, label)."""

@@ -15,7 +15,7 @@ from replay.analysis import ranking
 from replay.analysis.closed_loop import check_numeric
 from replay.errors import ReplayError
 from replay.runs import rundir
-from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE, SIM_JSON
+from replay.runs.names import BOUND_METRICS, FLEET_COLS, OUTCOMES, PLAN_TABLE, SIM_JSON
 
 
 @dataclass
@@ -108,7 +108,7 @@ def service_floor_ms(run_dir: str | os.PathLike, fleet_label: str) -> float | No
     if rate is None:
         return None
     floors = []
-    for f in sorted(d.glob("**/outcomes.parquet")):
+    for f in sorted(d.glob(f"**/{OUTCOMES}")):
         o = pl.read_parquet(f, columns=["input_tokens", "cached_tokens"])
         if o.height:
             q = o.select(((pl.col("input_tokens") - pl.col("cached_tokens").fill_null(0)).clip(0)

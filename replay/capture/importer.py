@@ -179,7 +179,7 @@ class Importer:
             try:
                 self.rec_facts = json.loads((rec / names.RECORD_JSON).read_text())
             except ValueError:
-                raise ImportError_(f"{rec / 'record.json'}: not JSON") from None
+                raise ImportError_(f"{rec / names.RECORD_JSON}: not JSON") from None
         if (rec / names.WORKERS).is_file():
             self.rec_workers = pl.read_parquet(rec / names.WORKERS)
         f = self.facts.data

@@ -74,6 +74,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
 
     from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import names  # lazy: loaded when the command runs
     from replay.simulate.workflows import calibrate_trace  # lazy: loaded when the command runs
 
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
@@ -125,11 +126,11 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     if done.validate_dir is None or quiet:
         return
     vdir, fid, table = done.validate_dir, done.fidelity, done.prediction
-    click.echo(f"validation -> {vdir / 'fidelity.json'}")
+    click.echo(f"validation -> {vdir / names.FIDELITY_JSON}")
     if table is not None:
         if not fid.good:
             click.echo(f"WARNING: {fid.verdict()}; the prediction below comes from that model")
-        click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / 'prediction'}")
+        click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / names.PREDICTION}")
         for line in grid_table(table, grid):
             click.echo(line)
 

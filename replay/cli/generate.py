@@ -63,7 +63,7 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
                       "extra": {"requests": n_requests, "workers": n_workers, "dp_size": dp_size,
                                 "sample_interval_ms": sample_interval_ms, "max_matches": max_matches,
                                 "seed": seed}}
-            (Path(tmp) / "trace.json").write_text(json.dumps(marker, indent=2) + "\n")
+            (Path(tmp) / rundir.TRACE_JSON).write_text(json.dumps(marker, indent=2) + "\n")
             rundir.move_into_place(tmp, out_dir)
         tmp = None
     finally:

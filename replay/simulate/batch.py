@@ -33,7 +33,7 @@ from replay import __version__
 from replay.config import Grid, RouterConfig
 from replay.errors import ReplayError
 from replay.runs import rundir
-from replay.runs.names import SIM_JSON
+from replay.runs.names import SIM_JSON, SIM_TOOL
 from replay.simulate.fleet import Fleet
 from replay.simulate.logs import RequestLog
 from replay.simulate.seeds import aggregate
@@ -305,7 +305,7 @@ def write_grid(where: Path, table: pl.DataFrame, rows: list[dict], log: RequestL
     write_summary(table, where / SUMMARY)
     if seeds is not None:
         pl.DataFrame(rows).write_parquet(where / SEEDS_TABLE)
-    meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+    meta = {"tool": SIM_TOOL, "version": __version__, "log": log.source,
             "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
             "publish_interval_ms": int(kw["publish_interval_ms"]), "index_lag_ms": int(kw["index_lag_ms"]),
             "freshness_ms": int(kw["freshness_ms"]), "fleet": fleet.describe()}

@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from replay import labels
-from replay.runs.names import REQUESTS, WORKERS
+from replay.runs.names import REQUESTS, TRACE_JSON, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
 from replay.trace.blocks import check_block_counts
@@ -213,7 +213,7 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         raise LogError(f"{wk_path}: column 'page_size': workers disagree ({pages}); "
                        "one block size per trace is needed")
     if pages and page is not None and pages[0] != page:
-        raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
+        raise LogError(f"{d / TRACE_JSON}: key 'page_size': {page!r} disagrees with "
                        f"workers.parquet page_size {pages[0]}")
     if pages and page is None:
         page = pages[0]
