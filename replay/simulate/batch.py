@@ -31,7 +31,7 @@ import polars as pl
 
 from replay import __version__
 from replay.config import Grid, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamsError, ReplayError
 from replay.runs import rundir
 from replay.runs.names import SIM_JSON, SIM_TOOL
 from replay.simulate.fleet import Fleet
@@ -197,8 +197,8 @@ def work_dir(out: Path | None, *, resume: bool = False) -> Iterator[WorkDir | No
     except ReplayError as err:
         if isinstance(err, TaskFailed):
             work.close()
-            raise TaskFailed(f"{err}; {len(work.done)} finished simulation(s) are kept: run again "
-                             "with --resume to go on from them") from None
+            raise GridFailed("{err}; {n} finished simulation(s) are kept: run again with {resume} to go on from "
+                             "them", "resume", err=err, n=len(work.done)) from None
         work.discard()
         raise
     except BaseException:
@@ -297,6 +297,12 @@ def grid_table(grid: Grid, seeds: Sequence[int], seeded: bool, summaries: Sequen
         return pl.DataFrame(rows), rows
     knob_cols = [k for k in rows_by_id[grid.config_ids[0]] if k != "config_id"]
     return aggregate(rows, knob_cols), rows
+
+
+
+class GridFailed(TaskFailed, ParamsError):
+    """A grid or plan stopped by a failed simulation; the ones that finished are journaled, and
+    ``resume`` goes on from them."""
 
 
 def write_grid(where: Path, table: pl.DataFrame, rows: list[dict], log: RequestLog, fleet: Fleet,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replay.errors import ReplayError
+from replay.errors import NeedsForce, ReplayError
 from replay.runs import rundir
 from replay.simulate.fleet import FleetSpec, load_fleet
 from replay.simulate.formats import read_bench_serving
@@ -145,7 +145,7 @@ def calibrate_bench_file(path: str | os.PathLike, out: str | os.PathLike, *, for
     """Fit from a bench_serving file and write the fleet file ``out`` (aside, then swapped in)."""
     fleet_path = Path(out)
     if fleet_path.exists() and not force:
-        raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
+        raise NeedsForce(f"{fleet_path}: exists (use ", " to replace it)")
     log = read_bench_serving(path)
     fit = fit_bench_log(log, str(path))
     with rundir.file_aside(fleet_path) as tmp:

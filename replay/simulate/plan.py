@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from replay.config import Grid
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.runs import rundir
 from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_CSV, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
 from replay.simulate.batch import grid_table, grid_tasks, run_batch, work_dir, write_grid
@@ -97,7 +97,7 @@ def scale_log(log, factor: float, *, seed: int = 0):
     """
 
     if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE):
-        raise ReplayError(f"--load-scale must be in (0, {MAX_SCALE:g}], got {factor}")
+        raise ParamError("factor", f"must be in (0, {MAX_SCALE:g}], got {factor}", flag="--load-scale")
     if factor == 1.0:
         return log
     n = log.n_requests

@@ -28,6 +28,7 @@ import numpy as np
 import polars as pl
 
 from replay import labels
+from replay.errors import ParamsError
 from replay.runs.names import REQUESTS, TRACE_JSON, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
@@ -220,8 +221,8 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
     if page is None:
         page = block_size
     if page is None:
-        raise LogError(f"{d}: page size unknown (no trace.json page_size, no workers.parquet "
-                       "page_size): pass --block-size")
+        raise ParamsError("{d}: page size unknown (no trace.json page_size, no workers.parquet page_size): "
+                          "pass {block_size}", "block_size", d=d)
 
     assert cl.hash_offsets is not None and cl.hash_values is not None and cl.output_tokens is not None
     sizes = np.diff(cl.hash_offsets)

@@ -22,7 +22,7 @@ import polars as pl
 from replay.capture.from_sim import write_capture
 from replay.capture.outguard import CAPTURE
 from replay.config import Grid, fleet_dp_size
-from replay.errors import ParamError
+from replay.errors import ParamError, ParamsError
 from replay.runs import names, rundir
 from replay.simulate.batch import check_simulations, simulate_grid
 from replay.simulate.calibrate import Calibration, refine_decode
@@ -287,7 +287,8 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
                                               ray_retries=ray_retries, resume=resume, **kw)
         return done
     if capture_out and (len(grid.configs) != 1 or seed_list is not None):
-        raise ParamError("capture_out", "writes one simulated run: give one config and no --seeds")
+        raise ParamsError("{capture_out} writes one simulated run: give one config and no {seeds}",
+                          "capture_out", "seeds")
     if len(grid.configs) == 1 and seed_list is None:
         if resume:
             raise ParamError("resume", "goes on with a grid or a plan, not one simulation")
