@@ -13,6 +13,7 @@ import re
 import pytest
 from test_nothing_lost import invoke, refused
 
+from replay.analysis.recommend import recommend_dir
 from replay.capture.importer import ImportSpec, import_capture
 from replay.capture.recorder import Recorder
 from replay.errors import NeedsForce, ParamError, ParamsError, ReplayError
@@ -73,7 +74,9 @@ def test_generate_names_dp_size(tmp_path):
 def test_an_existing_fleet_file_needs_force(tmp_path):
     out = tmp_path / "fleet.toml"
     out.write_text("# mine\n")
-    err = refusal(calibrate_bench_file, tmp_path / "bench.jsonl", out)
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"input_lens": [100], "output_lens": [10], "ttfts": [0.1], "itls": [[0.01]]}\n')
+    err = refusal(calibrate_bench_file, bench, out)
     assert "force=True" in str(err) and "--force" in err.cli_text()
     assert out.read_text() == "# mine\n"
 
@@ -84,3 +87,11 @@ def test_a_ray_address_with_nothing_behind_it_names_address():
     assert str(err).endswith("or drop address for a local Ray)")
     assert err.cli_text().startswith("--ray-address 127.0.0.1:1: nothing listens there")
     assert err.cli_text().endswith("or drop --ray-address for a local Ray)")
+
+
+def test_a_plan_s_flags_are_named_by_the_parameter_that_asks_for_them(tmp_path):
+    err = refusal(recommend_dir, tmp_path, plan=True, emit_flags=True, max_ttft_p99_ms=1000.0)
+    assert str(err) == ("emit_flags applies to a config recommendation, not plan (a plan answers per traffic "
+                        "level; its flags are in as_json)")
+    assert err.cli_text() == ("--emit-flags applies to a config recommendation, not --plan (a plan answers per "
+                              "traffic level; its flags are in --json)")
