@@ -46,11 +46,12 @@ if TYPE_CHECKING:
         write_baseline,
         write_comparison,
     )
-    from replay.api import run_sweep
+    from replay.api import generate_trace_dir, run_sweep
     from replay.capture.importer import ImportSpec, import_capture
     from replay.capture.recorder import Recorder
     from replay.config import Grid, RouterConfig
     from replay.errors import ConfigError, ParamError, ParamsError, ReplayError
+    from replay.report.run_page import write_report
     from replay.runs.decisions import read_decisions
     from replay.runs.rundir import load_run
     from replay.simulate import load_fleet, read_log, simulate, simulate_grid
@@ -68,7 +69,7 @@ _LAZY = {
     "Trace": "trace", "TraceError": "trace", "load_trace": "trace", "validate_trace": "trace",
     "read_trace_info": "trace", "request_log": "trace", "generate_trace": "trace.synthetic",
     "decide_all": "sweep.engine", "iter_chunks": "sweep.engine",
-    "SweepResult": "sweep.run", "run_sweep": "api",
+    "SweepResult": "sweep.run", "run_sweep": "api", "generate_trace_dir": "api", "write_report": "report.run_page",
     "load_run": "runs.rundir", "read_decisions": "runs.decisions",
     "compare_runs": "analysis.runs", "write_comparison": "analysis.runs", "make_baseline": "analysis.runs",
     "write_baseline": "analysis.runs", "load_baseline": "analysis.runs", "check_run": "analysis.runs",
@@ -85,11 +86,12 @@ _LAZY = {
 __all__ = [
     "ConfigError", "Grid", "ImportSpec", "ParamError", "ParamsError", "Recorder", "ReplayError", "RouterConfig",
     "SweepResult", "Trace", "TraceError", "answer_plan", "calibrate_trace", "check_run", "compare_runs",
-    "decide_all", "generate_trace", "import_capture", "iter_chunks", "load_baseline", "load_closed_loop",
+    "decide_all", "generate_trace", "generate_trace_dir", "import_capture", "iter_chunks", "load_baseline",
+    "load_closed_loop",
     "load_fleet", "load_run", "load_trace", "make_baseline", "plan_fleets", "read_decisions", "read_log",
     "read_plan", "read_simulation_log", "read_trace_info", "recommend", "recommend_closed_loop", "recommend_dir",
     "request_log", "run_sweep", "simulate", "simulate_grid", "simulate_log", "validate_trace", "write_baseline",
-    "write_comparison",
+    "write_comparison", "write_report",
 ]
 
 

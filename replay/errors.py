@@ -45,14 +45,16 @@ class ParamsError(ReplayError):
     """A bad combination of arguments, naming several parameters inside one sentence:
     ``text`` holds ``{param}`` or ``{param:METAVAR}`` fields (and ``{value}`` fields
     filled from ``values`` as they are).  The library reads
-    ``param`` / ``param=METAVAR``; the CLI ``--param`` / ``--param METAVAR``."""
+    ``param`` / ``param=METAVAR``; the CLI ``--param`` / ``--param METAVAR``.  A parameter
+    whose flag is not ``--`` + its name with dashes is given as ``(param, flag)``."""
 
-    def __init__(self, text: str, *params: str, **values: object):
-        super().__init__(text.format(**values, **{p: _Named(p, "=") for p in params}))
-        self.text, self.params, self.values = text, params, values
+    def __init__(self, text: str, *params: str | tuple[str, str], **values: object):
+        flags = dict(p if isinstance(p, tuple) else (p, "--" + p.replace("_", "-")) for p in params)
+        super().__init__(text.format(**values, **{p: _Named(p, "=") for p in flags}))
+        self.text, self.params, self.values, self.flags = text, tuple(flags), values, flags
 
     def cli_text(self) -> str:
-        return self.text.format(**self.values, **{p: _Named("--" + p.replace("_", "-"), " ") for p in self.params})
+        return self.text.format(**self.values, **{p: _Named(f, " ") for p, f in self.flags.items()})
 
 
 class NeedsForce(ReplayError):

@@ -17,7 +17,9 @@ from sglang_like import Engine
 from sglang_like import run as engine_run
 
 from replay.cli import main
+from replay.errors import ParamsError
 from replay.simulate import load_fleet
+from replay.simulate.benchfit import calibrate_bench_file
 from replay.simulate.logs import RequestLog
 
 
@@ -98,3 +100,26 @@ def test_bench_file_refuses_what_it_cannot_do(tmp_path):
     other.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}) + "\n")
     r = run("calibrate", other, "--out", tmp_path / "f.toml")
     assert r.exit_code == 2 and "a mooncake log" in r.output, r.output
+
+
+
+def test_the_library_refuses_alike_naming_parameters(tmp_path):
+    """``calibrate_bench_file`` is the command on a file: what it cannot do is refused before
+    anything is written, naming the parameter where the command names its flag."""
+    p = _bench_file(tmp_path, "light", 0.5, 41, _hidden(41))
+    out = tmp_path / "f.toml"
+    for kw, lib, flags in (
+            ({"validate_dir": tmp_path / "v"}, "validate_dir: a bench_serving file", ["--validate", tmp_path / "v"]),
+            ({"refine": True}, "refine: a bench_serving file", ["--refine"]),
+            ({"seeds": "3"}, "seeds: a bench_serving file", ["--seeds", "3"]),
+            ({"knobs": {"worker_queue_limit": "2,4"}}, "worker_queue_limit: router knobs make a prediction grid",
+             ["--worker-queue-limit", "2,4"])):
+        with pytest.raises(ParamsError) as err:
+            calibrate_bench_file(p, out, **kw)
+        assert str(err.value).startswith(lib), str(err.value)
+        r = run("calibrate", p, "--out", out, *flags)
+        assert r.exit_code == 2 and r.output.strip() == f"error: {err.value.cli_text()}", r.output
+        assert r.output.startswith(f"error: {flags[0]}: ")
+    assert not out.exists()
+    fit = calibrate_bench_file(p, out)
+    assert fit.requests > 0 and load_fleet(out).spec.workers >= 1

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 
 import numpy as np
 import polars as pl
+import pytest
 from click.testing import CliRunner
 
+import replay
 from replay import labels
 from replay.cli import main
+from replay.errors import NeedsForce
 from replay.trace import load_trace
 from replay.trace.synthetic import generate_trace
 
@@ -89,6 +93,35 @@ def test_generate_command(tmp_path):
     res = CliRunner().invoke(main, args + ["--force"])
     assert res.exit_code == 0
     assert CliRunner().invoke(main, ["validate", str(out)]).exit_code == 0
+
+
+def test_the_library_call_writes_the_command_s_bytes_and_refuses_alike(tmp_path):
+    """``replay.generate_trace_dir`` is the command: the same files byte for byte (trace and trace
+    set), the same refusal of an existing trace without force, and force replaces only a trace
+    generate wrote."""
+    kw = dict(n_requests=400, n_workers=3, dp_size=2, sample_interval_ms=200, max_matches=4, seed=5)
+    flags = ["--requests", "400", "--workers", "3", "--dp-size", "2", "--sample-interval-ms", "200",
+             "--max-matches", "4", "--seed", "5"]
+    for extra, part in (([], None), (["--partition-s", "1"], 1)):
+        lib, cli = tmp_path / f"lib{part}", tmp_path / f"cli{part}"
+        replay.generate_trace_dir(lib, partition_s=part, **kw)
+        assert CliRunner().invoke(main, ["generate", str(cli), *flags, *extra]).exit_code == 0
+        assert digest_all(lib) == digest_all(cli) and len(digest_all(lib)) >= 4
+    with pytest.raises(NeedsForce, match="force=True"):
+        replay.generate_trace_dir(tmp_path / "libNone", **kw)
+    replay.generate_trace_dir(tmp_path / "libNone", force=True, **dict(kw, seed=6))
+    assert digest_all(tmp_path / "libNone") != digest_all(tmp_path / "cliNone")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(NeedsForce, match="replaces only a trace directory router-replay wrote"):
+        replay.generate_trace_dir(mine, force=True, **kw)
+    assert os.listdir(mine) == ["notes.txt"]
+
+
+def digest_all(d: pathlib.Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
 
 
 def test_committed_sample_matches_its_regeneration_command(tmp_path):

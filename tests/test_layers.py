@@ -3,7 +3,10 @@
 Every module's imports are read with ``ast`` (nothing is imported):
 
 * a module imports only from its own layer or a lower one;
-* the module-level imports between ``replay`` modules form no circle;
+* the module-level imports between ``replay`` modules form no circle, counting the package
+  ``__init__`` modules Python runs first (``import replay.a.b`` runs ``replay/a/__init__.py``);
+* no module imports by a name in a string (``__import__("replay.x")``, ``importlib.import_module``
+  of a literal), which would hide the import from these checks;
 * an import inside a function is allowed only in ``cli/`` (kept lazy for the
   start-up time of ``--help``), in ``kernels/_jit.py`` (numba's internals, on
   numba's schedule), polars in ``runs/metrics.py`` (for ``check --help``) and for an optional dependency (ray, zmq,
@@ -31,10 +34,10 @@ would (a cached start of the kernels imports none of them), and the metrics tabl
 ``check --help`` lists without importing polars."""
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -55,12 +58,12 @@ def layer_of(module: str) -> str:
     return PACKAGE_LAYER[parts[1]]
 
 
-def _targets(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+def _targets(module: str, node: ast.ImportFrom | ast.Import, mods: dict[str, Path] = MODULES) -> list[str]:
     """The replay modules (or packages) an import statement names."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name.split(".")[0] == "replay"]
     if node.level:
-        base = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+        base = module.split(".") if mods[module].name == "__init__.py" else module.split(".")[:-1]
         base = base[:len(base) - node.level + 1] + ([node.module] if node.module else [])
         source = ".".join(base)
     else:
@@ -68,7 +71,7 @@ def _targets(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
     if source.split(".")[0] != "replay":
         return []
     # the version string is written once, in replay/__init__.py (pyproject reads it there): vocabulary
-    return [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names
+    return [f"{source}.{a.name}" if f"{source}.{a.name}" in mods else source for a in node.names
             if (source, a.name) != ("replay", "__version__")]
 
 
@@ -76,9 +79,9 @@ def _is_type_checking(node: ast.If) -> bool:
     return "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports(module: str) -> list[tuple[ast.stmt, bool, bool]]:
+def imports(module: str, mods: dict[str, Path] = MODULES) -> list[tuple[ast.stmt, bool, bool]]:
     """Every import statement of ``module``: (node, inside a function, under TYPE_CHECKING)."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = ast.parse(mods[module].read_text())
     found = []
 
     def visit(node: ast.AST, in_function: bool, typing_only: bool) -> None:
@@ -107,14 +110,29 @@ def test_imports_point_down():
     assert upward == []
 
 
-def test_no_import_circles():
-    graph = {m: set() for m in MODULES}
-    for module in MODULES:
-        for node, in_function, typing_only in imports(module):
-            if not in_function and not typing_only:
-                graph[module].update(t for t in _targets(module, node) if t in MODULES and t != module)
-    # a package's __init__ importing its own submodules, imported back by one of them, is a circle too
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+def import_graph(mods: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    """module -> the modules its module-level imports run: each module named and, before it, the
+    ``__init__`` of every package on its path (not the importer's own packages, already running)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for module in mods:
+        for node, in_function, typing_only in imports(module, mods):
+            if in_function or typing_only:
+                continue
+            for target in _targets(module, node, mods):
+                parts = target.split(".")
+                for run in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                    if run in mods and run != module and not module.startswith(run + "."):
+                        graph[module].add(run)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
 
     def strong(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -135,12 +153,55 @@ def test_no_import_circles():
                 if w == v:
                     break
             if len(part) > 1:
-                circles.append(sorted(part))
+                found.append(sorted(part))
 
     for v in sorted(graph):
         if v not in index:
             strong(v)
-    assert circles == []
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def _package(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    for name, text in files.items():
+        path = root / "replay" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return modules(root / "replay")
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path):
+    """``replay.a.x`` imports ``replay.b.y``, which runs ``replay/b/__init__.py``, which imports
+    ``replay.a.x``: no module names its importer, yet the start-up runs in a circle."""
+    mods = _package(tmp_path, {
+        "__init__.py": "", "a/__init__.py": "", "a/x.py": "from replay.b.y import f\n",
+        "b/__init__.py": "from replay.a import x\n", "b/y.py": "def f(): pass\n"})
+    assert circles(import_graph(mods)) == [["replay.a.x", "replay.b"]]
+    (tmp_path / "replay" / "b" / "__init__.py").write_text("")
+    assert circles(import_graph(mods)) == []
+
+
+def _string_imports(path: Path) -> list[int]:
+    """Lines calling ``__import__`` or ``import_module`` with a literal module name."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if name in ("__import__", "import_module"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_import_by_a_name_in_a_string(tmp_path):
+    hidden = [f"{module}:{line}" for module, path in MODULES.items() for line in _string_imports(path)]
+    assert hidden == []
+    probe = tmp_path / "probe.py"
+    probe.write_text('import importlib\nx = __import__("replay.config")\ny = importlib.import_module("replay.api")\n'
+                     'z = importlib.import_module(f".{x}", __name__)\n')
+    assert _string_imports(probe) == [2, 3]
 
 
 def test_imports_inside_functions_are_marked_and_allowed():

@@ -33,15 +33,15 @@ import polars as pl
 
 from replay.analysis import ranking
 from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS
-from replay.errors import ParamError, ReplayError
+from replay.errors import ParamError, ParamsError, ReplayError
 from replay.runs import names
 from replay.runs.metrics import HIT_POINTS
 
 SUMMARY = names.CLOSED_LOOP
 SIM_JSON = names.SIM_JSON
 FIDELITY_JSON = names.FIDELITY_JSON
-PREDICTION = "prediction"
-SIM_TOOL = "router-replay simulate"
+PREDICTION = names.PREDICTION
+SIM_TOOL = names.SIM_TOOL
 
 BOUNDS = {"ttft": ("ttft_ms_p99", "TTFT p99"), "queue_wait": ("queue_wait_ms_p99", "queue wait p99")}
 """The closed-loop metrics a recommendation can bound: option key -> (summary column, label)."""
@@ -427,8 +427,9 @@ def recommend(grid: ClosedLoopGrid, *, bound_ms: float | None, on: str = "ttft",
         raise ParamError("bound_kind", f"{bound_kind}: expected one of {', '.join(BOUND_KINDS)}", flag="--bound")
     upper_col = col + BOUND_KINDS[bound_kind][0]
     if grid.seeded and upper_col not in grid.summary.columns:
-        raise ReplayError(f"{grid.path / SUMMARY}: column '{upper_col}': missing (a grid written before the "
-                          "per-seed range was kept; re-run simulate with --seeds N, or use --bound mean)")
+        raise ParamsError("{path}: column '{col}': missing (a grid written before the per-seed range was kept; "
+                          "re-run simulate with --seeds N, or use {bound_kind:mean})", ("bound_kind", "--bound"),
+                          path=grid.path / SUMMARY, col=upper_col)
     knobs = varying(grid)
     rows = []
     for r in grid.summary.iter_rows(named=True):

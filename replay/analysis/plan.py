@@ -13,9 +13,9 @@ import polars as pl
 
 from replay.analysis import ranking
 from replay.analysis.closed_loop import check_numeric
-from replay.errors import ReplayError
+from replay.errors import ParamsError, ReplayError
 from replay.runs import rundir
-from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_TABLE, SIM_JSON
+from replay.runs.names import BOUND_METRICS, FLEET_COLS, OUTCOMES, PLAN_TABLE, SIM_JSON
 
 
 @dataclass
@@ -51,8 +51,9 @@ def bound_column(t: pl.DataFrame, metric: str, kind: str = "mean") -> str:
         return base
     if kind == "seed-range":
         if f"{base}_max" not in t.columns:
-            raise ReplayError(f"{PLAN_TABLE}: column {base}_max missing (a plan written before the per-seed "
-                              "range was kept; re-run simulate with --seeds N, or use --bound mean)")
+            raise ParamsError("{table}: column {base}_max missing (a plan written before the per-seed range was "
+                              "kept; re-run simulate with --seeds N, or use {kind:mean})", ("kind", "--bound"),
+                              table=PLAN_TABLE, base=base)
         return f"{base}_max"
     return f"{base}_hi"
 
@@ -108,7 +109,7 @@ def service_floor_ms(run_dir: str | os.PathLike, fleet_label: str) -> float | No
     if rate is None:
         return None
     floors = []
-    for f in sorted(d.glob("**/outcomes.parquet")):
+    for f in sorted(d.glob(f"**/{OUTCOMES}")):
         o = pl.read_parquet(f, columns=["input_tokens", "cached_tokens"])
         if o.height:
             q = o.select(((pl.col("input_tokens") - pl.col("cached_tokens").fill_null(0)).clip(0)

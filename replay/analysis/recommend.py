@@ -54,7 +54,8 @@ def recommend_dir(path, *, max_p99_waiting: float | None = None, max_ttft_p99_ms
                               "max_p99_waiting")
         if emit_flags:
             raise ParamsError("{emit_flags} applies to a config recommendation, not {plan} (a plan "
-                              "answers per traffic level; its flags are in --json)", "emit_flags", "plan")
+                              "answers per traffic level; its flags are in {as_json})", "emit_flags", "plan",
+                              ("as_json", "--json"))
         if (max_ttft_p99_ms is None) == (max_queue_wait_p99_ms is None):
             raise ParamsError("{plan} needs exactly one of {max_ttft_p99_ms} and {max_queue_wait_p99_ms}",
                               "plan", *_BOUNDS)

@@ -132,7 +132,7 @@ def grid_dir_error(path: str | Path) -> str | None:
         return None
     if (p / run_files.PREDICTION / run_files.CLOSED_LOOP).is_file():
         return (f"{p}: a calibrate --validate directory (fidelity.json, prediction/), not a trace; its "
-                f"prediction grid is {p / 'prediction'}: router-replay recommend {p} reads it")
+                f"prediction grid is {p / run_files.PREDICTION}: router-replay recommend {p} reads it")
     subs = sorted((c for c in p.iterdir() if c.is_dir() and c.name.startswith("config-")),
                   key=lambda c: (len(c.name), c.name))
     if not subs and not (p / run_files.CLOSED_LOOP).is_file():

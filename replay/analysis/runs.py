@@ -36,7 +36,7 @@ from replay import __version__
 from replay.analysis import decision_gate, ranking
 from replay.analysis import waterfall as wf
 from replay.config import GATE_KNOBS, KNOB_NAMES, KNOB_SHORT, KNOBS, RouterConfig
-from replay.errors import ParamError, ReplayError
+from replay.errors import ParamError, ParamsError, ReplayError
 from replay.runs import decisions as decision_store
 from replay.runs import rundir
 from replay.runs.metrics import (
@@ -626,9 +626,9 @@ def make_baseline(run: Run | str | os.PathLike, *, metrics: Sequence[str] | None
     for n in names:
         unknown = table.filter(pl.col(n).is_null() | pl.col(n).is_nan())
         if unknown.height:
-            raise ReplayError(f"{run.path}: metric {n} has no value for {unknown.height} config(s) (first: "
-                              f"config {unknown['config_id'][0]}); a baseline holds numbers only, so leave it "
-                              f"out (--metric ...)")
+            raise ParamsError("{path}: metric {n} has no value for {k} config(s) (first: config {first}); a "
+                              "baseline holds numbers only, so leave it out ({metrics:...})", ("metrics", "--metric"),
+                              path=run.path, n=n, k=unknown.height, first=unknown["config_id"][0])
     configs = []
     for r in table.iter_rows(named=True):
         configs.append({
@@ -1054,8 +1054,9 @@ def check_run(run: Run | str | os.PathLike, baseline: dict | str | os.PathLike, 
                          "from a run without decisions); write it again with --write-baseline")
     elif run.decisions is None:
         if not allow:
-            raise ReplayError(f"{run.path}: the run kept no decisions, and the baseline holds its decisions; "
-                              f"rerun the sweep with decisions, or pass --allow-decision-drift")
+            raise ParamsError("{path}: the run kept no decisions, and the baseline holds its decisions; rerun the "
+                              "sweep with decisions, or pass {allow_decision_drift}", "allow_decision_drift",
+                              path=run.path)
         res.notes.append(f"decisions not checked: {run.path} kept none")
     else:
         mapping = {c["config_id"]: id_of[i] for i, c in enumerate(baseline["configs"])}

@@ -46,6 +46,7 @@ from replay.capture.sources import (
     read_v1_loads,
 )
 from replay.config import ConfigError, knob_spec, validate_router_flags
+from replay.errors import ParamsError
 from replay.runs import names, rundir
 from replay.trace.blocks import conform_blocks
 
@@ -179,7 +180,7 @@ class Importer:
             try:
                 self.rec_facts = json.loads((rec / names.RECORD_JSON).read_text())
             except ValueError:
-                raise ImportError_(f"{rec / 'record.json'}: not JSON") from None
+                raise ImportError_(f"{rec / names.RECORD_JSON}: not JSON") from None
         if (rec / names.WORKERS).is_file():
             self.rec_workers = pl.read_parquet(rec / names.WORKERS)
         f = self.facts.data
@@ -219,8 +220,8 @@ class Importer:
         if self.rec_workers is not None and "page_size" in self.rec_workers.columns:
             sizes = self.rec_workers["page_size"].drop_nulls().unique().to_list()
             if len(sizes) > 1:
-                raise ImportError_(f"{self.s.recorded}/workers.parquet: workers disagree on page_size "
-                                   f"({sorted(sizes)}); give --page-size")
+                raise ParamsError("{where}: workers disagree on page_size ({sizes}); give {page_size}", "page_size",
+                                  where=Path(self.s.recorded) / names.WORKERS, sizes=sorted(sizes))
             if sizes:
                 return int(sizes[0])
         return None
@@ -230,15 +231,18 @@ class Importer:
         given = [n for n, v in (("--token-export", s.token_export), ("--dynamo-trace", s.dynamo),
                                 ("--mooncake", s.mooncake)) if v]
         if len(given) != 1:
-            raise ImportError_("give exactly one request source: --token-export, --dynamo-trace or --mooncake"
-                               + (f" (got {', '.join(given)})" if given else ""))
+            named = [f"{{{p}}}" for p, v in (("token_export", s.token_export), ("dynamo", s.dynamo),
+                                             ("mooncake", s.mooncake)) if v]
+            raise ParamsError("give exactly one request source: {token_export}, {dynamo} or {mooncake}"
+                              + (f" (got {', '.join(named)})" if named else ""),
+                              "token_export", ("dynamo", "--dynamo-trace"), "mooncake")
         self.source = given[0]
         f = self.facts.data
         if s.token_export:
             self.page = self._page_size()
             if self.page is None:
-                raise ImportError_("the token export needs the engines' page_size: record's workers.parquet "
-                                   "has none; give --page-size")
+                raise ParamsError("the token export needs the engines' page_size: record's {workers} has none; "
+                                  "give {page_size}", "page_size", workers=names.WORKERS)
             frames, hashes = [], []
             n_files = None
             for k, (path, df) in enumerate(iter_token_export(s.token_export, self.facts)):
@@ -420,11 +424,12 @@ class Importer:
         if self.s.router_inflight != "derived":
             return None
         if "latency_ms" not in req.columns:
-            raise ImportError_("--router-inflight derived needs each served request's latency (engine exports)")
+            raise ParamsError("{router_inflight:derived} needs each served request's latency (engine exports)",
+                              "router_inflight")
         served = req.filter(pl.col("selected_worker").is_not_null())
         if served["latency_ms"].null_count():
-            raise ImportError_(f"--router-inflight derived: {served['latency_ms'].null_count()} served requests "
-                               "have no latency")
+            raise ParamsError("{router_inflight:derived}: {n} served requests have no latency", "router_inflight",
+                              n=served["latency_ms"].null_count())
         done = served["ts"] + (served["latency_ms"] * 1e6).round().cast(pl.Int64)
         per = {}
         for (url,), g in served.with_columns(done.alias("_done")).group_by("selected_worker"):
@@ -584,9 +589,9 @@ class Importer:
         if rows == 0:
             return None
         if self.kv_format == "dynamo":
-            raise ImportError_(f"{self.s.recorded}: the fleet publishes KV events in the dynamo format (hashes "
-                               "namespaced by extra_key and cache salt), which the importer does not rebuild; "
-                               "use --matches placement or none")
+            raise ParamsError("{rec}: the fleet publishes KV events in the dynamo format (hashes namespaced by "
+                              "extra_key and cache salt), which the importer does not rebuild; use {matches:placement} "
+                              "or none", "matches", rec=self.s.recorded)
         self.wide_events, self.wide_from = 0, None
         uniq, dense = np.unique(self.h_val, return_inverse=True)
         dense = dense.astype(np.int64).reshape(-1)
@@ -618,8 +623,8 @@ class Importer:
         if mode in ("auto", "events") and self.hash_kind == "sglang":
             res = self._matches_from_events(self._kv_parts(), urls, dp, ts)
         if mode == "events" and res is None:
-            raise ImportError_("--matches events: no recorded KV event (give --recorded with kv_events/, "
-                               "and a token export)")
+            raise ParamsError("{matches:events}: no recorded KV event (give {recorded} with kv_events/, and a "
+                              "token export)", "matches", "recorded")
         if res is not None:
             m_off, m_w, m_b = res
             f["matches_source"] = MATCHES_EVENTS
@@ -635,8 +640,8 @@ class Importer:
             cap_tok = np.array([self.s.kv_capacity_tokens or self.load_caps.get(u, 0) * int(d)
                                 for u, d in zip(urls, dp, strict=True)], dtype=np.int64)
             if not np.all(cap_tok[np.unique(worker[worker >= 0])] > 0):
-                raise ImportError_("the placement model needs each serving worker's KV capacity: the loads "
-                                   "have no max_total_num_tokens; give --kv-capacity-tokens")
+                raise ParamsError("the placement model needs each serving worker's KV capacity: the loads have no "
+                                  "max_total_num_tokens; give {kv_capacity_tokens}", "kv_capacity_tokens")
             page = self.page or 1
             cap_blocks = cap_tok // page
             m_off, m_w, m_b = placement_matches(ts, done, self.h_off, self.h_val, worker, cap_blocks)

@@ -52,7 +52,7 @@ from replay.capture.store import (
     write_atomic_json,
     write_atomic_table,
 )
-from replay.errors import ReplayError
+from replay.errors import ParamsError, ReplayError
 from replay.runs import names
 from replay.runs.names import WORKERS
 
@@ -261,7 +261,7 @@ class Recorder:
                  replay_timeout_s: float = 5.0, status=None, now_ns=time.time_ns,
                  router_flags: dict | None = None):
         if not urls:
-            raise RecordError("no worker given (use --worker URL or --workers-file FILE)")
+            raise ParamsError("no worker given (use {urls})", ("urls", "--worker URL or --workers-file FILE"))
         self.urls = list(dict.fromkeys(urls))
         self.out = Path(out)
         self.ov = overrides or Overrides()

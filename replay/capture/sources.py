@@ -23,7 +23,7 @@ import polars as pl
 from isal import igzip
 from isal.igzip_lib import IsalError
 
-from replay.errors import ReplayError
+from replay.errors import ParamsError, ReplayError
 
 NS = 1_000_000_000
 
@@ -113,7 +113,8 @@ def ndjson(path: Path, data: bytes, schema: dict, facts: Facts, what: str) -> pl
         except (ValueError, TypeError) as err:
             msg = f"{path}: line {i + 1}: malformed {what} record ({str(err).splitlines()[0][:80]})"
             if not facts.skip_bad_lines:
-                raise ImportError_(msg + "; use --skip-bad-lines to count and skip such lines") from None
+                raise ParamsError("{msg}; use {skip_bad_lines} to count and skip such lines", "skip_bad_lines",
+                                  msg=msg) from None
             facts.add("skipped_bad_lines")
             facts.example("skipped_bad_line_examples", msg)
     if not rows:
@@ -347,8 +348,8 @@ def read_v1_loads(url: str, path: Path, facts: Facts) -> pl.DataFrame:
             obj = json.loads(line)
         except ValueError as err:
             if not facts.skip_bad_lines:
-                raise ImportError_(f"{where}: malformed JSON ({str(err)[:60]}); use --skip-bad-lines "
-                                   "to count and skip such lines") from None
+                raise ParamsError("{where}: malformed JSON ({err}); use {skip_bad_lines} to count and skip such "
+                                  "lines", "skip_bad_lines", where=where, err=str(err)[:60]) from None
             facts.add("skipped_bad_lines")
             continue
         entries = obj.get("loads") if isinstance(obj, dict) else None

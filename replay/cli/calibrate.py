@@ -75,12 +75,13 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     """Fit a simulator fleet to TRACE_DIR; optionally validate it and predict a grid."""
 
     from replay.errors import ReplayError  # lazy: loaded when the command runs
+    from replay.runs import names  # lazy: loaded when the command runs
     from replay.simulate.workflows import calibrate_trace  # lazy: loaded when the command runs
 
     texts = {KNOBS[k[len("knob_"):]].flag: v for k, v in knobs.items() if v is not None}
     if os.path.isfile(trace_dir):
-        _bench_file(trace_dir, out, force, quiet, as_json, validate=validate_dir, refine=refine,
-                    seeds=seeds_text, knobs=texts)
+        _bench_file(trace_dir, out, force, quiet, as_json, validate_dir=validate_dir, refine=refine,
+                    seeds=seeds_text, knobs={k[len("knob_"):]: v for k, v in knobs.items() if v is not None})
         return
     if texts and validate_dir is None:
         raise ReplayError("router knobs make a prediction grid: give --validate DIR for it")
@@ -126,33 +127,20 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
     if done.validate_dir is None or quiet:
         return
     vdir, fid, table = done.validate_dir, done.fidelity, done.prediction
-    click.echo(f"validation -> {vdir / 'fidelity.json'}")
+    click.echo(f"validation -> {vdir / names.FIDELITY_JSON}")
     if table is not None:
         if not fid.good:
             click.echo(f"WARNING: {fid.verdict()}; the prediction below comes from that model")
-        click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / 'prediction'}")
+        click.echo(f"closed-loop prediction, {table.height} configs -> {vdir / names.PREDICTION}")
         for line in grid_table(table, grid):
             click.echo(line)
 
 
 def _bench_file(path, out, force, quiet, as_json, **given) -> None:
     """calibrate on a bench_serving per-request file: the two speeds it supports."""
-    from replay.errors import ReplayError  # lazy: loaded when the command runs
     from replay.simulate.benchfit import calibrate_bench_file  # lazy: loaded when the command runs
-    from replay.simulate.formats import detect_format  # lazy: loaded when the command runs
 
-    fmt = detect_format(path)
-    if fmt != "bench-serving":
-        raise ReplayError(f"{path}: a {fmt} log; calibrate reads a trace directory or a bench_serving "
-                          "per-request file (simulate the log, then calibrate the trace it writes)")
-    for name, flag in (("validate", "--validate"), ("refine", "--refine"), ("seeds", "--seeds")):
-        if given[name]:
-            raise ReplayError(f"{flag}: a bench_serving file has no placement or loads to check a "
-                              "model against; simulate the file with the fitted fleet instead")
-    if given["knobs"]:
-        raise ReplayError(f"{next(iter(given['knobs']))}: router knobs make a prediction grid, which "
-                          "needs a trace directory")
-    fit = calibrate_bench_file(path, out, force=force)
+    fit = calibrate_bench_file(path, out, force=force, **given)
     if as_json:
         click.echo(json.dumps({"fleet": str(out), "requests": fit.requests, "source": "bench_serving",
                                "fitted": [s.__dict__ for s in fit.speeds]}))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import sys
-from pathlib import Path
 
 import click
 
@@ -42,32 +41,13 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
       router-replay generate big --requests 100000000 --workers 64 --dp-size 2 \\
           --rate 1000 --partition-s 3600
     """
-    from replay.runs import rundir  # lazy: loaded when the command runs
-    from replay.trace.synthetic import generate_trace  # lazy: loaded when the command runs
+    from replay import generate_trace_dir  # lazy: loaded when the command runs
 
-    rundir.guard([(out_dir, "trace")], force=force)
-    # built aside and swapped in whole: an interrupted or failed run leaves the old trace as it was
-    tmp = rundir.partial_beside(out_dir)
-    try:
-        with rundir.writing(out_dir):
-            if partition_s is not None:
-                info = _generate_set(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
-                                     sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
-                                     rate_per_s=rate_per_s, partition_s=partition_s,
-                                     router_inflight=not no_router_inflight)
-            else:
-                info = generate_trace(tmp, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
-                                      sample_interval_ms=sample_interval_ms, max_matches=max_matches,
-                                      seed=seed, rate_per_s=rate_per_s, router_inflight=not no_router_inflight)
-            marker = {"source": f"{rundir.GENERATE_SOURCE} (synthetic, seed {seed})",   # what --force may replace
-                      "extra": {"requests": n_requests, "workers": n_workers, "dp_size": dp_size,
-                                "sample_interval_ms": sample_interval_ms, "max_matches": max_matches,
-                                "seed": seed}}
-            (Path(tmp) / "trace.json").write_text(json.dumps(marker, indent=2) + "\n")
-            rundir.move_into_place(tmp, out_dir)
-        tmp = None
-    finally:
-        rundir.discard(tmp)
+    with _partitions_bar(n_requests, rate_per_s, partition_s) as progress:
+        info = generate_trace_dir(out_dir, n_requests=n_requests, n_workers=n_workers, dp_size=dp_size,
+                                  sample_interval_ms=sample_interval_ms, max_matches=max_matches, seed=seed,
+                                  rate_per_s=rate_per_s, router_inflight=not no_router_inflight,
+                                  partition_s=partition_s, force=force, progress=progress)
     if partition_s is not None:
         click.echo(f"wrote {out_dir}: {info['requests']:,} requests, {info['load_rows']:,} load rows in "
                    f"{info['partitions']} partition(s) of {info['partition_s']} s ({info['files']} files), "
@@ -79,25 +59,17 @@ def generate(out_dir, n_requests, n_workers, dp_size, sample_interval_ms, max_ma
                f"{info['span_s']} s")
 
 
-def _generate_set(tmp, **kwargs) -> dict:
-    from replay.trace.synthetic import generate_trace_set, plan_trace_set  # lazy: loaded when the command runs
+@contextlib.contextmanager
+def _partitions_bar(n_requests: int, rate_per_s: float | None, partition_s: int | None):
+    """A trace set's partitions as a bar on a terminal (nothing when piped or for one file)."""
+    from replay.trace.synthetic import plan_trace_set  # lazy: loaded when the command runs
 
-    bar = None
-    if sys.stderr.isatty():
-        n = len(plan_trace_set(kwargs["n_requests"], rate_per_s=kwargs["rate_per_s"],
-                               partition_s=kwargs["partition_s"]))
-        bar = click.progressbar(length=n, label="partitions", file=sys.stderr)
-        bar.__enter__()
-
-    def progress(k):
-        if bar is not None:
-            bar.update(k - bar.pos)
-
-    try:
-        return generate_trace_set(tmp, progress=progress, **kwargs)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
+    if partition_s is None or not sys.stderr.isatty():
+        yield None
+        return
+    n = len(plan_trace_set(n_requests, rate_per_s=rate_per_s, partition_s=partition_s))
+    with click.progressbar(length=n, label="partitions", file=sys.stderr) as bar:
+        yield lambda k: bar.update(k - bar.pos)
 
 
 COMMANDS = [generate]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import click
 
 from replay.cli.app import outputs_closed, user_errors
@@ -52,20 +49,9 @@ def report(run_dir, out, max_p99_waiting, config_id, beside, closed_loop, max_tt
            force, quiet):
     """Write RUN_DIR's report: one self-contained HTML page of figures and provenance."""
 
-    from replay.errors import ReplayError  # lazy: loaded when the command runs
-    from replay.report.run_page import build_report  # lazy: loaded when the command runs
-    from replay.runs import rundir  # lazy: loaded when the command runs
+    from replay import write_report  # lazy: loaded when the command runs
 
-    if max_p99_waiting is not None and not math.isfinite(max_p99_waiting):
-        raise ReplayError(f"--max-p99-waiting must be a finite number >= 0, got {max_p99_waiting!r}")
-    if max_ttft_p99_ms is not None and max_queue_wait_p99_ms is not None:
-        raise ReplayError("give one of --max-ttft-p99-ms and --max-queue-wait-p99-ms")
-    target = out if out is not None else Path(run_dir) / rundir.REPORT
-    # the run's own report.html is rebuilt without --force (the guard still refuses a file it did not write)
-    own = out is None or Path(out).resolve() == (Path(run_dir) / rundir.REPORT).resolve()
-    force = force or own
-    rundir.guard([(target, "report")], inputs=rundir.run_inputs(run_dir), force=force)
-    path = build_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting,
+    path = write_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting,
                         closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
                         max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     if not quiet:

@@ -10,7 +10,7 @@ import click
 
 from replay.cli.app import outputs_closed, user_errors
 from replay.cli.progress import Progress
-from replay.config import KNOBS, Grid
+from replay.config import KNOBS, Grid, RouterConfig
 
 _EXAMPLE = """
 Every router knob takes one value, a comma list, an inclusive range a..b, or
@@ -41,7 +41,7 @@ def _knob_options(fn):
                       "docs/replay-model.md)."),
             )(fn)
         else:
-            default = getattr(__import__("replay.config", fromlist=["RouterConfig"]).RouterConfig(), name)
+            default = getattr(RouterConfig(), name)
             fn = click.option(
                 spec.flag, f"knob_{name}", default=None, metavar="VALUES",
                 help=f"Values for {spec.flag} (router default: {'none' if default is None else default}).",
@@ -165,7 +165,7 @@ def sweep(trace_dir, out, freshness_ms, seed, model, decisions, decisions_layout
                                  break_on_hyphens=False))
         for line in agreement_lines(s, read_recorded(trace_dir), seed=seed, freshness_ms=freshness_ms):
             click.echo(line)
-        report = Path(out) / "report.html"
+        report = Path(out) / rundir.REPORT
         if report.is_file():
             click.echo(f"report: {report} (open it in a browser)")
     outputs_closed()   # run_sweep has swapped the finished run directory into place

@@ -45,7 +45,7 @@ from replay import __version__, labels
 from replay.analysis import closed_loop as cl
 from replay.analysis import waterfall as wf
 from replay.config import GATE_KNOBS, KNOB_SHORT, KNOBS, RouterConfig
-from replay.errors import NeedsForce, ParamError, ReplayError
+from replay.errors import NeedsForce, ParamError, ParamsError, ReplayError
 from replay.report import figspec as fs
 from replay.report import sections as rs
 from replay.report.html import CSS as _CSS
@@ -1403,7 +1403,7 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     data = None if plan_page else load_run(run_dir)
     target = Path(out) if out is not None else (Path(run_dir) if plan_page else data.path) / REPORT
     if target.exists() and target.is_dir():
-        raise ReplayError(f"{target}: is a directory (give a file name with --out)")
+        raise ParamsError("{target}: is a directory (give a file name with {out})", "out", target=target)
     if target.exists() and not force:
         raise NeedsForce(f"{target}: exists (use ", " to replace it)")
     if not target.parent.is_dir():
@@ -1418,3 +1418,24 @@ def build_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
                            max_queue_wait_p99_ms=max_queue_wait_p99_ms)
     rundir.write_text_atomic(target, page)
     return target
+
+
+def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *, force: bool = False,
+                 config_id: int | None = None, max_p99_waiting: float | None = None,
+                 closed_loop: str | os.PathLike | None = None, max_ttft_p99_ms: float | None = None,
+                 beside: int | None = None, max_queue_wait_p99_ms: float | None = None) -> Path:
+    """What ``router-replay report`` does: the bounds checked, ``out`` guarded (the run's own
+    ``report.html`` is rebuilt without ``force``; a file router-replay did not write is never
+    replaced), then :func:`build_report`.  Returns the page's path."""
+    if max_p99_waiting is not None and not math.isfinite(max_p99_waiting):
+        raise ParamError("max_p99_waiting", f"must be a finite number >= 0, got {max_p99_waiting!r}")
+    if max_ttft_p99_ms is not None and max_queue_wait_p99_ms is not None:
+        raise ParamsError("give one of {max_ttft_p99_ms} and {max_queue_wait_p99_ms}",
+                          "max_ttft_p99_ms", "max_queue_wait_p99_ms")
+    own_report = Path(run_dir) / REPORT
+    target = Path(out) if out is not None else own_report
+    force = force or out is None or target.resolve() == own_report.resolve()
+    rundir.guard([(target, "report")], inputs=rundir.run_inputs(run_dir), force=force)
+    return build_report(run_dir, out, force=force, config_id=config_id, max_p99_waiting=max_p99_waiting,
+                        closed_loop=closed_loop, max_ttft_p99_ms=max_ttft_p99_ms, beside=beside,
+                        max_queue_wait_p99_ms=max_queue_wait_p99_ms)

@@ -28,11 +28,15 @@ OUTCOMES = "outcomes.parquet"           # a simulation's ground truth, one row p
 SIM_JSON = "sim.json"
 FIDELITY_JSON = "fidelity.json"         # calibrate --validate: the fit's score
 PREDICTION = "prediction"               # calibrate --validate: the prediction grid's directory
+FORCED_RUN = "forced"                   # calibrate --validate: the recording replayed on production's placement
+ROUTER_RUN = "router"                   # ... and with the router in the loop
 TOOL = "router-replay"                  # run.json's and a baseline's "tool" marker
 SIM_TOOL = "router-replay simulate"     # sim.json's "tool" marker
+FIDELITY_TOOL = "router-replay calibrate"  # fidelity.json's "tool" marker
 
 # a capacity plan (simulate with --workers/--dp-size/--load-scale lists)
 PLAN_TABLE = "plan_summary.parquet"
+PLAN_CSV = "plan_summary.csv"
 PLAN_JSON = "plan.json"
 PLAN_TOOL = "router-replay simulate (plan)"  # plan.json's "tool" marker
 # the bound a plan is asked under -> its column; the fleet columns of plan_summary

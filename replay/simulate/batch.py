@@ -31,9 +31,9 @@ import polars as pl
 
 from replay import __version__
 from replay.config import Grid, RouterConfig
-from replay.errors import ReplayError
+from replay.errors import ParamsError, ReplayError
 from replay.runs import rundir
-from replay.runs.names import SIM_JSON
+from replay.runs.names import SIM_JSON, SIM_TOOL
 from replay.simulate.fleet import Fleet
 from replay.simulate.logs import RequestLog
 from replay.simulate.seeds import aggregate
@@ -197,8 +197,8 @@ def work_dir(out: Path | None, *, resume: bool = False) -> Iterator[WorkDir | No
     except ReplayError as err:
         if isinstance(err, TaskFailed):
             work.close()
-            raise TaskFailed(f"{err}; {len(work.done)} finished simulation(s) are kept: run again "
-                             "with --resume to go on from them") from None
+            raise GridFailed("{err}; {n} finished simulation(s) are kept: run again with {resume} to go on from "
+                             "them", "resume", err=err, n=len(work.done)) from None
         work.discard()
         raise
     except BaseException:
@@ -299,13 +299,19 @@ def grid_table(grid: Grid, seeds: Sequence[int], seeded: bool, summaries: Sequen
     return aggregate(rows, knob_cols), rows
 
 
+
+class GridFailed(TaskFailed, ParamsError):
+    """A grid or plan stopped by a failed simulation; the ones that finished are journaled, and
+    ``resume`` goes on from them."""
+
+
 def write_grid(where: Path, table: pl.DataFrame, rows: list[dict], log: RequestLog, fleet: Fleet,
                grid: Grid, seed: int, seeds: Sequence[int] | None, kw: dict) -> None:
     """A grid's own files in ``where``: the closed-loop summary, the per-seed rows, sim.json."""
     write_summary(table, where / SUMMARY)
     if seeds is not None:
         pl.DataFrame(rows).write_parquet(where / SEEDS_TABLE)
-    meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+    meta = {"tool": SIM_TOOL, "version": __version__, "log": log.source,
             "requests": log.n_requests, "seed": int(seed), "grid": grid.describe(),
             "publish_interval_ms": int(kw["publish_interval_ms"]), "index_lag_ms": int(kw["index_lag_ms"]),
             "freshness_ms": int(kw["freshness_ms"]), "fleet": fleet.describe()}

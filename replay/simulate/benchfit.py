@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from replay.errors import ReplayError
+from replay.config import knob_spec
+from replay.errors import NeedsForce, ParamsError, ReplayError
 from replay.runs import rundir
 from replay.simulate.fleet import FleetSpec, load_fleet
-from replay.simulate.formats import read_bench_serving
+from replay.simulate.formats import detect_format, read_bench_serving
 from replay.simulate.logs import RequestLog
 
 MIN_PROMPT = 64        # shorter prompts: fixed per-request costs dominate their TTFT
@@ -141,11 +144,30 @@ def fit_bench_log(log: RequestLog, source: str = "") -> BenchFit:
     return fit
 
 
-def calibrate_bench_file(path: str | os.PathLike, out: str | os.PathLike, *, force: bool = False) -> BenchFit:
-    """Fit from a bench_serving file and write the fleet file ``out`` (aside, then swapped in)."""
+def calibrate_bench_file(path: str | os.PathLike, out: str | os.PathLike, *, force: bool = False,
+                         validate_dir: str | os.PathLike | None = None, refine: bool = False,
+                         seeds: str | None = None, knobs: Mapping[str, Any] | None = None) -> BenchFit:
+    """Fit from a bench_serving file and write the fleet file ``out`` (aside, then swapped in).
+
+    What ``calibrate`` does with a file: the options of a trace directory's calibration
+    (``validate_dir``, ``refine``, ``seeds``, router ``knobs`` by name) are refused, naming the
+    first one given, as the file has no placement or loads to check a model against."""
+    fmt = detect_format(path)
+    if fmt != "bench-serving":
+        raise ReplayError(f"{path}: a {fmt} log; calibrate reads a trace directory or a bench_serving "
+                          "per-request file (simulate the log, then calibrate the trace it writes)")
+    for name, flag, value in (("validate_dir", "--validate", validate_dir), ("refine", "--refine", refine),
+                              ("seeds", "--seeds", seeds)):
+        if value:
+            raise ParamsError("{" + name + "}: a bench_serving file has no placement or loads to check a model "
+                              "against; simulate the file with the fitted fleet instead", (name, flag))
+    if knobs:
+        knob = knob_spec(next(iter(knobs)))
+        raise ParamsError("{" + knob.name + "}: router knobs make a prediction grid, which needs a trace directory",
+                          (knob.name, knob.flag))
     fleet_path = Path(out)
     if fleet_path.exists() and not force:
-        raise ReplayError(f"{fleet_path}: exists (use --force to replace it)")
+        raise NeedsForce(f"{fleet_path}: exists (use ", " to replace it)")
     log = read_bench_serving(path)
     fit = fit_bench_log(log, str(path))
     with rundir.file_aside(fleet_path) as tmp:

@@ -72,7 +72,7 @@ AGREEMENT_SLACK = 0.05    # below the model's agreement with itself nudged by DR
 DRIFT = 1e-3              # the nudge: every decode speed 0.1% faster (what calibrate --refine resolves)
 CORR_MIN_STD = 0.5        # a rank's waiting series must vary this much for its correlation to count
 FIDELITY_JSON = names.FIDELITY_JSON
-FIDELITY_TOOL = "router-replay calibrate"   # fidelity.json's marker (rundir.guard recognises the dir)
+FIDELITY_TOOL = names.FIDELITY_TOOL   # fidelity.json's marker (rundir.guard recognises the dir)
 FLEET_MARKER = "# Fleet fitted by `router-replay calibrate`"  # first line of a fitted fleet file
 
 
@@ -167,7 +167,7 @@ def production_config(rec: RecordedTrace) -> RouterConfig:
     except TypeError:
         known = set(RouterConfig().as_dict())
         bad = sorted(set(flags) - known)
-        raise ReplayError(f"{rec.path / 'trace.json'}: key 'router.{bad[0]}': not a router knob") from None
+        raise ReplayError(f"{rec.path / names.TRACE_JSON}: key 'router.{bad[0]}': not a router knob") from None
     return cfg.validate()
 
 
@@ -195,7 +195,7 @@ def _rank_series(loads: pl.DataFrame, urls: list[str], zero_ns: int, grid: np.nd
 def recorded_dp_ranks(rec: RecordedTrace) -> np.ndarray | None:
     """The data-parallel rank that served each request (log order; -1 unknown), from a
     ``dp_rank`` column of the trace's ``requests.parquet`` or ``outcomes.parquet``."""
-    for name in ("requests.parquet", "outcomes.parquet"):
+    for name in (names.REQUESTS, names.OUTCOMES):
         p = Path(rec.path) / name
         if not p.is_file():
             continue
@@ -245,12 +245,12 @@ def validate(rec: RecordedTrace, fleet: Fleet, *, seed: int | None = None, fresh
 
     forced: SimResult | None = None
     if has["selected_worker"]:
-        forced = simulate(rec.log, fleet, cfg, out / "forced" if out else None, seed=seed,
+        forced = simulate(rec.log, fleet, cfg, out / names.FORCED_RUN if out else None, seed=seed,
                           freshness_ms=freshness_ms, placement=placement, force=force)
         runs["forced"] = {"seconds": forced.seconds, "summary": forced.summary}
     if progress is not None:
         progress(1)
-    loop = simulate(rec.log, fleet, cfg, out / "router" if out else None, seed=seed,
+    loop = simulate(rec.log, fleet, cfg, out / names.ROUTER_RUN if out else None, seed=seed,
                     freshness_ms=freshness_ms, force=force)
     runs["router"] = {"seconds": loop.seconds, "summary": loop.summary}
     if progress is not None:

@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from replay.capture.sources import Facts, read_dynamo
-from replay.errors import ReplayError
+from replay.errors import ParamError, ParamsError
 from replay.simulate.logs import (
     DEFAULT_BLOCK_SIZE,
     NS_PER_MS,
@@ -228,9 +228,9 @@ def read_kv_cache_tester(path: str | os.PathLike, *, sessions: int | None = None
     if not files:
         raise LogError(f"{p}: no kv-cache-tester session file (*.json)")
     if sessions is not None and sessions < 1:
-        raise ReplayError(f"--sessions must be >= 1, got {sessions}")
+        raise ParamError("sessions", f"must be >= 1, got {sessions}")
     if not (session_rate > 0 and math.isfinite(session_rate)):
-        raise ReplayError(f"--session-rate must be a number > 0, got {session_rate}")
+        raise ParamError("session_rate", f"must be a number > 0, got {session_rate}")
     docs = []
     B = block_size
     for f in files:
@@ -246,7 +246,8 @@ def read_kv_cache_tester(path: str | os.PathLike, *, sessions: int | None = None
         if B is None:
             B = b
         elif b != B:
-            raise LogError(f"{f}: block_size {b} differs from {B} (of {files[0].name} or --block-size)")
+            raise ParamsError("{f}: block_size {b} differs from {want} (of {first} or {block_size})", "block_size",
+                              f=f, b=b, want=B, first=files[0].name)
         scope = doc.get("hash_id_scope", "local")
         if scope not in ("local", "global"):
             raise LogError(f"{f}: field 'hash_id_scope' must be \"local\" or \"global\", got {scope!r}")
@@ -383,9 +384,10 @@ def read_dynamo_log(path: str | os.PathLike, *, block_size: int | None = None,
     df, block = read_dynamo([p], Facts(), {})
     B = block_size or block
     if B is None:
-        raise LogError(f"{p}: the Dynamo trace gives no trace_block_size: pass --block-size")
+        raise ParamsError("{p}: the Dynamo trace gives no trace_block_size: pass {block_size}", "block_size", p=p)
     if block is not None and block_size is not None and block != block_size:
-        raise LogError(f"{p}: --block-size {block_size} differs from the trace's trace_block_size {block}")
+        raise ParamsError("{p}: {block_size} {given} differs from the trace's trace_block_size {block}", "block_size",
+                          p=p, given=block_size, block=block)
     miss = df["hash_ids"].is_null() | df["output_tokens"].is_null()
     if miss.any():
         raise LogError(f"{p}: request_end record {int(miss.arg_max())}: no input_sequence_hashes or "
@@ -423,7 +425,8 @@ def read_log(path: str | os.PathLike, *, fmt: str = "auto", seed: int = 0, block
     if fmt not in FORMATS:
         raise LogError(f"unknown log format {fmt!r}; expected auto, {', '.join(FORMATS)}")
     if (sessions is not None or session_rate is not None) and fmt != "kv-cache-tester":
-        raise ReplayError(f"--sessions and --session-rate apply to kv-cache-tester sessions, not a {fmt} log")
+        raise ParamsError("{sessions} and {session_rate} apply to kv-cache-tester sessions, not a {fmt} log",
+                          "sessions", "session_rate", fmt=fmt)
     B = block_size or DEFAULT_BLOCK_SIZE
     if fmt == "mooncake":
         return read_mooncake(p, block_size=B, limit=limit)

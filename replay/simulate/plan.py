@@ -24,9 +24,9 @@ import numpy as np
 import polars as pl
 
 from replay.config import Grid
-from replay.errors import ReplayError
+from replay.errors import ParamError, ReplayError
 from replay.runs import rundir
-from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
+from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_CSV, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
 from replay.simulate.batch import grid_table, grid_tasks, run_batch, work_dir, write_grid
 from replay.simulate.logs import RequestLog
 from replay.simulate.sim import write_summary
@@ -60,7 +60,7 @@ def parse_list(text: str | None, flag: str, kind: type, lo: float) -> list | Non
 
 
 PLAN_KIND = rundir.Kind("plan", "capacity-plan directory", True, rundir.record_dir(
-    PLAN_JSON, PLAN_TOOL, lambda n: n in {PLAN_TABLE, "plan_summary.csv", PLAN_JSON, rundir.REPORT}
+    PLAN_JSON, PLAN_TOOL, lambda n: n in {PLAN_TABLE, PLAN_CSV, PLAN_JSON, rundir.REPORT}
     or POINT_DIR.fullmatch(n) is not None))
 """A plan directory: an output `simulate --force` may replace (replay.runs.rundir's rule)."""
 
@@ -97,7 +97,7 @@ def scale_log(log, factor: float, *, seed: int = 0):
     """
 
     if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE):
-        raise ReplayError(f"--load-scale must be in (0, {MAX_SCALE:g}], got {factor}")
+        raise ParamError("factor", f"must be in (0, {MAX_SCALE:g}], got {factor}", flag="--load-scale")
     if factor == 1.0:
         return log
     n = log.n_requests

@@ -483,7 +483,7 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     if log_list is not None:
         res.extra["cache_log"] = int64_array_nb(log_list).reshape(-1, 4)
     if out is not None:
-        meta = {"tool": "router-replay simulate", "version": __version__, "log": log.source,
+        meta = {"tool": names.SIM_TOOL, "version": __version__, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),
                 "publish_interval_ms": int(publish_interval_ms), "index_lag_ms": int(index_lag_ms),
                 "freshness_ms": int(freshness_ms), "config": config.as_dict(),

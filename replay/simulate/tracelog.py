@@ -28,7 +28,8 @@ import numpy as np
 import polars as pl
 
 from replay import labels
-from replay.runs.names import REQUESTS, WORKERS
+from replay.errors import ParamsError
+from replay.runs.names import REQUESTS, TRACE_JSON, WORKERS
 from replay.simulate.logs import LogError, RequestLog
 from replay.trace.base import TraceError
 from replay.trace.blocks import check_block_counts
@@ -213,15 +214,15 @@ def read_trace_log(path: str | os.PathLike, *, block_size: int | None = None,
         raise LogError(f"{wk_path}: column 'page_size': workers disagree ({pages}); "
                        "one block size per trace is needed")
     if pages and page is not None and pages[0] != page:
-        raise LogError(f"{d / 'trace.json'}: key 'page_size': {page!r} disagrees with "
+        raise LogError(f"{d / TRACE_JSON}: key 'page_size': {page!r} disagrees with "
                        f"workers.parquet page_size {pages[0]}")
     if pages and page is None:
         page = pages[0]
     if page is None:
         page = block_size
     if page is None:
-        raise LogError(f"{d}: page size unknown (no trace.json page_size, no workers.parquet "
-                       "page_size): pass --block-size")
+        raise ParamsError("{d}: page size unknown (no trace.json page_size, no workers.parquet page_size): "
+                          "pass {block_size}", "block_size", d=d)
 
     assert cl.hash_offsets is not None and cl.hash_values is not None and cl.output_tokens is not None
     sizes = np.diff(cl.hash_offsets)

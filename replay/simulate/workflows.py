@@ -22,8 +22,8 @@ import polars as pl
 from replay.capture.from_sim import write_capture
 from replay.capture.outguard import CAPTURE
 from replay.config import Grid, fleet_dp_size
-from replay.errors import ParamError
-from replay.runs import rundir
+from replay.errors import ParamError, ParamsError
+from replay.runs import names, rundir
 from replay.simulate.batch import check_simulations, simulate_grid
 from replay.simulate.calibrate import Calibration, refine_decode
 from replay.simulate.calibrate import calibrate as fit_fleet
@@ -60,7 +60,7 @@ def _fidelity_dir(path: Path) -> str | None:
     if rec is None or rec.get("tool") != FIDELITY_TOOL:
         return rundir.unmarked(path, FIDELITY_JSON)
     extra = sorted(n for n in path.iterdir() if n.name not in
-                   {FIDELITY_JSON, "forced", "router", "prediction"}
+                   {FIDELITY_JSON, names.FORCED_RUN, names.ROUTER_RUN, names.PREDICTION}
                    and not re.fullmatch(r"\.?.*\.partial-.*", n.name))
     return f"{extra[0]} was not written by router-replay" if extra else None
 
@@ -149,7 +149,7 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
                 seed_list = parse_seeds(seeds, fid.seed)
                 n = len(grid.configs) * (len(seed_list) if seed_list else 1)
                 with progress(n, "simulating") as step:
-                    table = simulate_grid(rec.log, fleet, grid, tmp / "prediction", seed=fid.seed,
+                    table = simulate_grid(rec.log, fleet, grid, tmp / names.PREDICTION, seed=fid.seed,
                                           freshness_ms=freshness_ms, threads=threads,
                                           progress=step, seeds=seed_list)
             rundir.move_into_place(tmp, vdir)
@@ -287,7 +287,8 @@ def simulate_log(log: str | os.PathLike, out: str | os.PathLike, grid: Grid, *,
                                               ray_retries=ray_retries, resume=resume, **kw)
         return done
     if capture_out and (len(grid.configs) != 1 or seed_list is not None):
-        raise ParamError("capture_out", "writes one simulated run: give one config and no --seeds")
+        raise ParamsError("{capture_out} writes one simulated run: give one config and no {seeds}",
+                          "capture_out", "seeds")
     if len(grid.configs) == 1 and seed_list is None:
         if resume:
             raise ParamError("resume", "goes on with a grid or a plan, not one simulation")

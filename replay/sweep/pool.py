@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from replay.errors import ParamError, ReplayError
+from replay.errors import ParamError, ParamsError, ReplayError
 
 FAULT_ENV = "ROUTER_REPLAY_FAULT_TASKS"
 
@@ -77,14 +77,14 @@ def probe_ray_address(address: str, timeout: float = RAY_PROBE_S) -> None:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except TimeoutError:
-        raise ParamError("address", f"{address}: no answer within {timeout:g} s (is a Ray cluster running "
-                                    "there? start one with `ray start --head`, or drop --ray-address for a "
-                                    "local Ray)", flag="--ray-address") from None
+        raise ParamsError("{address} {given}: no answer within {timeout} s (is a Ray cluster running there? "
+                          "start one with `ray start --head`, or drop {address} for a local Ray)",
+                          ("address", "--ray-address"), given=address, timeout=f"{timeout:g}") from None
     except OSError as err:
         why = err.strerror or type(err).__name__
-        raise ParamError("address", f"{address}: nothing listens there ({why}; start a cluster with "
-                                    "`ray start --head`, or drop --ray-address for a local Ray)",
-                         flag="--ray-address") from None
+        raise ParamsError("{address} {given}: nothing listens there ({why}; start a cluster with `ray start "
+                          "--head`, or drop {address} for a local Ray)", ("address", "--ray-address"),
+                          given=address, why=why) from None
 
 
 def _fault_mode(index: int, fault: str | None) -> str | None:

@@ -26,7 +26,6 @@ from replay.kernels.snapshot import fleet_readings_nb, new_rank_table
 from replay.sweep.engine import dp_sizes, fleet_tables, frozen, load_columns, n_rank_slots, readonly
 from replay.trace import Trace
 
-FLEET = "fleet.parquet"
 NO_READING = -1
 
 SATURATED_DEFINITION = (

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from replay.errors import ReplayError
-from replay.runs.names import DECISIONS_DIR, FLEET_PARTS
+from replay.runs.names import DECISIONS_DIR, FLEET, FLEET_PARTS
 from replay.sweep import engine
 from replay.sweep import readings as fleet_mod
 from replay.sweep.jobs import Done, Job
@@ -148,7 +148,7 @@ def run_shard(tset: TraceSet, configs: list, config_ids: list[int], spec: ShardS
 
 def _join_fleet(out_dir: Path, parts: list[str]) -> None:
     """fleet.parquet from the windows' parts, in time order (streamed, then the parts go)."""
-    path = out_dir / fleet_mod.FLEET
+    path = out_dir / FLEET
     writer = None
     for part in parts:
         pf = pq.ParquetFile(str(out_dir / part))

@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay.errors import ConfigError
+from replay.errors import ConfigError, ParamsError
 from replay.trace.base import LOADS, MAX_DP_SIZE, REQUESTS, WORKERS
 
 NS = 1_000_000_000
@@ -100,16 +100,17 @@ MAX_PART_REQUESTS = 20_000_000
 def _check_size(fleet: _Fleet, n_sec: int, n_requests: int, *, partitioned: bool) -> None:
     """Refuse, in one line, a file too large to build in memory (before anything is allocated)."""
     if fleet.dp_size > MAX_DP_SIZE:
-        raise ConfigError(f"generate: --dp-size {fleet.dp_size} is above {MAX_DP_SIZE}, the largest "
-                          f"dp_size a trace may have (traces/README.md)")
+        raise ParamsError("generate: {dp_size} {given} is above {most}, the largest dp_size a trace may have "
+                          "(traces/README.md)", "dp_size", given=fleet.dp_size, most=MAX_DP_SIZE)
     publishers = (fleet.n_workers + fleet.n_decode) * fleet.dp_size
     rows = publishers * -(-n_sec * 1000 // fleet.sample_interval_ms)
-    cut = "a smaller --partition-s" if partitioned else "--partition-s to write a trace set"
+    cut = "a smaller {partition_s}" if partitioned else "{partition_s} to write a trace set"
     if rows > MAX_PART_LOAD_ROWS:
-        raise ConfigError(f"generate: {fleet.n_workers + fleet.n_decode:,} workers x dp {fleet.dp_size} "
+        raise ParamsError(f"generate: {fleet.n_workers + fleet.n_decode:,} workers x dp {fleet.dp_size} "
                           f"sampled every {fleet.sample_interval_ms} ms for {n_sec:,} s is {rows:,} load rows "
                           f"in one file, above the {MAX_PART_LOAD_ROWS:,} one file may hold in memory; use "
-                          f"fewer workers, a longer --sample-interval-ms or {cut}")
+                          "fewer workers, a longer {sample_interval_ms} or " + cut,
+                          "sample_interval_ms", "partition_s")
     if n_requests > MAX_PART_REQUESTS:
         raise ConfigError(f"generate: {n_requests:,} requests in one file, above the {MAX_PART_REQUESTS:,} one "
                           f"file may hold in memory; use {cut}")
