@@ -5,8 +5,8 @@ excluded (one warm-up simulation on the first 200 requests).  Reports wall
 time per config, process CPU time (best of 5; the figure to compare on the
 shared machine), requests and events per second, and a 9-config closed-loop
 grid (threads); then peak RSS with interval publishing over a day of idle
-time.  Run with ``python -m pytest benches/test_bench_simulate.py
---benchmark-enable -s``.
+time, and a run's memory as the trace's span grows (new blocks).  Run with
+``python -m pytest benches/test_bench_simulate.py --benchmark-enable -s``.
 
 The closed loop's throughput target: at least 100,000 requests/s per config on one core
 after compile (SGLang's default engine behaviour), i.e. at most 0.12 CPU s per ``simulate()``
@@ -205,3 +205,71 @@ def test_interval_idle_time_peak_rss(benchmark, report):
     report(short_rows=short["rows"], short_peak_rss_mib=short["peak_rss_mib"],
            short_cpu_s=short["cpu_s"], long_rows=long["rows"], long_peak_rss_mib=long["peak_rss_mib"],
            long_cpu_s=long["cpu_s"], floor="about the same peak")
+
+
+_SPAN_RUN = r"""
+import json, resource, sys, time
+import numpy as np
+from replay.config import RouterConfig
+from replay.simulate import FleetSpec, build_fleet, read_mooncake, simulate
+from replay.simulate.logs import RequestLog
+
+path, k, publish = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+a = read_mooncake(path)
+keys = a.block_key[a.hash_ids]
+span = int(a.ts_ns.max()) + 1_000_000_000
+sizes = np.diff(a.hash_off)
+log = RequestLog(np.concatenate([a.ts_ns + c * span for c in range(k)]),
+                 np.tile(a.input_tokens, k), np.tile(a.output_tokens, k),
+                 np.concatenate([[0], np.cumsum(np.tile(sizes, k))]).astype(np.int64),
+                 np.concatenate([keys + c * (int(keys.max()) + 1) for c in range(k)]),  # new blocks
+                 np.concatenate([np.char.add(a.request_id.astype(str), f"-{c}") for c in range(k)]),
+                 a.block_size, f"mooncake x{k}")
+fleet = build_fleet(FleetSpec(workers=16, dp_size=2, prefill_tokens_per_s=10_000, decode_tokens_per_s=40,
+                              max_running_requests=32, max_total_num_tokens=300_000,
+                              publish_policy=publish))
+simulate(log.head(200), fleet)                              # compile or load the cache
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+c0 = time.process_time()
+res = simulate(log, fleet, RouterConfig(worker_queue_limit=4, saturation_queue_floor=2))
+cpu = time.process_time() - c0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rows = res.load_rows
+out = (res.requests.estimated_size() + res.outcomes.estimated_size() + res.workers.estimated_size()
+       + sum(x.nbytes for x in (rows.rows, rows.recs, rows.order, rows.phs) if x is not None))
+print(json.dumps({"requests": log.n_requests, "blocks": log.n_blocks, "cpu_s": round(cpu, 3),
+                  "run_mib": round((peak - before) / 1024, 1), "output_mib": round(out / 2**20, 1),
+                  "peak_rss_mib": peak // 1024}))
+"""
+
+
+@needs_mooncake
+@pytest.mark.parametrize("publish", ["interval", "on_change"])
+def test_memory_follows_the_fleet_not_the_span(benchmark, report, publish):
+    """Memory per run is bounded by the fleet's state and the output, not the trace's span: the
+    Mooncake trace repeated 1, 2 and 4 times in span (each copy shifted in time, with new block
+    ids) on 16 workers x dp 2, each run in its own process.  A run's memory (its peak RSS above
+    the process's before it) less its output's still grows with the trace's distinct blocks
+    through the router's per-(block, worker) index (64 bytes a block here) and the kernel's
+    copies of the inputs; the ranks' caches do not (per-(rank, block) arrays cost 17 bytes per
+    rank and block: 544 bytes per block on 32 ranks).  Asserted: at most a third of that per
+    added block."""
+    import json
+    import subprocess
+    import sys
+
+    def run(k):
+        out = subprocess.run([sys.executable, "-c", _SPAN_RUN, str(MOONCAKE), str(k), publish],
+                             check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    benchmark.group = "simulate"
+    one, two = run(1), run(2)
+    four = benchmark.pedantic(run, args=(4,), rounds=1, iterations=1)
+    state = [r["run_mib"] - r["output_mib"] for r in (one, two, four)]
+    per_block = (state[2] - state[0]) * 2**20 / (four["blocks"] - one["blocks"])
+    report(**{f"x{k}_{key}": r[key] for k, r in zip((1, 2, 4), (one, two, four), strict=True)
+              for key in ("blocks", "run_mib", "output_mib", "peak_rss_mib", "cpu_s")},
+           state_mib=[round(x, 1) for x in state], state_bytes_per_added_block=round(per_block),
+           old_cache_bytes_per_block=17 * 32, load=os.getloadavg()[0])
+    assert per_block <= 17 * 32 / 3, (state, per_block)

@@ -198,14 +198,23 @@ the router's live in-flight count per worker ``rinf``, run statistics ``stats[SS
 workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``), and
 the ``lpm`` policy's scratch (``lpm_ids``, ``lpm_key``: ``LPM_MAX_QUEUE`` entries each)."""
 
-SimCache = namedtuple("SimCache", ("present", "lock", "nchild", "last_use", "hk", "hb", "ev", "idx",
-                                   "idxr", "lag"), module=__name__)
-SimCache.__doc__ = """The ranks' prefix caches, per (rank, block): ``present`` (int8), ``lock``
-(running requests holding it), ``nchild`` (cached children), ``last_use``; each rank's LRU
+SimCache = namedtuple("SimCache", ("ck", "cl", "cn", "cu", "hk", "hb", "ev", "idx", "idxr", "lag"),
+                      module=__name__)
+SimCache.__doc__ = """The ranks' prefix caches: per rank an open-addressing table of block id ->
+slot (linear probing, backward-shift deletion), sized by the rank's KV capacity in blocks, not
+by the trace's blocks: ``ck[r, slot]`` the block held (int32, -1 empty), ``cl`` running
+requests holding it, ``cn`` its cached children, ``cu`` its last use; each rank's LRU
 min-heap of evictable leaves ``(hk, hb)[r, :RS_HN]`` (lazy deletion); and the KV index's lag queue
 ``ev`` (``ev[0]`` values held, 4 per event from ``ev[1]``), its events due ``lag`` ns after
 the change, and the router's KV index they feed: per (block, worker) ``idx`` and, for the
 ``router`` dispatch, per (block, rank) ``idxr``."""
+
+# the cache tables' hash of block ids (< 2**31, so the product fits int64): Fibonacci
+# hashing of their groups of 8 consecutive ids, a group's slots consecutive (a prompt's
+# new blocks have consecutive ids, and its prefix walks read them in order)
+CT_HASH_MUL = 2654435761
+CT_HASH_SHIFT = 15
+CT_GROUP_BITS = 3
 
 RouterView = namedtuple("RouterView", ("table", "inflight", "snap", "est", "oldest",
                                        "dirty", "audit", "scratch", "cand", "seen", "depth",

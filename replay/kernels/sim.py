@@ -33,6 +33,9 @@ from replay.kernels.decide import A_NCOLS, C_NCOLS, select_prefill_nb
 from replay.kernels.layout import (
     BOOTSTRAP_DRAW,
     CLIP_MAX_NEW,
+    CT_GROUP_BITS,
+    CT_HASH_MUL,
+    CT_HASH_SHIFT,
     DPC_REFRESH_NS,
     DUE_CHANGE,
     DUE_HEARTBEAT,
@@ -267,46 +270,125 @@ def _heap_pop(hk, hb, rs, r):
     return key, blk
 
 
+# ---------------------------------------------------------------------------
+# A rank's cache: open-addressing table of block -> slot (linear probing,
+# backward-shift deletion).  Slots move only when one is deleted (an eviction).
 @inline
-def _evictable_leaf(present, lock, nchild, r, b):
-    return present[r, b] == 1 and lock[r, b] == 0 and nchild[r, b] == 0
+def _home(b, mask):
+    b = np.int64(b)
+    return ((((b >> CT_GROUP_BITS) * CT_HASH_MUL) >> CT_HASH_SHIFT) << CT_GROUP_BITS
+            | (b & ((1 << CT_GROUP_BITS) - 1))) & mask
 
 
 @inline
-def _push_leaf(c, s, r, b):
-    """Offer block ``b`` to rank ``r``'s LRU heap; rebuild the heap from the cache when full."""
-    hk, hb, present, lock, nchild, last_use = c.hk, c.hb, c.present, c.lock, c.nchild, c.last_use
+def _probe(c, r, b):
+    """The slot of block ``b`` on rank ``r``, or the empty slot where it would go
+    (``c.ck[r, slot] == b`` iff ``b`` is cached there)."""
+    mask = c.ck.shape[1] - 1
+    h = _home(b, mask)
+    while True:
+        k = c.ck[r, h]
+        if k == b or k < 0:
+            return h
+        h = (h + 1) & mask
+
+
+@inline
+def _find(c, r, b):
+    """The slot of block ``b`` on rank ``r``; -1 when it is not cached there."""
+    h = _probe(c, r, b)
+    return h if c.ck[r, h] == b else -1
+
+
+@inline
+def _remove(c, r, h):
+    """Delete slot ``h`` of rank ``r``'s table, shifting later entries of its run back."""
+    mask = c.ck.shape[1] - 1
+    i = h
+    j = h
+    while True:
+        j = (j + 1) & mask
+        k = c.ck[r, j]
+        if k < 0:
+            break
+        home = _home(k, mask)
+        # the entry at j may fill the hole at i iff its home is not cyclically in (i, j]
+        if (home <= i or home > j) if j > i else (home <= i and home > j):
+            c.ck[r, i] = k
+            c.cl[r, i] = c.cl[r, j]
+            c.cn[r, i] = c.cn[r, j]
+            c.cu[r, i] = c.cu[r, j]
+            i = j
+    c.ck[r, i] = -1
+
+
+def cache_tables(ranks: int, slots: int) -> tuple:
+    """Empty cache tables of ``ranks`` ranks (``layout.SimCache``'s ``ck``, ``cl``, ``cn``,
+    ``cu``): only the keys are filled (-1); a slot's other fields are written when a block is
+    stored in it."""
+    return (np.full((ranks, slots), -1, dtype=np.int32), np.empty((ranks, slots), dtype=np.int32),
+            np.empty((ranks, slots), dtype=np.int32), np.empty((ranks, slots), dtype=np.int64))
+
+
+def cache_slots(q, capacity) -> int:
+    """Slots per rank of the cache tables of requests ``q``: a power of two at least four times
+    the most blocks a rank can hold (only full blocks are cached, and a rank's cached tokens
+    never exceed its KV capacity ``capacity[r]``), and never more than twice the trace's
+    blocks."""
+    sizes = np.diff(q.h_off)
+    pos = np.arange(q.h_ids.shape[0], dtype=np.int64) - np.repeat(q.h_off[:-1], sizes)
+    cached = q.h_ids[pos < np.repeat(q.full, sizes)]  # the full blocks, the only ones stored
+    most = int(q.btok.shape[0])
+    if cached.size and capacity.shape[0]:
+        most = min(most, int(capacity.max()) // max(int(q.btok[cached].min()), 1))
+    n = 16
+    while n < 4 * most + 4:
+        n *= 2
+    return n
+
+
+@inline
+def _evictable_leaf(c, r, h):
+    return h >= 0 and c.cl[r, h] == 0 and c.cn[r, h] == 0
+
+
+@inline
+def _push_leaf(c, s, r, b, h):
+    """Offer block ``b`` (slot ``h``) to rank ``r``'s LRU heap; rebuild the heap from the cache
+    when full."""
+    hk, hb = c.hk, c.hb
     rs, stats = s.rs, s.stats
     if rs[r, RS_HN] >= hk.shape[1]:
         stats[SS_REBUILDS] += 1
         rs[r, RS_HN] = 0
-        for x in range(present.shape[1]):
-            if _evictable_leaf(present, lock, nchild, r, x):
-                _heap_push(hk, hb, rs, r, last_use[r, x], x)
+        for x in range(c.ck.shape[1]):
+            if c.ck[r, x] >= 0 and _evictable_leaf(c, r, x):
+                _heap_push(hk, hb, rs, r, c.cu[r, x], c.ck[r, x])
         return  # b, if evictable, is in the rebuilt heap
-    _heap_push(hk, hb, rs, r, last_use[r, b], b)
+    _heap_push(hk, hb, rs, r, c.cu[r, h], b)
 
 
 @inline
 def _evict_one(q, c, s, r, t, w):
     """Evict rank ``r``'s least recently used evictable leaf; False when there is none."""
-    hk, hb, present, lock, nchild, last_use, ev, lag = (c.hk, c.hb, c.present, c.lock, c.nchild,
-                                                        c.last_use, c.ev, c.lag)
+    hk, hb, ev, lag = c.hk, c.hb, c.ev, c.lag
     rs, stats, btok, parent = s.rs, s.stats, q.btok, q.parent
     while rs[r, RS_HN] > 0:
         key, b = _heap_pop(hk, hb, rs, r)
-        if not _evictable_leaf(present, lock, nchild, r, b) or last_use[r, b] != key:
+        h = _find(c, r, b)
+        if not _evictable_leaf(c, r, h) or c.cu[r, h] != key:
             continue  # stale entry
-        present[r, b] = 0
+        _remove(c, r, h)
         rs[r, RS_USED] -= btok[b]
         rs[r, RS_EVICTABLE] -= btok[b]
         stats[SS_EVICTIONS] += 1
         _ev_push(ev, t + lag, w, b, -1 - rs[r, RS_LOCAL])  # sign: evicted; magnitude: local rank + 1
         p = parent[b]
         if p >= 0:
-            nchild[r, p] -= 1
-            if _evictable_leaf(present, lock, nchild, r, p):
-                _push_leaf(c, s, r, p)
+            hp = _find(c, r, p)
+            c.cn[r, hp] -= 1
+            if _evictable_leaf(c, r, hp):
+                _push_leaf(c, s, r, p, hp)
         return True
     return False
 
@@ -323,17 +405,17 @@ def _ev_push(ev, a, b, c, d):
 
 
 @inline
-def _lock(r, b, lock, rs, btok):
-    if lock[r, b] == 0:
-        rs[r, RS_EVICTABLE] -= btok[b]
-    lock[r, b] += 1
+def _lock(c, r, h, rs, tok):
+    if c.cl[r, h] == 0:
+        rs[r, RS_EVICTABLE] -= tok
+    c.cl[r, h] += 1
 
 
 @inline
-def _unlock(r, b, lock, rs, btok):
-    lock[r, b] -= 1
-    if lock[r, b] == 0:
-        rs[r, RS_EVICTABLE] += btok[b]
+def _unlock(c, r, h, rs, tok):
+    c.cl[r, h] -= 1
+    if c.cl[r, h] == 0:
+        rs[r, RS_EVICTABLE] += tok
 
 
 @njit_inner(allocates=False)
@@ -354,17 +436,19 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     reserve)``; ``take`` < 0 when not admitted."""
     req_L, req_out, h_off, h_ids, btok = q.input_tokens, q.output_tokens, q.h_off, q.h_ids, q.btok
     st, rq, rs, stats = s.st, s.rq, s.rs, s.stats
-    present, lock, nchild, last_use, ev, lag = c.present, c.lock, c.nchild, c.last_use, c.ev, c.lag
+    ev, lag = c.ev, c.lag
     lo = h_off[i]
     n = st[i, ST_FULL]
     d = 0
-    while d < n and present[r, h_ids[lo + d]] == 1:
-        d += 1
     cached = 0
-    for j in range(d):
-        b = h_ids[lo + j]
-        _lock(r, b, lock, rs, btok)
+    while d < n:
+        b = h_ids[lo + d]
+        h = _find(c, r, b)
+        if h < 0:
+            break
+        _lock(c, r, h, rs, btok[b])
         cached += btok[b]
+        d += 1
     extend = max(req_L[i] + st[i, ST_OUT] - cached, 1)
     take = extend
     reserve = min(req_out[i] - st[i, ST_OUT], CLIP_MAX_NEW)
@@ -389,25 +473,29 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
                 break
         ok = rs[r, RS_CAP] - rs[r, RS_USED] >= need
     if not ok:
-        for j in range(d):
+        h = -1
+        for j in range(d):  # (slots may have moved in the evictions)
             b = h_ids[lo + j]
-            _unlock(r, b, lock, rs, btok)
-        if d > 0:
-            b = h_ids[lo + d - 1]
-            if _evictable_leaf(present, lock, nchild, r, b):
-                _push_leaf(c, s, r, b)
+            h = _find(c, r, b)
+            _unlock(c, r, h, rs, btok[b])
+        if d > 0 and _evictable_leaf(c, r, h):
+            _push_leaf(c, s, r, h_ids[lo + d - 1], h)
         return -1, 0
+    hp = -1
     for j in range(d):
-        last_use[r, h_ids[lo + j]] = t
+        hp = _find(c, r, h_ids[lo + j])
+        c.cu[r, hp] = t
     for j in range(d, n):
         b = h_ids[lo + j]
-        present[r, b] = 1
-        lock[r, b] = 1
-        nchild[r, b] = 0
-        last_use[r, b] = t
+        h = _probe(c, r, b)
+        c.ck[r, h] = b
+        c.cl[r, h] = 1
+        c.cn[r, h] = 0
+        c.cu[r, h] = t
         rs[r, RS_USED] += btok[b]
         if j > 0:
-            nchild[r, h_ids[lo + j - 1]] += 1
+            c.cn[r, hp] += 1
+        hp = h
         _ev_push(ev, t + lag, w, b, 1 + rs[r, RS_LOCAL])  # sign: stored; magnitude: local rank + 1
     rs[r, RS_USED] += st[i, ST_PRIVATE] + st[i, ST_OUT]
     st[i, ST_GENKV] = st[i, ST_OUT]
@@ -430,17 +518,17 @@ def _release(q, c, s, r, i, t):
     """Request ``i`` leaves rank ``r``'s batch at ``t``: its blocks are unlocked (stamped
     ``t``; the deepest offered to the LRU heap) and its private and output KV freed."""
     h_off, h_ids, btok = q.h_off, q.h_ids, q.btok
-    st, rs, lock, present, nchild, last_use = s.st, s.rs, c.lock, c.present, c.nchild, c.last_use
+    st, rs = s.st, s.rs
     lo = h_off[i]
     n = st[i, ST_FULL]
+    h = -1
     for j in range(n):
         b = h_ids[lo + j]
-        _unlock(r, b, lock, rs, btok)
-        last_use[r, b] = t
-    if n > 0:
-        b = h_ids[lo + n - 1]
-        if _evictable_leaf(present, lock, nchild, r, b):
-            _push_leaf(c, s, r, b)
+        h = _find(c, r, b)
+        _unlock(c, r, h, rs, btok[b])
+        c.cu[r, h] = t
+    if n > 0 and _evictable_leaf(c, r, h):
+        _push_leaf(c, s, r, h_ids[lo + n - 1], h)
     rs[r, RS_USED] -= st[i, ST_PRIVATE] + st[i, ST_GENKV]
     st[i, ST_GENKV] = 0
 
@@ -448,12 +536,12 @@ def _release(q, c, s, r, i, t):
 @inline
 def _cached_on(q, c, s, r, i):
     """Tokens of request ``i``'s longest cached run of full blocks on rank ``r``."""
-    h_off, h_ids, btok, st, present = q.h_off, q.h_ids, q.btok, s.st, c.present
+    h_off, h_ids, btok, st = q.h_off, q.h_ids, q.btok, s.st
     lo = h_off[i]
     n = st[i, ST_FULL]
     tok = 0
     d = 0
-    while d < n and present[r, h_ids[lo + d]] == 1:
+    while d < n and _find(c, r, h_ids[lo + d]) >= 0:
         tok += btok[h_ids[lo + d]]
         d += 1
     return tok
@@ -530,7 +618,7 @@ def _lpm_order(q, c, s, r):
     """Reorder rank ``r``'s waiting queue by longest cached prefix on the rank
     (ties: arrival order), SGLang's ``lpm`` policy; above ``LPM_MAX_QUEUE``
     waiting requests the order is left alone (SGLang's fallback to FCFS)."""
-    h_off, h_ids, btok, st, rs, present = q.h_off, q.h_ids, q.btok, s.st, s.rs, c.present
+    h_off, h_ids, btok, st, rs = q.h_off, q.h_ids, q.btok, s.st, s.rs
     n = rs[r, RS_QLEN]
     if n < 2 or n > LPM_MAX_QUEUE:
         return
@@ -543,7 +631,7 @@ def _lpm_order(q, c, s, r):
         m = st[i, ST_FULL]
         d = 0
         tok = 0
-        while d < m and present[r, h_ids[lo + d]] == 1:
+        while d < m and _find(c, r, h_ids[lo + d]) >= 0:
             tok += btok[h_ids[lo + d]]
             d += 1
         # insertion: descending cached tokens, then ascending request index
@@ -998,7 +1086,7 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     """The rank of worker ``w`` that request ``i`` goes to (the worker's DP controller,
     or the router for ``LB_ROUTER``); docs/simulator.md, "Data-parallel dispatch"."""
     method, req_L, h_ids, rank_off = f.dispatch, q.input_tokens, q.h_ids, f.rank_off
-    rs, present, rr, dpc_last, idxr, table = s.rs, c.present, s.rr, s.dpc_last, c.idxr, v.table
+    rs, rr, dpc_last, idxr, table = s.rs, s.rr, s.dpc_last, c.idxr, v.table
     r0 = rank_off[w]
     nr = rank_off[w + 1] - r0
     if nr <= 1:
@@ -1046,7 +1134,7 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
             loc = r - r0
             ld = table[w, loc, R_WAITING] + table[w, loc, R_RUNNING] if table[w, loc, R_HAS] == 1 else 0
         else:
-            while d < n and present[r, h_ids[lo + d]] == 1:
+            while d < n and _find(c, r, h_ids[lo + d]) >= 0:
                 d += 1
             ld = rs[r, RS_QLEN] + rs[r, RS_RUN_N]
         if d > bd or (d == bd and ld < bl):
@@ -1060,9 +1148,11 @@ def sim_cache(q, f, lag_ns):
     """Empty caches and KV indexes (``layout.SimCache``) for :func:`simulate_nb` of
     requests ``q`` on fleet ``f``, the index's events due ``lag_ns`` after the change.
 
-    Made by numpy (plain Python), whose large allocations are on huge pages.  lock,
-    nchild and last_use are written when a block is stored on a rank and read only
-    while it is present there, the heaps only below their sizes: no zero fill.  The
+    Made by numpy (plain Python).  Each rank's cache is a table of
+    :func:`cache_slots` slots (its KV capacity in blocks, twice over), so its size
+    follows the fleet, not the trace; only its keys need filling (a slot's other
+    fields are written when a block is stored), the heaps are read only below their
+    sizes: no zero fill.  The
     KV index's lag queue holds 4 values per event from ``ev[1]`` (``ev[0]`` values
     held): every store is one block of an admitted request (each request is admitted
     once) and every eviction undoes a store, so 8 values per prefix block bound it;
@@ -1073,8 +1163,9 @@ def sim_cache(q, f, lag_ns):
     B = q.btok.shape[0]
     ev = np.empty(1 + 8 * q.h_ids.shape[0] + 8, dtype=np.int64)
     ev[0] = 0
-    return SimCache(np.zeros((R, B), dtype=np.int8), np.empty((R, B), dtype=np.int32),
-                    np.empty((R, B), dtype=np.int32), np.empty((R, B), dtype=np.int64),
+    if B >= 2**31:
+        raise ValueError(f"{B} distinct blocks: the cache tables hold block ids below 2**31")
+    return SimCache(*cache_tables(R, cache_slots(q, f.capacity)),
                     np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
                     ev, np.zeros((B, f.n_workers), dtype=np.int32),
                     np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)
