@@ -88,7 +88,8 @@ def test_simulate_grid_and_plan_print_lines_when_piped(tmp_path):
 def test_calibrate_validate_and_sweep_print_lines_when_piped(tmp_path):
     p = cli("calibrate", ROOT / "traces" / "sample", "--out", tmp_path / "fleet.toml", "--validate",
             tmp_path / "fit", "--worker-queue-limit", "none,4")
-    assert lines(p.stderr, "validating")[-1] == (2, 2), p.stderr
+    # forced placement, the router in the loop, and the loop nudged (agreement's own drift)
+    assert lines(p.stderr, "validating")[-1] == (3, 3), p.stderr
     assert lines(p.stderr, "simulating")[-1] == (2, 2), p.stderr
     p = cli("sweep", ROOT / "traces" / "sample", "--out", tmp_path / "run", "--worker-queue-limit", "none,4",
             "--no-report")

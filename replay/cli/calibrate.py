@@ -16,7 +16,6 @@ from replay.cli.limits import check_seeds
 from replay.cli.simulate import grid_progress, grid_table
 from replay.cli.sweep import _knob_options
 from replay.config import KNOBS, Grid
-from replay.simulate.calibrate import UNFITTED_LINE
 
 _EXAMPLE = """
 TRACE_DIR is a router-replay trace with load samples (native counters) and,
@@ -105,7 +104,7 @@ def calibrate(trace_dir, out, validate_dir, decode_model, refine, block_size, se
             click.echo(f"not fitted from this trace ({len(missing)}): "
                        + "; ".join(f"{m.name}" + (f" (worker {m.worker})" if m.worker is not None else "")
                                    + f" = {m.value} [{m.how}]" for m in missing))
-        click.echo(UNFITTED_LINE)
+        click.echo(cal.unfitted_line())
         if done.refined:
             click.echo("decode speed refined by forced-placement replays:")
             for line in done.refined:

@@ -112,6 +112,11 @@ class Calibration:
     def not_fitted(self) -> list[Fitted]:
         return [f for f in self.fitted if not f.fitted]
 
+    @staticmethod
+    def unfitted_line() -> str:
+        """What calibrate never fits, in one line (the fleet file says the same)."""
+        return UNFITTED_LINE
+
     def to_fleet(self, scale: dict[int, float] | None = None, where: str = "fleet"):
         """The fitted fleet as a simulator :class:`Fleet` (decode speeds times ``scale[k]``), checked by
         the fleet validator (errors begin with ``where``)."""
