@@ -402,3 +402,32 @@ def test_calibrate_refuses_a_trace_without_requests_and_keeps_the_previous_fit(c
         assert fleet.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.toml", "t"]
     assert digest_tree(d) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--page-size", str(2**63)], "--page-size"), (["--kv-capacity-tokens", str(2**63)], "--kv-capacity-tokens"),
+    (["--index-lag-ms", "1e300"], "--index-lag-ms"),
+])
+def test_import_refuses_numbers_past_what_a_trace_holds(tmp_path, args, needle):
+    """--page-size 2**63 overflowed (a traceback); a capacity of 2**63 tokens and a lag of 1e300 ms
+    were imported as given (exit 0)."""
+    log = tmp_path / "log.jsonl"
+    shutil.copy(LOG, log)
+    refused(invoke("import", "--mooncake", log, "--out", tmp_path / "t", *args), needle)
+    refused(invoke("record", "--worker", "http://127.0.0.1:9", "--out", tmp_path / "r", "--page-size", str(2**63)),
+            "--page-size")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+def test_the_page_size_limit_of_the_options_is_the_trace_json_one():
+    from replay.cli.limits import MAX_PAGE_SIZE
+    from replay.trace.base import MAX_INT32
+    assert MAX_PAGE_SIZE == MAX_INT32
+
+
+def test_import_of_a_log_without_requests_is_refused_naming_it(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t"), f"{empty}: no requests")
+    refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t", "--skip-bad-lines"), f"{empty}: no requests")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]

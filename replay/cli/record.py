@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import check_rank_ports
+from replay.cli.limits import MAX_PAGE_SIZE, check_rank_ports
 from replay.cli.progress import PipedStatus
 from replay.errors import ReplayError
 
@@ -52,7 +52,7 @@ def _urls(workers, workers_file) -> list[str]:
               help="Partition (date=/hour=) of the written parts.")
 @click.option("--dp-size", type=click.IntRange(1),
               help="Override the publishing ranks (advertised: kv_events.dp_size).")
-@click.option("--page-size", type=click.IntRange(1),
+@click.option("--page-size", type=click.IntRange(1, MAX_PAGE_SIZE),
               help="Override the hashing block size (advertised: kv_events.block_size).")
 @click.option("--load-port-base", type=click.IntRange(1, 65535), help="LoadStat PUB port of rank 0.")
 @click.option("--kv-port-base", type=click.IntRange(1, 65535), help="KV-event PUB port of rank 0.")
