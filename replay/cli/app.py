@@ -91,6 +91,12 @@ of a partial folder) and prints a traceback."""
 def _raise_interrupted(signum, _frame):
     if _ONE_SIGNAL:
         _ignore_stops()
+        rd = sys.modules.get("replay.runs.rundir")
+        placed = getattr(rd, "PLACED", None)
+        if placed:      # an output is already in place: stopping now would keep it and say nothing was kept
+            click.echo(f"note: {signal.Signals(signum).name} after {placed[-1]} was written: the command "
+                       "finishes", err=True)
+            return
     raise Interrupted(signum)
 
 
@@ -169,11 +175,17 @@ class _OneLineErrors(click.Group):
         _handle_signals(real_process=args is None)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if args is None:        # done: a signal now would only kill the interpreter's teardown
+                _ignore_stops()     # (whose own handlers are the default ones: exit -15, not 0)
         except click.UsageError as err:
+            if args is None:
+                _ignore_stops()
             hint = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
             click.echo(f"error: {err.format_message()}{hint}", err=True)
             sys.exit(err.exit_code)
         except click.ClickException as err:
+            if args is None:
+                _ignore_stops()
             err.show()
             sys.exit(err.exit_code)
         except click.exceptions.Abort as err:
