@@ -547,3 +547,36 @@ def test_a_signal_after_the_output_is_in_place_lets_the_command_finish(tmp_path,
     assert code == 0, (code, err)
     assert "nothing of this run was kept" not in err and "Traceback" not in err, err
     assert fleet.is_file() and (vdir / "fidelity.json").is_file() and hidden(tmp_path) == []
+
+
+def test_an_interrupted_grid_says_what_it_kept_for_resume(tmp_path):
+    """A closed-loop grid keeps its finished simulations for --resume when interrupted, and said
+    "nothing of this run was kept" beside them.  The line names the folder and --resume; the
+    resumed run completes and leaves nothing hidden."""
+    out = tmp_path / "grid"
+    args = ["simulate", SAMPLE_LOG, "--fleet", FLEET, "--out", out, "--worker-queue-limit", "1..12", "--seeds", "3",
+            "--requests", "1000", "-q"]
+    proc = cli(*args)
+    work = tmp_path / ".grid.resume"
+    t0 = time.monotonic()
+    while not (work / "config-0").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (proc.returncode, err)
+    assert err.strip().splitlines() == [f"interrupted (SIGTERM): nothing complete was written; what finished is kept "
+                                        f"in {work}: run again with --resume to go on from it"], err
+    assert not out.exists() and work.is_dir()
+    ok(invoke(*args, "--resume"))
+    assert (out / "closed_loop_summary.parquet").is_file() and hidden(tmp_path) == []
+
+
+def test_a_grid_on_a_full_disk_says_what_it_kept_for_resume(small_disk):
+    line = refused(invoke("simulate", SAMPLE_LOG, "--fleet", FLEET, "--out", small_disk / "grid",
+                          "--worker-queue-limit", "2,4", "--requests", "500", "-q"),
+                   "no space left on device writing")
+    assert (small_disk / ".grid.resume").is_dir()       # kept, as an interrupted grid keeps it
+    assert line.endswith(f"what finished is kept in {small_disk / '.grid.resume'}: run again with --resume "
+                         "to go on from it"), line
