@@ -431,3 +431,16 @@ def test_import_of_a_log_without_requests_is_refused_naming_it(tmp_path):
     refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t"), f"{empty}: no requests")
     refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t", "--skip-bad-lines"), f"{empty}: no requests")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
+def test_a_fleet_whose_caches_exceed_the_machine_is_refused_before_allocating(tmp_path):
+    """999 workers x dp 1,024 asked numpy for tens of GiB at once (a traceback); the refusal
+    counts the ranks and the memory they need, and nothing is written."""
+    import os
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if have > 2**40:
+        pytest.skip("this machine holds the caches of a million ranks")
+    line = refused(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "o", "--workers", "999",
+                          "--dp-size", "1024", "-q"), "fleet: 1,022,976 ranks would need")
+    assert "GiB of simulator caches" in line and "--workers, --dp-size" in line
+    assert list(tmp_path.iterdir()) == []

@@ -210,6 +210,7 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         eng[r, kl.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * kl.RATIO_ONE)
         eng[r, kl.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
+    _check_cache_memory(int(rank_off[-1]), log.n_blocks, nw, heap_cap, dispatch == kl.LB_ROUTER)
     # "sglang" is on-change publishing at the engine's own moments (kernels.sim._publish_sgl)
     eng[:, kl.EN_PUB_SGL] = int(sp.publish_policy == "sglang")
     on_change = sp.publish_policy in ("on_change", "sglang")
@@ -239,6 +240,27 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         dispatch=int(dispatch), publish_ns=publish_ns, pub_delay=int(pub_delay),
         pub_idle=int(pub_idle), heap_cap=int(heap_cap))
     return dict(req=req, fleet=sim_fleet, rank_worker=rw.astype(np.int64), rank_local=rank_local)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_cache_memory(ranks: int, blocks: int, workers: int, heap_cap: int, by_rank: bool) -> None:
+    """Refuse, before allocating it, a fleet whose caches and KV indexes for this log
+    (``kernels.sim.sim_cache``: per rank and prefix block 17 bytes, per rank two heaps of
+    ``heap_cap`` int64) need more than this machine's memory: 999 workers x dp 1,024 asked
+    numpy for 32 GiB at once and ended in a traceback."""
+    need = ranks * (17 * blocks + 16 * heap_cap) + 4 * blocks * workers + (4 * blocks * ranks if by_rank else 0)
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise ReplayError(f"fleet: {ranks:,} ranks would need {need / 2**30:,.1f} GiB of simulator caches for this "
+                          f"log ({blocks:,} prefix blocks, {need / max(ranks, 1) / 1024:,.0f} KiB per rank), more "
+                          f"than this machine's {have / 2**30:,.1f} GiB of memory; simulate fewer workers or ranks "
+                          "per worker (--workers, --dp-size) or fewer requests (--requests)")
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
