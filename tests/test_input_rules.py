@@ -444,3 +444,16 @@ def test_a_fleet_whose_caches_exceed_the_machine_is_refused_before_allocating(tm
                           "--dp-size", "1024", "-q"), "fleet: 1,022,976 ranks would need")
     assert "GiB of simulator caches" in line and "--workers, --dp-size" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_simulation_that_serves_no_request_writes_null_metrics(tmp_path):
+    """--max-in-flight 0 under reorg routing refuses every request: the run is valid and its
+    latency metrics have no value.  Writing sim.json raised on NaN (a traceback, nothing kept)."""
+    out = tmp_path / "sim"
+    res = invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", out, "--chat-routing", "reorg",
+                 "--max-in-flight", "0", "--requests", "100", "-q")
+    ok(res)
+    assert res.stderr == ""
+    summary = json.loads((out / "sim.json").read_text(), parse_constant=lambda c: pytest.fail(c))["summary"]
+    assert (summary["requests"], summary["routed"], summary["failed"]) == (100, 0, 100)
+    assert summary["ttft_ms_mean"] is None and summary["ttft_ms_p99"] is None

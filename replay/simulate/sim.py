@@ -383,10 +383,10 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
         "block_hit_rate": (float(np.maximum(rq[:, kl.RQ_CACHED_BLOCKS], 0).sum() / log.hash_ids.size)
                            if log.hash_ids.size else None),
         "cold_prefill_tokens": int((L - cached).sum()),
-        "ttft_ms_mean": float(np.nanmean(ttft)) if n else None,
+        "ttft_ms_mean": float(np.nanmean(ttft)) if np.isfinite(ttft).any() else None,
         "ttft_ms_p50": q(ttft, 50),
         "ttft_ms_p99": q(ttft, 99),
-        "queue_wait_ms_mean": float(np.nanmean(wait)) if n else None,
+        "queue_wait_ms_mean": float(np.nanmean(wait)) if np.isfinite(wait).any() else None,
         "queue_wait_ms_p50": q(wait, 50),
         "queue_wait_ms_p99": q(wait, 99),
         "makespan_s": span_ns / 1e9,
@@ -555,8 +555,20 @@ def _write_dir(out: Path, tables: Mapping[str, pa.Table | LoadRows], meta: dict,
             for f in pending:
                 f.result()
         for name, obj in (extra_json or {}).items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
-        (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
+            (tmp / name).write_text(json.dumps(_nan_to_null(obj), indent=2, allow_nan=False, default=_json) + "\n")
+        (tmp / SIM_JSON).write_text(json.dumps(_nan_to_null(meta), indent=2, allow_nan=False, default=_json) + "\n")
+
+
+def _nan_to_null(v):
+    """``v`` with every non-finite float as None (JSON null): a run where no request was served
+    (``--max-in-flight 0``) has NaN latencies, which ``json.dumps`` passes to no ``default``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, Mapping):
+        return {k: _nan_to_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_nan_to_null(x) for x in v]
+    return v
 
 
 def _json(v):
