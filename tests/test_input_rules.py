@@ -457,3 +457,14 @@ def test_a_simulation_that_serves_no_request_writes_null_metrics(tmp_path):
     summary = json.loads((out / "sim.json").read_text(), parse_constant=lambda c: pytest.fail(c))["summary"]
     assert (summary["requests"], summary["routed"], summary["failed"]) == (100, 0, 100)
     assert summary["ttft_ms_mean"] is None and summary["ttft_ms_p99"] is None
+
+
+def test_record_refuses_a_worker_url_whose_port_is_not_a_port(tmp_path):
+    """http://HOST:99999 was asked for /server_info and reported as "Connection refused"."""
+    refused(invoke("record", "--worker", "http://127.0.0.1:99999", "--out", tmp_path / "r", "--duration", "1s"),
+            "--worker: 'http://127.0.0.1:99999': its port is not a port (1..65535)")
+    wf = tmp_path / "workers.txt"
+    wf.write_text("http://127.0.0.1:30000\nhttp://127.0.0.1:0\n")
+    refused(invoke("record", "--workers-file", wf, "--out", tmp_path / "r", "--duration", "1s"),
+            f"{wf}: line 2: 'http://127.0.0.1:0': its port is not a port")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["workers.txt"]
