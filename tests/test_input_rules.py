@@ -333,3 +333,138 @@ def test_validate_says_a_generated_trace_records_no_production_router(tmp_path):
     # a recorded trace whose trace.json names no router flags still reads as production defaults
     d = _trace(tmp_path, "t", info=lambda j: {k: v for k, v in j.items() if k != "router"})
     assert "trace.json: production router defaults" in ok(invoke("validate", d))
+
+
+# ---------------------------------------------------------------------------
+# knob values that sized memory by themselves, and numbers that are not numbers
+
+
+def test_more_sweep_threads_than_the_machine_runs_give_the_same_run(gen_trace, tmp_path):
+    """--threads above the kernel threads numba runs sized counters for threads that never ran
+    (--threads 1000000: 244 GiB, a traceback); the replay runs the threads it can, same result."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    ok(invoke("sweep", gen_trace, "--out", one, "--worker-queue-limit", "2,4", "--threads", "1", "--no-report",
+              "--no-decisions", "-q"))
+    ok(invoke("sweep", gen_trace, "--out", many, "--worker-queue-limit", "2,4", "--threads", "1000000",
+              "--no-report", "--no-decisions", "-q"))
+    a, b = pl.read_parquet(one / "summary.parquet"), pl.read_parquet(many / "summary.parquet")
+    assert a.height == 2 and a.equals(b)
+
+
+def test_a_max_running_requests_of_a_billion_simulates_as_no_limit(tmp_path):
+    """max_running_requests = 10**9 (no limit, in effect) sized a table per rank by itself and ran out
+    of memory; 100 requests under it are simulated as under a limit of 100, which never binds."""
+    outs = {}
+    for limit in (100, 10**9):
+        fleet = tmp_path / f"fleet-{limit}.toml"
+        fleet.write_text(SAMPLE_FLEET.read_text().replace("max_running_requests = 32",
+                                                          f"max_running_requests = {limit}"))
+        outs[limit] = tmp_path / f"sim-{limit}"
+        ok(invoke("simulate", LOG, "--fleet", fleet, "--out", outs[limit], "--requests", "100", "-q"))
+    cols = ["request_id", "selected_worker", "ttft_ms", "latency_ms", "cached_tokens"]
+    a = pl.read_parquet(outs[100] / "requests.parquet").select(cols)
+    b = pl.read_parquet(outs[10**9] / "requests.parquet").select(cols)
+    assert a.height == 100 and a.equals(b)
+    # and the limit still binds where it is smaller than the log
+    fleet = tmp_path / "fleet-1.toml"
+    fleet.write_text(SAMPLE_FLEET.read_text().replace("max_running_requests = 32", "max_running_requests = 1"))
+    ok(invoke("simulate", LOG, "--fleet", fleet, "--out", tmp_path / "sim-1", "--requests", "100", "-q"))
+    c = pl.read_parquet(tmp_path / "sim-1" / "requests.parquet").select(cols)
+    assert c["latency_ms"].sum() > a["latency_ms"].sum()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rate", "inf"], "--rate"), (["--rate", "nan"], "--rate"),
+    (["--seed", "-1"], "--seed"), (["--seed", str(2**64)], "--seed"),
+])
+def test_generate_refuses_a_rate_or_seed_it_cannot_use(tmp_path, args, needle):
+    refused(invoke("generate", tmp_path / "g", "--requests", "10", *args), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_refuses_a_freshness_window_sweep_refuses(tmp_path):
+    big = str(2**63 // 1_000_000 + 1)
+    line = refused(invoke("validate", SAMPLE, "--freshness-ms", big), "--freshness-ms", "64 bits")
+    assert refused(invoke("sweep", SAMPLE, "--out", tmp_path / "o", "--freshness-ms", big)) == line
+    ok(invoke("validate", SAMPLE, "--freshness-ms", str(2**63 // 1_000_000)))
+
+
+def test_calibrate_refuses_a_trace_without_requests_and_keeps_the_previous_fit(calibrated, tmp_path):
+    d = _trace(tmp_path, "t", req=lambda df: df.head(0))
+    before = digest_tree(d)
+    ok(invoke("validate", d))           # a valid trace: it just holds no requests
+    fleet = tmp_path / "fleet.toml"
+    shutil.copy(calibrated, fleet)
+    old = fleet.read_bytes()
+    for extra in ([], ["--validate", tmp_path / "v"]):
+        refused(invoke("calibrate", d, "--out", fleet, "--force", "-q", *extra),
+                f"{d / 'requests.parquet'}: no requests; calibrate fits")
+        assert fleet.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.toml", "t"]
+    assert digest_tree(d) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--page-size", str(2**63)], "--page-size"), (["--kv-capacity-tokens", str(2**63)], "--kv-capacity-tokens"),
+    (["--index-lag-ms", "1e300"], "--index-lag-ms"),
+])
+def test_import_refuses_numbers_past_what_a_trace_holds(tmp_path, args, needle):
+    """--page-size 2**63 overflowed (a traceback); a capacity of 2**63 tokens and a lag of 1e300 ms
+    were imported as given (exit 0)."""
+    log = tmp_path / "log.jsonl"
+    shutil.copy(LOG, log)
+    refused(invoke("import", "--mooncake", log, "--out", tmp_path / "t", *args), needle)
+    refused(invoke("record", "--worker", "http://127.0.0.1:9", "--out", tmp_path / "r", "--page-size", str(2**63)),
+            "--page-size")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+def test_the_page_size_limit_of_the_options_is_the_trace_json_one():
+    from replay.cli.limits import MAX_PAGE_SIZE
+    from replay.trace.base import MAX_INT32
+    assert MAX_PAGE_SIZE == MAX_INT32
+
+
+def test_import_of_a_log_without_requests_is_refused_naming_it(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t"), f"{empty}: no requests")
+    refused(invoke("import", "--mooncake", empty, "--out", tmp_path / "t", "--skip-bad-lines"), f"{empty}: no requests")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
+def test_a_fleet_whose_caches_exceed_the_machine_is_refused_before_allocating(tmp_path):
+    """999 workers x dp 1,024 asked numpy for tens of GiB at once (a traceback); the refusal
+    counts the ranks and the memory they need, and nothing is written."""
+    import os
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if have > 2**40:
+        pytest.skip("this machine holds the caches of a million ranks")
+    line = refused(invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", tmp_path / "o", "--workers", "999",
+                          "--dp-size", "1024", "-q"), "fleet: 1,022,976 ranks would need")
+    assert "GiB of simulator caches" in line and "--workers, --dp-size" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_simulation_that_serves_no_request_writes_null_metrics(tmp_path):
+    """--max-in-flight 0 under reorg routing refuses every request: the run is valid and its
+    latency metrics have no value.  Writing sim.json raised on NaN (a traceback, nothing kept)."""
+    out = tmp_path / "sim"
+    res = invoke("simulate", LOG, "--fleet", SAMPLE_FLEET, "--out", out, "--chat-routing", "reorg",
+                 "--max-in-flight", "0", "--requests", "100", "-q")
+    ok(res)
+    assert res.stderr == ""
+    summary = json.loads((out / "sim.json").read_text(), parse_constant=lambda c: pytest.fail(c))["summary"]
+    assert (summary["requests"], summary["routed"], summary["failed"]) == (100, 0, 100)
+    assert summary["ttft_ms_mean"] is None and summary["ttft_ms_p99"] is None
+
+
+def test_record_refuses_a_worker_url_whose_port_is_not_a_port(tmp_path):
+    """http://HOST:99999 was asked for /server_info and reported as "Connection refused"."""
+    refused(invoke("record", "--worker", "http://127.0.0.1:99999", "--out", tmp_path / "r", "--duration", "1s"),
+            "--worker: 'http://127.0.0.1:99999': its port is not a port (1..65535)")
+    wf = tmp_path / "workers.txt"
+    wf.write_text("http://127.0.0.1:30000\nhttp://127.0.0.1:0\n")
+    refused(invoke("record", "--workers-file", wf, "--out", tmp_path / "r", "--duration", "1s"),
+            f"{wf}: line 2: 'http://127.0.0.1:0': its port is not a port")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["workers.txt"]

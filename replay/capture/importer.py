@@ -281,6 +281,9 @@ class Importer:
             self.hash_kind = "mooncake"
             req = df.select("ts", "request_id", pl.lit("default").alias("model"), "input_tokens", "output_tokens")
             f["requests_source"] = "Mooncake log (hash_ids are the log's remapped block ids; no worker, no loads)"
+        if req.height == 0:     # a trace of no requests replays nothing: never a silent empty import
+            src = s.token_export or s.dynamo or s.mooncake
+            raise ImportError_(f"{', '.join(str(x) for x in src)}: no requests ({given[0]}); nothing was written")
         # time order (stable), hashes permuted along
         order = np.argsort(req["ts"].to_numpy(), kind="stable")
         if np.any(order != np.arange(len(order))):

@@ -61,7 +61,7 @@ def user_errors(fn):
             with _library_notes():
                 return fn(*args, **kwargs)
         except ReplayError as err:          # the library names a parameter, the CLI its flag
-            raise InputError(err.cli_text()) from None
+            raise InputError(err.cli_text() + _kept_note()) from None
         except OSError as err:              # a full disk, a read-only file system, a permission
             from replay.runs.rundir import write_error  # lazy: rundir pulls in polars and pyarrow
 
@@ -69,9 +69,21 @@ def user_errors(fn):
             mapped = write_error(err, err.filename or written or "the output")
             if mapped is err:
                 raise
-            raise InputError(str(mapped)) from None
+            raise InputError(str(mapped) + _kept_note()) from None
 
     return wrapper
+
+
+def _kept() -> str | None:
+    """The work folder this run kept for ``--resume`` (``rundir.KEPT``), if any."""
+    rd = sys.modules.get("replay.runs.rundir")
+    kept = getattr(rd, "KEPT", None)
+    return str(kept[-1]) if kept else None
+
+
+def _kept_note() -> str:
+    kept = _kept()
+    return f"; what finished is kept in {kept}: run again with --resume to go on from it" if kept else ""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -91,6 +103,12 @@ of a partial folder) and prints a traceback."""
 def _raise_interrupted(signum, _frame):
     if _ONE_SIGNAL:
         _ignore_stops()
+        rd = sys.modules.get("replay.runs.rundir")
+        placed = getattr(rd, "PLACED", None)
+        if placed:      # an output is already in place: stopping now would keep it and say nothing was kept
+            click.echo(f"note: {signal.Signals(signum).name} after {placed[-1]} was written: the command "
+                       "finishes", err=True)
+            return
     raise Interrupted(signum)
 
 
@@ -125,7 +143,10 @@ def _interrupted_exit(err: BaseException) -> int:
 
     found = [e for e in (err, err.__cause__, err.__context__) if isinstance(e, Interrupted)]
     signum = found[0].signum if found else int(signal.SIGINT)
-    click.echo(f"interrupted ({signal.Signals(signum).name}): nothing of this run was kept", err=True)
+    kept = _kept()
+    tail = (f"nothing complete was written; what finished is kept in {kept}: run again with --resume to go on "
+            "from it") if kept else "nothing of this run was kept"
+    click.echo(f"interrupted ({signal.Signals(signum).name}): {tail}", err=True)
     return 128 + signum
 
 
@@ -167,13 +188,23 @@ class _OneLineErrors(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         _handle_signals(real_process=args is None)
+        rd = sys.modules.get("replay.runs.rundir")
+        if rd is not None:          # a command before this one in the process (click's CliRunner)
+            rd.KEPT.clear()
+            rd.PLACED.clear()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if args is None:        # done: a signal now would only kill the interpreter's teardown
+                _ignore_stops()     # (whose own handlers are the default ones: exit -15, not 0)
         except click.UsageError as err:
+            if args is None:
+                _ignore_stops()
             hint = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
             click.echo(f"error: {err.format_message()}{hint}", err=True)
             sys.exit(err.exit_code)
         except click.ClickException as err:
+            if args is None:
+                _ignore_stops()
             err.show()
             sys.exit(err.exit_code)
         except click.exceptions.Abort as err:

@@ -8,6 +8,7 @@ import sys
 import click
 
 from replay.cli.app import user_errors
+from replay.cli.limits import finite
 
 
 @click.command("generate")
@@ -18,8 +19,8 @@ from replay.cli.app import user_errors
 @click.option("--dp-size", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--sample-interval-ms", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--max-matches", type=click.IntRange(min=0), default=8, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--rate", "rate_per_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--rate", "rate_per_s", type=click.FloatRange(min=0, min_open=True), default=None, callback=finite,
               help="Mean requests per second (default: ~280/s, span >= 60 s).")
 @click.option("--no-router-inflight", is_flag=True, help="Omit the router_inflight column.")
 @click.option("--partition-s", type=click.IntRange(min=1), default=None, metavar="SECONDS",

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import finite
+from replay.cli.limits import MAX_LAG_MS, MAX_PAGE_SIZE, MAX_TOKENS, finite
 from replay.cli.progress import Progress
 from replay.errors import ReplayError
 
@@ -37,12 +37,12 @@ def _pairs(values, flag: str) -> list[tuple[str, str]]:
               help="The output of `router-replay record` (loads/, kv_events/, workers.parquet).")
 @click.option("--v1-loads", multiple=True, metavar="URL=PATH", help="Polled /v1/loads answers, one JSON a line.")
 @click.option("--prometheus", multiple=True, metavar="URL=PATH", help="Prometheus text scrapes of an engine.")
-@click.option("--page-size", type=click.IntRange(1), help="Block size to hash with (default: recorded).")
-@click.option("--index-lag-ms", type=click.FloatRange(0), default=0.0, show_default=True, callback=finite,
+@click.option("--page-size", type=click.IntRange(1, MAX_PAGE_SIZE), help="Block size to hash with (default: recorded).")
+@click.option("--index-lag-ms", type=click.FloatRange(0, MAX_LAG_MS), default=0.0, show_default=True, callback=finite,
               help="The router's KV-event processing delay: an event counts from ts + lag.")
 @click.option("--matches", type=click.Choice(["auto", "events", "placement", "none"]), default="auto",
               show_default=True, help="Where matches come from (auto: KV events, else the placement model).")
-@click.option("--kv-capacity-tokens", type=click.IntRange(1),
+@click.option("--kv-capacity-tokens", type=click.IntRange(1, MAX_TOKENS),
               help="Per-worker KV capacity for the placement model (default: recorded max_total_num_tokens).")
 @click.option("--dynamo-worker", multiple=True, metavar="ID=URL", help="Map a Dynamo prefill_worker_id to a URL.")
 @click.option("--router-inflight", type=click.Choice(["none", "derived"]), default="none", show_default=True,

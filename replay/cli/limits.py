@@ -59,6 +59,14 @@ def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> f
 
 MAX_PORT = 65535
 
+MAX_PAGE_SIZE = 2**31 - 1
+"""``--page-size`` (import, record): the largest page_size a trace.json may hold (``MAX_INT32`` of
+replay/trace/base.py, not imported here so that ``--help`` loads no trace code); 2**63 overflowed."""
+MAX_TOKENS = 2**53
+"""Token capacities (``import --kv-capacity-tokens``): a fleet file's limit (replay/simulate/fleet.py)."""
+MAX_LAG_MS = 10**9
+"""``import --index-lag-ms``: the limit of ``simulate --index-lag-ms`` (its nanoseconds fit int64)."""
+
 
 def check_rank_ports(dp_size: int | None, bases: dict[str, int | None]) -> None:
     """``record``: rank ``r`` of an engine listens on ``base + r``; refuse port-base flags whose

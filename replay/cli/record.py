@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
 from replay.cli.app import user_errors
-from replay.cli.limits import check_rank_ports
+from replay.cli.limits import MAX_PAGE_SIZE, MAX_PORT, check_rank_ports
 from replay.cli.progress import PipedStatus
 from replay.errors import ReplayError
 
@@ -23,8 +24,21 @@ def parse_seconds(text: str, flag: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def _check_port(url: str, where: str) -> None:
+    """A worker URL's port must be a port: ``:99999`` was asked for /server_info and reported as
+    "Connection refused"."""
+    try:
+        port = urlsplit(url).port
+    except ValueError:          # urllib: "Port out of range 0-65535", or not a number
+        port = -1
+    if port is not None and not 1 <= port <= MAX_PORT:
+        raise ReplayError(f"{where}: {url!r}: its port is not a port (1..{MAX_PORT})")
+
+
 def _urls(workers, workers_file) -> list[str]:
     urls = list(workers)
+    for url in urls:
+        _check_port(url, "--worker")
     if workers_file:
         p = Path(workers_file)
         try:
@@ -37,6 +51,7 @@ def _urls(workers, workers_file) -> list[str]:
                 continue
             if not re.match(r"^https?://[^/\s]+", line):
                 raise ReplayError(f"{p}: line {i + 1}: not a worker URL: {line!r}")
+            _check_port(line, f"{p}: line {i + 1}")
             urls.append(line)
     return urls
 
@@ -52,7 +67,7 @@ def _urls(workers, workers_file) -> list[str]:
               help="Partition (date=/hour=) of the written parts.")
 @click.option("--dp-size", type=click.IntRange(1),
               help="Override the publishing ranks (advertised: kv_events.dp_size).")
-@click.option("--page-size", type=click.IntRange(1),
+@click.option("--page-size", type=click.IntRange(1, MAX_PAGE_SIZE),
               help="Override the hashing block size (advertised: kv_events.block_size).")
 @click.option("--load-port-base", type=click.IntRange(1, 65535), help="LoadStat PUB port of rank 0.")
 @click.option("--kv-port-base", type=click.IntRange(1, 65535), help="KV-event PUB port of rank 0.")

@@ -1345,7 +1345,9 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
         st[i, ST_FULL] = req_full[i]
         st[i, ST_QNEXT] = -1
         st[i, ST_SEQ] = req_L[i]
-    run_ids = np.zeros((R, max_run), dtype=np.int64)
+    # a rank never runs more requests than the log holds: a max_running_requests of 10**9
+    # (no limit, in effect) must not size this table
+    run_ids = np.zeros((R, max(1, min(max_run, N))), dtype=np.int64)
     # the DP controllers: round-robin counters and last snapshot refresh, per worker
     rr = np.zeros(n_workers, dtype=np.int64)
     dpc_last = np.full(n_workers, -INF, dtype=np.int64)

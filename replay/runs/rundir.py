@@ -616,6 +616,12 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
 
 _STOPS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 _LIVE: dict[Path, int] = {}
+KEPT: list[Path] = []
+"""Work folders this process keeps on a failure or a signal so that a rerun can go on from them
+(a grid's ``.<name>.resume``): the command's last line names them, not "nothing was kept"."""
+PLACED: list[Path] = []
+"""This process's outputs swapped into place, in order: a stop signal after the first no longer
+means "nothing of this run was kept", so the command finishes (replay/cli/app.py)."""
 """This process's unfinished outputs (partial folders, file temporaries) -> the pid that made them:
 removed at exit whatever ended the command (:func:`_discard_live`)."""
 
@@ -723,6 +729,7 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
         _check_unchanged(out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if _exchange(tmp, out):
+                _placed(out)
                 shutil.rmtree(tmp, ignore_errors=True)
                 _LIVE.pop(tmp, None)
                 return
@@ -734,12 +741,21 @@ def move_into_place(tmp: Path, out: str | os.PathLike) -> None:
                 if not out.exists():
                     old.rename(out)
                 raise
+            _placed(out)
             shutil.rmtree(old, ignore_errors=True)
         else:
             if out.is_dir():
                 out.rmdir()
             tmp.rename(out)
+            _placed(out)
         _LIVE.pop(tmp, None)
+
+
+def _placed(out: Path) -> None:
+    """Note a command's output as in place (:data:`PLACED`), unless it is a part of a larger
+    output still being built (a grid's config folder in its partial or ``.resume`` folder)."""
+    if not any(p in _LIVE or (p.name.startswith(".") and p.name.endswith(".resume")) for p in out.parents):
+        PLACED.append(out)
 
 
 def _check_unchanged(out: Path) -> None:
@@ -788,6 +804,7 @@ def file_aside(out: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with writing(out), uninterrupted():
             os.replace(tmp, out)
+            _placed(out)
             _LIVE.pop(tmp, None)
     finally:
         with uninterrupted():

@@ -203,6 +203,7 @@ def work_dir(out: Path | None, *, resume: bool = False) -> Iterator[WorkDir | No
         raise
     except BaseException:
         work.close()
+        rundir.KEPT.append(work.path)
         raise
     work.finish()
 

@@ -210,6 +210,7 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         eng[r, kl.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * kl.RATIO_ONE)
         eng[r, kl.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
+    _check_cache_memory(int(rank_off[-1]), log.n_blocks, nw, heap_cap, dispatch == kl.LB_ROUTER)
     # "sglang" is on-change publishing at the engine's own moments (kernels.sim._publish_sgl)
     eng[:, kl.EN_PUB_SGL] = int(sp.publish_policy == "sglang")
     on_change = sp.publish_policy in ("on_change", "sglang")
@@ -239,6 +240,27 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         dispatch=int(dispatch), publish_ns=publish_ns, pub_delay=int(pub_delay),
         pub_idle=int(pub_idle), heap_cap=int(heap_cap))
     return dict(req=req, fleet=sim_fleet, rank_worker=rw.astype(np.int64), rank_local=rank_local)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_cache_memory(ranks: int, blocks: int, workers: int, heap_cap: int, by_rank: bool) -> None:
+    """Refuse, before allocating it, a fleet whose caches and KV indexes for this log
+    (``kernels.sim.sim_cache``: per rank and prefix block 17 bytes, per rank two heaps of
+    ``heap_cap`` int64) need more than this machine's memory: 999 workers x dp 1,024 asked
+    numpy for 32 GiB at once and ended in a traceback."""
+    need = ranks * (17 * blocks + 16 * heap_cap) + 4 * blocks * workers + (4 * blocks * ranks if by_rank else 0)
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise ReplayError(f"fleet: {ranks:,} ranks would need {need / 2**30:,.1f} GiB of simulator caches for this "
+                          f"log ({blocks:,} prefix blocks, {need / max(ranks, 1) / 1024:,.0f} KiB per rank), more "
+                          f"than this machine's {have / 2**30:,.1f} GiB of memory; simulate fewer workers or ranks "
+                          "per worker (--workers, --dp-size) or fewer requests (--requests)")
 
 
 def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int, index_lag_ms: int,
@@ -361,10 +383,10 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
         "block_hit_rate": (float(np.maximum(rq[:, kl.RQ_CACHED_BLOCKS], 0).sum() / log.hash_ids.size)
                            if log.hash_ids.size else None),
         "cold_prefill_tokens": int((L - cached).sum()),
-        "ttft_ms_mean": float(np.nanmean(ttft)) if n else None,
+        "ttft_ms_mean": float(np.nanmean(ttft)) if np.isfinite(ttft).any() else None,
         "ttft_ms_p50": q(ttft, 50),
         "ttft_ms_p99": q(ttft, 99),
-        "queue_wait_ms_mean": float(np.nanmean(wait)) if n else None,
+        "queue_wait_ms_mean": float(np.nanmean(wait)) if np.isfinite(wait).any() else None,
         "queue_wait_ms_p50": q(wait, 50),
         "queue_wait_ms_p99": q(wait, 99),
         "makespan_s": span_ns / 1e9,
@@ -533,8 +555,20 @@ def _write_dir(out: Path, tables: Mapping[str, pa.Table | LoadRows], meta: dict,
             for f in pending:
                 f.result()
         for name, obj in (extra_json or {}).items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, allow_nan=False, default=_json) + "\n")
-        (tmp / SIM_JSON).write_text(json.dumps(meta, indent=2, allow_nan=False, default=_json) + "\n")
+            (tmp / name).write_text(json.dumps(_nan_to_null(obj), indent=2, allow_nan=False, default=_json) + "\n")
+        (tmp / SIM_JSON).write_text(json.dumps(_nan_to_null(meta), indent=2, allow_nan=False, default=_json) + "\n")
+
+
+def _nan_to_null(v):
+    """``v`` with every non-finite float as None (JSON null): a run where no request was served
+    (``--max-in-flight 0``) has NaN latencies, which ``json.dumps`` passes to no ``default``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, Mapping):
+        return {k: _nan_to_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_nan_to_null(x) for x in v]
+    return v
 
 
 def _json(v):

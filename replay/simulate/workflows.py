@@ -36,6 +36,7 @@ from replay.simulate.plan import PLAN_KIND, FleetPoint, fleet_points, plan_grid
 from replay.simulate.seeds import parse_seeds
 from replay.simulate.sim import SimResult, simulate
 from replay.simulate.tracelog import RecordedTrace, is_trace_dir, read_trace_log
+from replay.trace.base import TraceError
 from replay.trace.files import parts_or_fail
 
 # -- calibrate: a recorded trace -> a fitted fleet file, its fidelity, a prediction grid ---------------
@@ -113,6 +114,11 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     rec = read_trace_log(trace_dir, block_size=block_size)
     if rec.loads is None:   # the fit reads the load samples: refused as validate refuses such a trace
         parts_or_fail(str(trace_dir), "loads")
+    if rec.log.ts_ns.shape[0] == 0:     # nothing to fit the speeds to, nor to validate them against
+        held = Path(trace_dir) / "requests.parquet"
+        raise TraceError(f"{held if held.exists() else Path(trace_dir) / 'requests'}: no requests; calibrate "
+                         "fits decode speed and rank dispatch to the recorded requests and validates by "
+                         "replaying them: the load samples alone fit only part of a fleet")
     cal = fit_fleet(rec, decode_model=decode_model)
     # checked before anything is written: a fit the simulator cannot run blames the trace's counters
     cal.to_fleet(where=f"{trace_dir}: the fleet fitted from its loads.parquet counters cannot be simulated")

@@ -235,9 +235,15 @@ def blocks_per_thread(n_configs: int) -> int:
     return max(2, min(8, BLOCK_CONFIGS_PER_THREAD // max(1, int(n_configs))))
 
 
-def _blocks_per_chunk(threads: int | None, n_configs: int) -> int:
+def kernel_threads(threads: int | None) -> int:
+    """The kernel threads a replay asked for ``threads`` runs: numba runs at most
+    ``NUMBA_NUM_THREADS`` (more would only size counters for threads that never run)."""
     n = threads if threads is not None else numba.get_num_threads()
-    return max(1, blocks_per_thread(n_configs) * int(n))
+    return max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+
+
+def _blocks_per_chunk(threads: int | None, n_configs: int) -> int:
+    return max(1, blocks_per_thread(n_configs) * kernel_threads(threads))
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -457,7 +463,7 @@ def iter_chunks(trace: Trace, configs: Sequence[RouterConfig], *, seed: int = 0,
     n_w = max(trace.n_workers, 1)
     chunk = max(1, chunk_decisions // n_cfg) if keep else CHUNK_REQUESTS
     if threads is not None:
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(kernel_threads(threads))
     blocks_per_chunk = max(1, int(blocks)) if blocks is not None else _blocks_per_chunk(threads, len(configs))
     fleets = frozen(fleet_tables(trace))
     table, inflight = new_rank_table(n_w, n_rank_slots(trace))

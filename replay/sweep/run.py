@@ -45,7 +45,7 @@ from replay.runs.rundir import (  # noqa: F401 - re-exported: their home was her
 )
 from replay.sweep import executors
 from replay.sweep import readings as fleet_mod
-from replay.sweep.engine import blocks_per_thread
+from replay.sweep.engine import blocks_per_thread, kernel_threads
 from replay.sweep.executors import shard_window  # noqa: F401 - re-exported: its home was here
 from replay.sweep.results import Accumulator
 from replay.trace import (
@@ -60,13 +60,12 @@ from replay.trace import (
     row_counts,
 )
 from replay.trace import windows as trace_windows
+from replay.trace.validate import check_freshness_ms
 
 MAX_SEED = 2**63 - 1
 MAX_INT_KNOB = 2**63 - 1
 """Largest integer knob value the replay holds (its kernels count in int64; the router takes
 u64, but no queue or token count comes near 2**63)."""
-MAX_FRESHNESS_MS = (2**63 - 1) // 1_000_000
-"""Largest --freshness-ms whose nanoseconds fit the kernels' int64 timestamps (about 292 years)."""
 MAX_CONFIGS = 10_000
 """Most configs one sweep replays: each keeps its counters and a 4096-bucket queue histogram per
 thread block (about 33 KB x 2 blocks per thread for grids this large, ``engine.blocks_per_thread``),
@@ -80,7 +79,7 @@ def check_grid(grid: Grid, threads: int | None = None) -> None:
     n = len(grid.configs)
     if n > MAX_CONFIGS:
 
-        blocks = blocks_per_thread(n) * (threads or numba.get_num_threads())
+        blocks = blocks_per_thread(n) * kernel_threads(threads)
         per = 8 * (kacc.N_ACC + kacc.WAIT_HIST + kacc.N_DIV) * blocks
         raise ConfigError(f"the grid has {n:,} configs, more than the {MAX_CONFIGS:,} one sweep takes: each "
                           f"config keeps {per // 1024:,} KiB of counters here ({blocks} thread blocks), "
@@ -157,9 +156,7 @@ def run_sweep(
     t0 = time.perf_counter()
     if not 0 <= int(seed) <= MAX_SEED:
         raise ParamError("seed", f"must be in 0..{MAX_SEED}, got {seed}")
-    if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
-        raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
-                         f"64 bits), got {freshness_ms}")
+    check_freshness_ms(freshness_ms)
     if decisions_layout not in decision_store.LAYOUTS:
         raise ParamError("decisions_layout", f"must be one of {', '.join(decision_store.LAYOUTS)}, "
                          f"got {decisions_layout!r}")

@@ -9,12 +9,25 @@ from typing import Any
 import numpy as np
 
 from replay import labels
+from replay.errors import ParamError
 from replay.trace.base import FRESHNESS_NS, NS
 from replay.trace.core import Trace
 from replay.trace.facts import TraceFacts
 from replay.trace.load import load_trace
 from replay.trace.sets import TraceSet, sorted_on_disk
 from replay.trace.windows import auto_window
+
+MAX_FRESHNESS_MS = (2**63 - 1) // 1_000_000
+"""Largest freshness window (ms) whose nanoseconds fit the kernels' int64 timestamps (about 292 years)."""
+
+
+def check_freshness_ms(freshness_ms: int) -> int:
+    """The freshness window in nanoseconds; :class:`ParamError` when it does not fit 64 bits
+    (``sweep`` and ``validate`` apply the same limit)."""
+    if not 0 <= int(freshness_ms) <= MAX_FRESHNESS_MS:
+        raise ParamError("freshness_ms", f"must be in 0..{MAX_FRESHNESS_MS} (its nanoseconds must fit "
+                         f"64 bits), got {freshness_ms}")
+    return int(freshness_ms) * 1_000_000
 
 
 def fresh_fleet_sample_mask(trace: Trace, freshness_ns: int = FRESHNESS_NS) -> np.ndarray:
@@ -50,13 +63,14 @@ def validate_trace(path: str | os.PathLike, *, freshness_ms: int = 5000, window:
     ``window`` (ns; None = auto, as ``sweep --window``) checks a trace larger
     than memory window by window (:func:`validate_windows`).
     """
+    freshness_ns = check_freshness_ms(freshness_ms)
     if window != 0:
         tset = TraceSet.open(path, hash_files=False)
         w = auto_window(tset) if window is None else int(window)
         if w:
-            return validate_windows(tset, w, int(freshness_ms) * 1_000_000, progress)
+            return validate_windows(tset, w, freshness_ns, progress)
     trace = load_trace(path)
-    fresh = fresh_fleet_sample_mask(trace, int(freshness_ms) * 1_000_000)
+    fresh = fresh_fleet_sample_mask(trace, freshness_ns)
     stale = int((~fresh).sum())
     return dataclasses.replace(
         trace.facts,
