@@ -101,6 +101,10 @@ of a partial folder) and prints a traceback."""
 
 
 def _raise_interrupted(signum, _frame):
+    jit = sys.modules.get("replay.kernels._jit")
+    if jit is not None and jit.holding_signals_now():   # raised again when the kernel returns
+        jit.HELD_SIGNALS.append(signum)
+        return
     if _ONE_SIGNAL:
         _ignore_stops()
         rd = sys.modules.get("replay.runs.rundir")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -37,6 +38,40 @@ from numba.core.caching import FunctionCache as _FunctionCache
 from numba.core.registry import CPUDispatcher as _CPUDispatcher
 from numba.core.runtime.nrt import rtsys as _rtsys
 from numba.extending import intrinsic as _intrinsic
+
+HELD_SIGNALS: list[int] = []
+"""Stop signals that arrived while a kernel was called from Python (see :func:`holding_signals`)."""
+_HOLDING = [0]
+
+
+def holding_signals_now() -> bool:
+    """Whether a stop signal's Python handler should hold it (a kernel call is under way)."""
+    return _HOLDING[0] > 0
+
+
+class holding_signals:
+    """A kernel call from Python during which a stop signal's Python handler holds the signal
+    (:data:`HELD_SIGNALS`) instead of raising: an exception raised while numba's wrapper runs
+    Python code to read the call's arguments (a named tuple's fields) crashed the process
+    (SIGSEGV) instead of unwinding.  On leaving, the first held signal is sent again, so the
+    handler raises it where Python code is running."""
+
+    def __enter__(self) -> None:
+        # only the main thread runs Python's signal handlers: a pool thread's kernel holds nothing
+        self.main = threading.current_thread() is threading.main_thread()
+        if self.main:
+            _HOLDING[0] += 1
+
+    def __exit__(self, *exc) -> None:
+        if not self.main:
+            return
+        _HOLDING[0] -= 1
+        if _HOLDING[0] == 0 and HELD_SIGNALS:
+            import signal  # only when a signal came: the module is loaded by then anyway
+
+            first = HELD_SIGNALS[0]
+            HELD_SIGNALS.clear()
+            signal.raise_signal(first)
 
 _HERE = Path(__file__).resolve().parent
 

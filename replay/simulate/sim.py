@@ -32,6 +32,7 @@ from replay.config import Grid, RouterConfig
 from replay.errors import ParamError, ReplayError
 from replay.kernels import layout as kl
 from replay.kernels import sim as nb
+from replay.kernels._jit import holding_signals
 from replay.kernels.lists import int64_array_nb
 from replay.runs import names
 from replay.runs.rundir import building, guard
@@ -269,9 +270,10 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
     req = inputs["req"]
     if forced is not None:
         req = req._replace(forced=np.ascontiguousarray(forced, dtype=np.int64))
-    cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000)
-    return nb.simulate_nb(req, inputs["fleet"], cache, enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
-                          cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
+    with holding_signals():
+        cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000)
+        return nb.simulate_nb(req, inputs["fleet"], cache, enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
+                              cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
 
 def _load_rows(fleet: Fleet, inputs: dict, out: kl.SimOutputs) -> LoadRows:
