@@ -211,7 +211,9 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         eng[r, kl.EN_NR_DECAY] = round((init - floor) / sp.new_token_ratio_decay_steps * kl.RATIO_ONE)
         eng[r, kl.EN_MIXED] = int(ws.enable_mixed_chunk)
     dispatch = LB_CODES[sp.load_balance_method]
-    _check_cache_memory(int(rank_off[-1]), log.n_blocks, nw, heap_cap, dispatch == kl.LB_ROUTER)
+    most_cap = max((workers[w].max_total_num_tokens for w in rw), default=0)
+    _check_cache_memory(int(rank_off[-1]), min(log.n_blocks, most_cap // max(int(log.block_size), 1)),
+                        log.n_blocks, nw, heap_cap, dispatch == kl.LB_ROUTER)
     # "sglang" is on-change publishing at the engine's own moments (kernels.sim._publish_sgl)
     eng[:, kl.EN_PUB_SGL] = int(sp.publish_policy == "sglang")
     on_change = sp.publish_policy in ("on_change", "sglang")
@@ -250,12 +252,13 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _check_cache_memory(ranks: int, blocks: int, workers: int, heap_cap: int, by_rank: bool) -> None:
+def _check_cache_memory(ranks: int, held: int, blocks: int, workers: int, heap_cap: int, by_rank: bool) -> None:
     """Refuse, before allocating it, a fleet whose caches and KV indexes for this log
-    (``kernels.sim.sim_cache``: per rank and prefix block 17 bytes, per rank two heaps of
-    ``heap_cap`` int64) need more than this machine's memory: 999 workers x dp 1,024 asked
-    numpy for 32 GiB at once and ended in a traceback."""
-    need = ranks * (17 * blocks + 16 * heap_cap) + 4 * blocks * workers + (4 * blocks * ranks if by_rank else 0)
+    (``kernels.sim.sim_cache``: per rank a table of at least 4 slots of 20 bytes per block
+    it can hold, ``held``, and two heaps of ``heap_cap`` int64; the router's index 4 bytes
+    per prefix block of the log and worker, or rank) need more than this machine's memory:
+    999 workers x dp 1,024 asked numpy for 32 GiB at once and ended in a traceback."""
+    need = ranks * (80 * held + 16 * heap_cap) + 4 * blocks * workers + (4 * blocks * ranks if by_rank else 0)
     have = _physical_memory()
     if have is not None and need > have:
         raise ReplayError(f"fleet: {ranks:,} ranks would need {need / 2**30:,.1f} GiB of simulator caches for this "
