@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
 import zlib
@@ -67,8 +68,6 @@ class holding_signals:
             return
         _HOLDING[0] -= 1
         if _HOLDING[0] == 0 and HELD_SIGNALS:
-            import signal  # only when a signal came: the module is loaded by then anyway
-
             first = HELD_SIGNALS[0]
             HELD_SIGNALS.clear()
             signal.raise_signal(first)
