@@ -147,9 +147,7 @@ def _interrupted_exit(err: BaseException) -> int:
 
     found = [e for e in (err, err.__cause__, err.__context__) if isinstance(e, Interrupted)]
     signum = found[0].signum if found else int(signal.SIGINT)
-    kept = _kept()
-    tail = (f"nothing complete was written; what finished is kept in {kept}: run again with --resume to go on "
-            "from it") if kept else "nothing of this run was kept"
+    tail = ("nothing complete was written" + _kept_note()) if _kept() else "nothing of this run was kept"
     click.echo(f"interrupted ({signal.Signals(signum).name}): {tail}", err=True)
     return 128 + signum
 
