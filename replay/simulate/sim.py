@@ -577,8 +577,6 @@ def _nan_to_null(v):
 
 
 def _json(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
     if isinstance(v, (np.integer,)):
         return int(v)
     if isinstance(v, (np.floating,)):
