@@ -39,6 +39,7 @@ from replay.runs.rundir import building, guard
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
 from replay.sweep.engine import encode_configs
+from replay.trace.files import write_options
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = names.CLOSED_LOOP
@@ -414,7 +415,7 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
 
 
 def _write_parquet(table: pa.Table, path: Path) -> None:
-    pq.write_table(table, path, compression="zstd")
+    pq.write_table(table, path, **write_options(table.schema))
 
 
 def interval_rows(log: RequestLog, fleet: Fleet, publish_interval_ms: int | None = None) -> int:
@@ -538,7 +539,7 @@ def _write_chunks(rows: LoadRows, path: Path) -> None:
     try:
         for t in rows.chunks(CHUNK_ROWS):
             if writer is None:
-                writer = pq.ParquetWriter(path, t.schema, compression="zstd")
+                writer = pq.ParquetWriter(path, t.schema, **write_options(t.schema))
             writer.write_table(t)
             del t
     finally:
