@@ -394,7 +394,8 @@ def test_a_full_disk_under_simulate_and_calibrate_is_one_line(small_disk):
     and no hidden partial folder is left (the fleet file calibrate finished before may stay)."""
     root = Path(__file__).resolve().parents[1]
     refused(invoke("simulate", root / "traces" / "sample-log" / "requests.jsonl", "--fleet",
-                   root / "traces" / "sample-fleet.toml", "--requests", "2000", "--out", small_disk / "sim", "-q"),
+                   root / "traces" / "sample-fleet.toml", "--publish-interval-ms", "10",  # about 620 KiB
+                   "--out", small_disk / "sim", "-q"),
             "no space left on device writing")
     assert os.listdir(small_disk) == []
     refused(invoke("calibrate", root / "traces" / "sample", "--out", small_disk / "f.toml",
@@ -575,7 +576,7 @@ def test_an_interrupted_grid_says_what_it_kept_for_resume(tmp_path):
 
 def test_a_grid_on_a_full_disk_says_what_it_kept_for_resume(small_disk):
     line = refused(invoke("simulate", SAMPLE_LOG, "--fleet", FLEET, "--out", small_disk / "grid",
-                          "--worker-queue-limit", "2,4", "--requests", "500", "-q"),
+                          "--worker-queue-limit", "2,4", "--requests", "1000", "--publish-interval-ms", "10", "-q"),
                    "no space left on device writing")
     assert (small_disk / ".grid.resume").is_dir()       # kept, as an interrupted grid keeps it
     assert line.endswith(f"what finished is kept in {small_disk / '.grid.resume'}: run again with --resume "

@@ -18,6 +18,7 @@ from replay.config import RouterConfig
 from replay.simulate import FleetSpec, build_fleet, generate_log, simulate, write_mooncake_jsonl
 from replay.simulate.logs import RequestLog
 from replay.simulate.sim import START_NS
+from replay.trace.files import write_options
 
 DAY_NS = 24 * 3600 * 10**9
 INTERVAL_MS = 1000
@@ -94,7 +95,7 @@ def test_streamed_loads_file_equals_one_write(tmp_path):
     res = simulate(log, fleet, RouterConfig(), tmp_path / "t")
     assert res.stats["load_rows"] > 1024 * 1024
     whole = res.load_rows.table()
-    pq.write_table(whole, tmp_path / "whole.parquet", compression="zstd")
+    pq.write_table(whole, tmp_path / "whole.parquet", **write_options(whole.schema))
     assert (tmp_path / "whole.parquet").read_bytes() == (tmp_path / "t" / "loads.parquet").read_bytes()
 
 

@@ -1144,9 +1144,10 @@ def _dispatch(q, f, c, s, v, w, i, t, n, lo, seed):
     return best
 
 
-def sim_cache(q, f, lag_ns):
+def sim_cache(q, f, lag_ns, slots=None):
     """Empty caches and KV indexes (``layout.SimCache``) for :func:`simulate_nb` of
-    requests ``q`` on fleet ``f``, the index's events due ``lag_ns`` after the change.
+    requests ``q`` on fleet ``f``, the index's events due ``lag_ns`` after the change
+    (``slots``: :func:`cache_slots` of ``q`` and ``f``, when the caller kept it).
 
     Made by numpy (plain Python).  Each rank's cache is a table of
     :func:`cache_slots` slots (its KV capacity in blocks, twice over), so its size
@@ -1165,7 +1166,7 @@ def sim_cache(q, f, lag_ns):
     ev[0] = 0
     if B >= 2**31:
         raise ValueError(f"{B} distinct blocks: the cache tables hold block ids below 2**31")
-    return SimCache(*cache_tables(R, cache_slots(q, f.capacity)),
+    return SimCache(*cache_tables(R, cache_slots(q, f.capacity) if slots is None else slots),
                     np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
                     ev, np.zeros((B, f.n_workers), dtype=np.int32),
                     np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)

@@ -210,9 +210,13 @@ def work_dir(out: Path | None, *, resume: bool = False) -> Iterator[WorkDir | No
 
 def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequence[Fleet], kw: dict,
               pool: Pool, work: WorkDir | None, *,
-              progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+              progress: Callable[[int], None] | None = None,
+              on_result: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Every task's summary, in task order: the journaled ones read back, the others run on
-    ``pool`` all at once and journaled as they finish.  ``kw``: :func:`simulate`'s options."""
+    ``pool`` all at once and journaled as they finish.  ``kw``: :func:`simulate`'s options.
+    ``on_result(i, summary)`` is called once per task as its summary is known (the journaled
+    ones first, in task order; the others as they finish), so a caller writes what depends
+    on a group of tasks as soon as the group is whole."""
     hashes = [log_digest(lg) for lg in logs] if work is not None else []
     for t in tasks:
         if work is not None:
@@ -228,6 +232,9 @@ def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequ
                 rundir.discard(work.path / t.sub)      # what an interrupted run left of it
     if progress is not None and done:
         progress(len(done))
+    if on_result is not None:
+        for i in sorted(done):
+            on_result(i, done[i])
     if not todo:
         return [done[i] for i in range(len(tasks))]
     with pool:
@@ -261,6 +268,8 @@ def run_batch(tasks: Sequence[SimTask], logs: Sequence[RequestLog], fleets: Sequ
                 done[i] = summary
                 if progress is not None:
                     progress(1)
+                if on_result is not None:
+                    on_result(i, summary)
     return [done[i] for i in range(len(tasks))]
 
 

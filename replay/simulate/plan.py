@@ -27,7 +27,7 @@ from replay.config import Grid
 from replay.errors import ParamError, ReplayError
 from replay.runs import rundir
 from replay.runs.names import BOUND_METRICS, FLEET_COLS, PLAN_CSV, PLAN_JSON, PLAN_TABLE, PLAN_TOOL  # noqa: F401 - re-exported
-from replay.simulate.batch import grid_table, grid_tasks, run_batch, work_dir, write_grid
+from replay.simulate.batch import SimTask, grid_table, grid_tasks, run_batch, work_dir, write_grid
 from replay.simulate.logs import RequestLog
 from replay.simulate.sim import write_summary
 from replay.sweep.pool import Pool, pool
@@ -222,27 +222,46 @@ def plan_grid(log, make_fleet: Callable[[int, int], Any], grid: Grid, points: Se
     kw = dict(publish_interval_ms=publish_interval_ms, index_lag_ms=index_lag_ms, freshness_ms=freshness_ms)
     run_seeds = list(seeds) if seeds is not None else [seed]
     seeded = seeds is not None
-    tasks = []
+    tasks: list[SimTask] = []
+    first = []      # the index of each point's first task
     for i, p in enumerate(points):
+        first.append(len(tasks))
         tasks += grid_tasks(grids[i], run_seeds, seeded, log=scales.index(p.load_scale), fleet=i,
                             prefix=f"{p.label}/")
+    first.append(len(tasks))
+    point_of = np.repeat(np.arange(len(points)), np.diff(first))
     with work_dir(out, resume=resume) as work:
         assert work is not None
-        summaries = run_batch(tasks, logs, fleets, kw, runner, work, progress=progress)
-        frames = []
-        at = 0
-        for i, p in enumerate(points):
+        summaries: dict[int, dict] = {}
+        left = np.diff(first)
+        frames: list[pl.DataFrame | None] = [None] * len(points)
+
+        def point_done(i: int) -> None:
+            """Point ``i``'s grid files and summary rows, written as its last simulation ends
+            (while the pool runs the other points')."""
+            p = points[i]
             scaled = logs[scales.index(p.load_scale)]
-            n = len(grids[i].configs) * len(run_seeds)
-            t, rows = grid_table(grids[i], run_seeds, seeded, summaries[at:at + n])
-            at += n
+            mine = [summaries.pop(j) for j in range(first[i], first[i + 1])]
+            t, rows = grid_table(grids[i], run_seeds, seeded, mine)
             write_grid(work.path / p.label, t, rows, scaled, fleets[i], grids[i], seed, seeds, kw)
             lead = {"load_scale": p.load_scale, "workers": p.workers, "dp_size": p.dp_size,
                     "ranks": p.workers * p.dp_size, "fleet": p.label, "offered_req_s": _rate(scaled)}
             # the grid's own dp_size column (per-rank grids) is the fleet's: one column
-            frames.append(t.select([pl.lit(v).alias(k) for k, v in lead.items()]
-                                   + [c for c in t.columns if c not in lead]))
-        table = pl.concat(frames, how="diagonal_relaxed")
+            frames[i] = t.select([pl.lit(v).alias(k) for k, v in lead.items()]
+                                 + [c for c in t.columns if c not in lead])
+
+        def on_result(j: int, summary: dict) -> None:
+            summaries[j] = summary
+            i = int(point_of[j])
+            left[i] -= 1
+            if left[i] == 0:
+                point_done(i)
+
+        run_batch(tasks, logs, fleets, kw, runner, work, progress=progress, on_result=on_result)
+        for i in range(len(points)):
+            if frames[i] is None:      # a point with no simulation
+                point_done(i)
+        table = pl.concat([f for f in frames if f is not None], how="diagonal_relaxed")
         write_summary(table, work.path / PLAN_TABLE)
         meta = {"tool": PLAN_TOOL, "log": log.source,
                 "requests": log.n_requests, "seed": int(seed),

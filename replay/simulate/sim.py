@@ -39,6 +39,7 @@ from replay.runs.rundir import building, guard
 from replay.simulate.fleet import LOAD_BALANCE_METHODS, Fleet
 from replay.simulate.logs import RequestLog
 from replay.sweep.engine import encode_configs
+from replay.trace.files import write_options
 
 START_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the epoch of written traces
 SUMMARY = names.CLOSED_LOOP
@@ -132,23 +133,41 @@ class SimResult:
     rows grow with the log's span, idle time included; writing them streams in chunks)."""
 
     config: RouterConfig
-    requests: pl.DataFrame
+    tables: dict[str, pa.Table] = field(repr=False)
     load_rows: LoadRows
-    workers: pl.DataFrame
-    outcomes: pl.DataFrame
     summary: dict[str, Any]
     stats: dict[str, int]
     out_dir: Path | None = None
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    _loads: pl.DataFrame | None = field(default=None, repr=False)
+    _frames: dict[str, pl.DataFrame] = field(default_factory=dict, repr=False)
+
+    def _frame(self, name: str) -> pl.DataFrame:
+        # made on first use: a grid's or plan's task reads only the summary
+        if name not in self._frames:
+            self._frames[name] = pl.from_arrow(self.load_rows.table() if name == names.LOADS
+                                               else self.tables[name])
+        return self._frames[name]
+
+    @property
+    def requests(self) -> pl.DataFrame:
+        """``requests.parquet`` as a DataFrame."""
+        return self._frame(names.REQUESTS)
+
+    @property
+    def workers(self) -> pl.DataFrame:
+        """``workers.parquet`` as a DataFrame."""
+        return self._frame(names.WORKERS)
+
+    @property
+    def outcomes(self) -> pl.DataFrame:
+        """``outcomes.parquet`` as a DataFrame."""
+        return self._frame(OUTCOMES)
 
     @property
     def loads(self) -> pl.DataFrame:
         """The load rows (``loads.parquet``) as a DataFrame."""
-        if self._loads is None:
-            self._loads = pl.from_arrow(self.load_rows.table())
-        return self._loads
+        return self._frame(names.LOADS)
 
 
 LB_CODES = dict(zip(LOAD_BALANCE_METHODS, (kl.LB_ROUND_ROBIN, kl.LB_TOTAL_REQUESTS, kl.LB_TOTAL_TOKENS,
@@ -242,7 +261,9 @@ def kernel_inputs(log: RequestLog, fleet: Fleet, publish_ms: int, seed: int) -> 
         capacity=cap, phase=phase.astype(np.int64), chunk=chunk, policy=policy, engine=eng,
         dispatch=int(dispatch), publish_ns=publish_ns, pub_delay=int(pub_delay),
         pub_idle=int(pub_idle), heap_cap=int(heap_cap))
-    return dict(req=req, fleet=sim_fleet, rank_worker=rw.astype(np.int64), rank_local=rank_local)
+    # the cache tables' size, the same for every config and seed of a batch on this log and fleet
+    slots = nb.cache_slots(req, sim_fleet.capacity)
+    return dict(req=req, fleet=sim_fleet, rank_worker=rw.astype(np.int64), rank_local=rank_local, slots=slots)
 
 
 def _physical_memory() -> int | None:
@@ -274,7 +295,7 @@ def _run_kernel(inputs: dict, config: RouterConfig, seed: int, freshness_ms: int
     if forced is not None:
         req = req._replace(forced=np.ascontiguousarray(forced, dtype=np.int64))
     with holding_signals():
-        cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000)
+        cache = nb.sim_cache(req, inputs["fleet"], int(index_lag_ms) * 1_000_000, inputs["slots"])
         return nb.simulate_nb(req, inputs["fleet"], cache, enc.knobs, int(seed), int(freshness_ms) * 1_000_000,
                               cache_log)  # None, or the optional store/eviction log (replay.capture.from_sim)
 
@@ -414,7 +435,7 @@ def _summary(log: RequestLog, rq, outcomes: pa.Table, stats) -> dict[str, Any]:
 
 
 def _write_parquet(table: pa.Table, path: Path) -> None:
-    pq.write_table(table, path, compression="zstd")
+    pq.write_table(table, path, **write_options(table.schema))
 
 
 def interval_rows(log: RequestLog, fleet: Fleet, publish_interval_ms: int | None = None) -> int:
@@ -505,8 +526,8 @@ def simulate(log: RequestLog, fleet: Fleet, config: RouterConfig | None = None,
     stat["max_queue_len"] = int(rs[:, kl.RS_MAX_QLEN].max())
     stat["load_rows"] = load_rows.n_rows
     summary = _summary(log, rq, out_t, stats)
-    res = SimResult(config, pl.from_arrow(req_t), load_rows, pl.from_arrow(workers_t),
-                    pl.from_arrow(out_t), summary, stat, out, seconds)
+    res = SimResult(config, {names.REQUESTS: req_t, names.WORKERS: workers_t, OUTCOMES: out_t}, load_rows,
+                    summary, stat, out, seconds)
     if log_list is not None:
         res.extra["cache_log"] = int64_array_nb(log_list).reshape(-1, 4)
     if out is not None:
@@ -538,7 +559,7 @@ def _write_chunks(rows: LoadRows, path: Path) -> None:
     try:
         for t in rows.chunks(CHUNK_ROWS):
             if writer is None:
-                writer = pq.ParquetWriter(path, t.schema, compression="zstd")
+                writer = pq.ParquetWriter(path, t.schema, **write_options(t.schema))
             writer.write_table(t)
             del t
     finally:

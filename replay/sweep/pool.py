@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import socket
 import tempfile
 import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -163,14 +164,20 @@ class ThreadPool(Pool):
         n = max(1, min(self.threads or os.cpu_count() or 1, len(calls) or 1))
         ex = ThreadPoolExecutor(max_workers=n, thread_name_prefix="task")
         try:
-            where: dict[Future, int] = {}
+            # each call posts its index when it ends: taking the next finished one costs the
+            # same with 10,000 calls pending as with 2 (waiting on the set of pending futures
+            # installs a waiter on every one of them each time)
+            finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+            futures: list[Future | None] = []
             for i, (args, kwargs) in enumerate(calls):
-                where[ex.submit(faulty, i, fault, marks, fn, *args, **kwargs)] = i
-            pending = set(where)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in sorted(done, key=where.__getitem__):
-                    yield where[f], f.result()
+                f = ex.submit(faulty, i, fault, marks, fn, *args, **kwargs)
+                f.add_done_callback(lambda _, i=i: finished.put(i))
+                futures.append(f)
+            for _ in range(len(futures)):
+                i = finished.get()
+                f, futures[i] = futures[i], None
+                assert f is not None
+                yield i, f.result()
         finally:
             # an error, an interrupt or a caller that stopped reading: nothing new starts, and the
             # calls running now end before the pool does (their kernels cannot be stopped)

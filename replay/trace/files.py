@@ -19,10 +19,48 @@ from urllib.parse import unquote
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay.trace.base import KINDS, LOADS, REQUESTS, WORKERS, TraceError, one_line, run_both
 from replay.trace.columns import Locate
+
+
+def _leaves(col: pa.Field, prefix: str = "") -> list[tuple[str, pa.DataType]]:
+    """The Parquet leaf columns of ``col`` (``matches.list.element.worker``) and their types."""
+    name, t = prefix + col.name, col.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _leaves(t.value_field, name + ".list.")
+    if pa.types.is_struct(t):
+        return [leaf for f in t for leaf in _leaves(f, name + ".")]
+    return [(name, t)]
+
+
+def write_options(schema: pa.Schema) -> dict[str, Any]:
+    """How the simulator writes a trace table of ``schema`` (``pq.write_table``'s options).
+
+    zstd; dictionary pages only for strings and booleans (worker names, reasons: the
+    fast loader reads names as codes from them); every integer column, nested ones
+    included, as DELTA_BINARY_PACKED.  Timestamps, block ids and counters are runs
+    of near or equal values: on a Mooncake simulation this writes the three tables
+    in about half the encoder's time of the default (dictionary pages tried on every
+    column, then given up on the high-cardinality ones) and 40% fewer bytes, and any
+    Parquet reader reads it back as the same table.  Statistics are written only for
+    the top-level columns: those of a list's leaves (``hash_ids``, ``matches``) cost a
+    third of ``requests.parquet``'s write and no reader of ours filters on them."""
+    dictionary: list[str] = []
+    encoding: dict[str, str] = {}
+    stats: list[str] = []
+    for top in schema:
+        for name, t in _leaves(top):
+            if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_boolean(t):
+                dictionary.append(name)
+            elif pa.types.is_integer(t):
+                encoding[name] = "DELTA_BINARY_PACKED"
+            if name == top.name:
+                stats.append(name)
+    return {"compression": "zstd", "use_dictionary": dictionary, "column_encoding": encoding,
+            "write_statistics": stats}
 
 
 @dataclass
