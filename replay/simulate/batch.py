@@ -43,7 +43,7 @@ from replay.trace.files import log_identity
 
 MAX_SIMULATIONS = 10_000
 """Most simulations one ``simulate`` runs (configs x seeds x fleet and traffic points): each writes
-a trace directory of its own (76 KB for 100 requests of the sample log, more for a longer log),
+a trace directory of its own (40 KB for 100 requests of the sample log, more for a longer log),
 and 100,000 configs of ``--worker-queue-limit 1..100000`` ran for hours filling the disk."""
 
 
