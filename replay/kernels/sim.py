@@ -301,6 +301,13 @@ def _find(c, r, b):
 
 
 @inline
+def _slot(c, r, b, h):
+    """The slot of block ``b`` cached on rank ``r``, where ``h`` is the slot it was last found in
+    (``c.hs``): the same unless an eviction moved it."""
+    return h if c.ck[r, h] == b else _find(c, r, b)
+
+
+@inline
 def _remove(c, r, h):
     """Delete slot ``h`` of rank ``r``'s table, shifting later entries of its run back."""
     mask = c.ck.shape[1] - 1
@@ -436,7 +443,7 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     reserve)``; ``take`` < 0 when not admitted."""
     req_L, req_out, h_off, h_ids, btok = q.input_tokens, q.output_tokens, q.h_off, q.h_ids, q.btok
     st, rq, rs, stats = s.st, s.rq, s.rs, s.stats
-    ev, lag = c.ev, c.lag
+    ev, lag, hs = c.ev, c.lag, c.hs
     lo = h_off[i]
     n = st[i, ST_FULL]
     d = 0
@@ -446,6 +453,7 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
         h = _find(c, r, b)
         if h < 0:
             break
+        hs[lo + d] = h
         _lock(c, r, h, rs, btok[b])
         cached += btok[b]
         d += 1
@@ -476,18 +484,17 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
         h = -1
         for j in range(d):  # (slots may have moved in the evictions)
             b = h_ids[lo + j]
-            h = _find(c, r, b)
+            h = _slot(c, r, b, hs[lo + j])
             _unlock(c, r, h, rs, btok[b])
         if d > 0 and _evictable_leaf(c, r, h):
             _push_leaf(c, s, r, h_ids[lo + d - 1], h)
         return -1, 0
-    hp = -1
-    for j in range(d):
-        hp = _find(c, r, h_ids[lo + j])
-        c.cu[r, hp] = t
+    # the cached blocks stay locked until _release, which stamps their last use: no stamp here
+    hp = _slot(c, r, h_ids[lo + d - 1], hs[lo + d - 1]) if d > 0 else -1
     for j in range(d, n):
         b = h_ids[lo + j]
         h = _probe(c, r, b)
+        hs[lo + j] = h
         c.ck[r, h] = b
         c.cl[r, h] = 1
         c.cn[r, h] = 0
@@ -521,10 +528,11 @@ def _release(q, c, s, r, i, t):
     st, rs = s.st, s.rs
     lo = h_off[i]
     n = st[i, ST_FULL]
+    hs = c.hs
     h = -1
     for j in range(n):
         b = h_ids[lo + j]
-        h = _find(c, r, b)
+        h = _slot(c, r, b, hs[lo + j])
         _unlock(c, r, h, rs, btok[b])
         c.cu[r, h] = t
     if n > 0 and _evictable_leaf(c, r, h):
@@ -1166,6 +1174,7 @@ def sim_cache(q, f, lag_ns):
     if B >= 2**31:
         raise ValueError(f"{B} distinct blocks: the cache tables hold block ids below 2**31")
     return SimCache(*cache_tables(R, cache_slots(q, f.capacity)),
+                    np.empty(q.h_ids.shape[0], dtype=np.int32),
                     np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
                     ev, np.zeros((B, f.n_workers), dtype=np.int32),
                     np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)
