@@ -920,7 +920,7 @@ def _write_sample(loads, tail, nl, t, r, rs, rinf):
 
 
 @inline
-def _interval_sample(s, v, g, t, r, cur, recs, nr):
+def _interval_sample(s, v, g, t, r, cur, recs, nr, quiet):
     """Interval publishing: rank ``r``'s sample number ``g`` (of the whole run, in
     written order) stamped ``t``.  It is applied to the router's rank table as
     ``kernels.snapshot.advance_dirty_nb`` applies a written sample (every simulated
@@ -928,10 +928,17 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     recorded in ``recs`` only when its values differ from the rank's previous
     sample: the rows are expanded from these records afterwards
     (:func:`expand_interval_nb`), so memory grows with the changes, not with the
-    span.  Returns the new record count."""
+    span.  ``quiet[r]``: the rank's last sample repeated the one before it and
+    nothing touched the rank (or its worker's in-flight count) since: this one
+    repeats it too, and of its application only the stamp changes anything.
+    Returns the new record count."""
     rs, rinf, table, view_inflight, dirty = s.rs, s.rinf, v.table, v.inflight, v.dirty
     w = rs[r, RS_WORKER]
     loc = rs[r, RS_LOCAL]
+    if quiet[r]:
+        table[w, loc, R_AT] = t
+        dirty[w] = True
+        return nr
     busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
     running = rs[r, RS_RUN_N]
     waiting = rs[r, RS_QLEN]
@@ -942,11 +949,13 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     ptok = rs[r, RS_PTOK]
     pbusy = rs[r, RS_PBUSY_NS] // 1000
     inf = rinf[w]
+    quiet[r] = True
     if not (cur[r, LD_TS] >= 0 and cur[r, LD_RUNNING] == running and cur[r, LD_WAITING] == waiting
             and cur[r, LD_TOKENS] == busy and cur[r, LD_MAXTOT] == maxtot and cur[r, LD_WU] == wu
             and cur[r, LD_TOTAL] == total and cur[r, LD_MAXRUN] == maxrun
             and cur[r, LD_PTOK] == ptok and cur[r, LD_PBUSY] == pbusy
             and cur[r, LD_INFLIGHT] == inf):
+        quiet[r] = False
         cur[r, LD_TS] = g
         cur[r, LD_RUNNING] = running
         cur[r, LD_WAITING] = waiting
@@ -997,18 +1006,23 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
 
 
 @njit_inner(allocates=False)
-def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
+def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit, quiet):
     """Interval publishing: every sample from number ``g`` stamped before ``limit``
     (:func:`_interval_sample`); returns the new record count and the next sample number."""
     R = order.shape[0]
     cnt = 0
+    j = g % R   # sample g is rank order[j]'s number k (no division per sample)
+    base = t0 + (g // R) * publish_ns
     while True:
-        j = g % R
-        t = t0 + phs[j] + (g // R) * publish_ns
+        t = base + phs[j]
         if t >= limit:
             break
-        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr)
+        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr, quiet)
         g += 1
+        j += 1
+        if j == R:
+            j = 0
+            base += publish_ns
         cnt += 1
         if cnt == 2 * R:
             g_end = 0  # samples stamped before the limit: sum over ranks
@@ -1018,6 +1032,8 @@ def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
                     g_end += (span + publish_ns - 1) // publish_ns
             if g_end - R > g:
                 g = g_end - R
+                j = g % R
+                base = t0 + (g // R) * publish_ns
     return nr, g
 
 
@@ -1376,6 +1392,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
     tail = np.ones(n_samples if on_change else 1, dtype=np.bool_)
     cur = np.full((R, LD_NCOLS), -1, dtype=np.int64)  # interval: each rank's latest record
+    quiet = np.zeros(R, dtype=np.bool_)  # interval: see _interval_sample
     nl = 0
     m_off = np.zeros(N + 1, dtype=np.int64)
     m_worker = np.zeros(1024, dtype=np.int64)
@@ -1418,6 +1435,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
         phs[j] = rank_phase[order[j]]
     t0 = req_ts[0] - publish_ns if N > 0 else 0
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
+    t_interval = t0 + phs[0] if R > 0 else INF  # interval: sample g_next's stamp
     steps_changed = True
     t_step = INF
     hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
@@ -1435,7 +1453,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                 if rs[r, RS_NEXT_SAMPLE] < t_samp:
                     t_samp = rs[r, RS_NEXT_SAMPLE]
         else:
-            t_samp = t0 + phs[g_next % R] + (g_next // R) * publish_ns if R > 0 else INF
+            t_samp = t_interval
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
             steps_changed = True
@@ -1443,6 +1461,8 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             for r in range(R):
                 if rs[r, RS_END] == t:
                     n_done += _end_step(q, f, c, s, r, t)
+                    w = rs[r, RS_WORKER]   # the step changed the rank and its worker's in-flight count
+                    quiet[rank_off[w]:rank_off[w + 1]] = False
         elif t_samp <= t_arr and on_change:
             t = t_samp
             loads = _grow2(loads, nl + 2 * R)
@@ -1474,7 +1494,8 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             # sample): a long run (idle time) skips to its last R samples.
             loads = _grow2(loads, nl + R)
             nl, g_next = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
-                                       min(t_step, t_arr + 1))
+                                       min(t_step, t_arr + 1), quiet)
+            t_interval = t0 + phs[g_next % R] + (g_next // R) * publish_ns
         else:
             t = t_arr
             i = next_req
@@ -1507,6 +1528,9 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             nm, ptr, failed = _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks,
                                       nm, m_off, loads, tail, nl, ptr)
             n_done += failed
+            w = rq[i, RQ_WORKER]   # its worker's in-flight count and the rank it queued on changed
+            if w >= 0:
+                quiet[rank_off[w]:rank_off[w + 1]] = False
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
