@@ -1428,7 +1428,9 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     # phase), so the ranks sample in one fixed cyclic order (phase, then rank):
     # sample g is rank order[g % R]'s number g // R, and its time needs no scan.
     # Step ends change only when a step starts (after a step end or an
-    # arrival), so their minimum is recomputed only then.
+    # arrival), so their minimum is kept up to date then: a step end's pass
+    # recomputes it, and an arrival only starts its idle rank's step or cuts
+    # its decode run short (its rank's end can only come earlier).
     order = np.argsort(rank_phase[:R], kind="mergesort")
     phs = np.empty(R, dtype=np.int64)
     for j in range(R):
@@ -1436,17 +1438,10 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     t0 = req_ts[0] - publish_ns if N > 0 else 0
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
     t_interval = t0 + phs[0] if R > 0 else INF  # interval: sample g_next's stamp
-    steps_changed = True
-    t_step = INF
+    t_step = INF  # every rank is idle
     hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
     while n_done < N:
         stats[SS_EVENTS] += 1
-        if steps_changed:
-            t_step = INF
-            for r in range(R):
-                if rs[r, RS_END] < t_step:
-                    t_step = rs[r, RS_END]
-            steps_changed = False
         if on_change:
             t_samp = INF
             for r in range(R):
@@ -1456,13 +1451,15 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             t_samp = t_interval
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
-            steps_changed = True
             t = t_step
+            t_step = INF  # the next step end, in the same pass (a step end changes only its rank's)
             for r in range(R):
                 if rs[r, RS_END] == t:
                     n_done += _end_step(q, f, c, s, r, t)
                     w = rs[r, RS_WORKER]   # the step changed the rank and its worker's in-flight count
                     quiet[rank_off[w]:rank_off[w + 1]] = False
+                if rs[r, RS_END] < t_step:
+                    t_step = rs[r, RS_END]
         elif t_samp <= t_arr and on_change:
             t = t_samp
             loads = _grow2(loads, nl + 2 * R)
@@ -1500,7 +1497,6 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             t = t_arr
             i = next_req
             next_req += 1
-            steps_changed = True
             if on_change:
                 loads = _grow2(loads, nl + R)
                 tail = _grow1(tail, nl + R)
@@ -1531,6 +1527,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             w = rq[i, RQ_WORKER]   # its worker's in-flight count and the rank it queued on changed
             if w >= 0:
                 quiet[rank_off[w]:rank_off[w + 1]] = False
+                t_step = min(t_step, rs[rq[i, RQ_RANK], RS_END])
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
