@@ -1439,20 +1439,21 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
     t_interval = t0 + phs[0] if R > 0 else INF  # interval: sample g_next's stamp
     t_step = INF  # every rank is idle
+    # on-change: the next sample or heartbeat due, kept up to date the same way (only the
+    # ranks a step end, a sample or an arrival touches change theirs)
+    t_pub = INF
+    if on_change:
+        for r in range(R):
+            t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
     hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
     while n_done < N:
         stats[SS_EVENTS] += 1
-        if on_change:
-            t_samp = INF
-            for r in range(R):
-                if rs[r, RS_NEXT_SAMPLE] < t_samp:
-                    t_samp = rs[r, RS_NEXT_SAMPLE]
-        else:
-            t_samp = t_interval
+        t_samp = t_pub if on_change else t_interval
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
             t = t_step
             t_step = INF  # the next step end, in the same pass (a step end changes only its rank's)
+            t_pub_new = INF
             for r in range(R):
                 if rs[r, RS_END] == t:
                     n_done += _end_step(q, f, c, s, r, t)
@@ -1460,12 +1461,18 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                     quiet[rank_off[w]:rank_off[w + 1]] = False
                 if rs[r, RS_END] < t_step:
                     t_step = rs[r, RS_END]
+                if on_change and rs[r, RS_NEXT_SAMPLE] < t_pub_new:
+                    t_pub_new = rs[r, RS_NEXT_SAMPLE]
+            if on_change:
+                t_pub = t_pub_new
         elif t_samp <= t_arr and on_change:
             t = t_samp
             loads = _grow2(loads, nl + 2 * R)
             tail = _grow1(tail, nl + 2 * R)
+            t_pub = INF
             for r in range(R):
                 if rs[r, RS_NEXT_SAMPLE] != t:
+                    t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT and rs[r, RS_PUB_SGL] == 1 and (
                         rs[r, RS_KIND] != 0):
@@ -1483,6 +1490,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                     nl += 1
                 rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
                 rs[r, RS_DUE_KIND] = DUE_HEARTBEAT
+                t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
         elif t_samp <= t_arr:
             # every sample due before the next step end and up to the next arrival, in one go
             # (nothing else happens in between, so the event order is unchanged).  Their
@@ -1528,6 +1536,10 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             if w >= 0:
                 quiet[rank_off[w]:rank_off[w + 1]] = False
                 t_step = min(t_step, rs[rq[i, RQ_RANK], RS_END])
+            if on_change:  # (a change may put a rank's next heartbeat later: no shortcut)
+                t_pub = INF
+                for r in range(R):
+                    t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
