@@ -1384,11 +1384,12 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
     # --- outputs
-    # sized for the samples up to the last arrival, plus a quarter (it grows if
-    # the drain takes longer): growing by doubling touches far more memory
+    # sized for about 8 change records (interval publishing: _interval_sample's, bounded by
+    # the events) or 16 written rows (on-change) per request (Mooncake's conversation trace on
+    # 16 x dp 2: 6.5 and 12.8); it grows if needed, but a growth copies every row written so
+    # far to fresh pages, while the pages of unused room are never touched
     on_change = pub_delay > 0
-    # (interval publishing: the change records of _interval_sample, bounded by the events)
-    n_samples = 1024 + 2 * R + 6 * N  # about four changes per request; grows if needed
+    n_samples = 1024 + 2 * R + (16 if on_change else 8) * N
     loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
     tail = np.ones(n_samples if on_change else 1, dtype=np.bool_)
     cur = np.full((R, LD_NCOLS), -1, dtype=np.int64)  # interval: each rank's latest record
