@@ -1064,20 +1064,10 @@ def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local
     return p
 
 
-@inline
-def _next_heartbeat(rs, R):
-    """The earliest pending heartbeat's stamp (INF: none)."""
-    t = INF
-    for r in range(R):
-        p = rs[r, RS_HB_PENDING]
-        if p >= 0 and p < t:
-            t = p
-    return t
-
-
 @njit_inner(allocates=False)
-def _flush_heartbeats(loads, tail, nl, t, rs, R):
-    """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
+def _flush_heartbeats(loads, tail, nl, t, rs, R, due):
+    """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count
+    and the earliest heartbeat still pending (INF: none).  ``due``: scratch of ``R`` entries.
 
     On-change publishing: a heartbeat repeats the rank's previous sample but
     for its stamp and ``router_inflight``.  It is held back until something
@@ -1086,23 +1076,33 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
     decision could see it (the rank table keeps the latest sample per rank, and
     its throughput delta is zero either way).  So idle time costs no rows.
     """
-    while True:
-        best = -1
-        for r in range(R):
-            p = rs[r, RS_HB_PENDING]
-            if p >= 0 and p <= t and (best < 0 or p < rs[best, RS_HB_PENDING]):
-                best = r
-        if best < 0:
-            return nl
-        src = rs[best, RS_LAST_ROW]
+    n = 0
+    later = INF
+    for r in range(R):  # the ranks due, in (time, rank) order: one pass and an insertion sort
+        p = rs[r, RS_HB_PENDING]
+        if p < 0:
+            continue
+        if p > t:
+            later = min(later, p)
+            continue
+        x = n
+        while x > 0 and rs[due[x - 1], RS_HB_PENDING] > p:
+            due[x] = due[x - 1]
+            x -= 1
+        due[x] = r
+        n += 1
+    for x in range(n):
+        r = due[x]
+        src = rs[r, RS_LAST_ROW]
         for c in range(LD_NCOLS):
             loads[c, nl] = loads[c, src]
-        loads[LD_TS, nl] = rs[best, RS_HB_PENDING]
-        loads[LD_INFLIGHT, nl] = rs[best, RS_HB_INF]
+        loads[LD_TS, nl] = rs[r, RS_HB_PENDING]
+        loads[LD_INFLIGHT, nl] = rs[r, RS_HB_INF]
         tail[nl] = True
-        rs[best, RS_LAST_ROW] = nl
-        rs[best, RS_HB_PENDING] = -1
+        rs[r, RS_LAST_ROW] = nl
+        rs[r, RS_HB_PENDING] = -1
         nl += 1
+    return nl, later
 
 
 @njit_inner(allocates=False)
@@ -1394,6 +1394,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     tail = np.ones(n_samples if on_change else 1, dtype=np.bool_)
     cur = np.full((R, LD_NCOLS), -1, dtype=np.int64)  # interval: each rank's latest record
     quiet = np.zeros(R, dtype=np.bool_)  # interval: see _interval_sample
+    hb_due = np.empty(max(R, 1), dtype=np.int64)  # on-change: _flush_heartbeats' scratch
     nl = 0
     m_off = np.zeros(N + 1, dtype=np.int64)
     m_worker = np.zeros(1024, dtype=np.int64)
@@ -1485,8 +1486,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                     rs[r, RS_HB_INF] = rinf[rs[r, RS_WORKER]]
                 else:
                     if hb_next <= t:
-                        nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
-                        hb_next = _next_heartbeat(rs, R)
+                        nl, hb_next = _flush_heartbeats(loads, tail, nl, t, rs, R, hb_due)
                     _write_sample(loads, tail, nl, t, r, rs, rinf)
                     nl += 1
                 rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
@@ -1510,8 +1510,7 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                 loads = _grow2(loads, nl + R)
                 tail = _grow1(tail, nl + R)
                 if hb_next <= t:
-                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
-                    hb_next = _next_heartbeat(rs, R)
+                    nl, hb_next = _flush_heartbeats(loads, tail, nl, t, rs, R, hb_due)
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
