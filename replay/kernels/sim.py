@@ -1176,7 +1176,8 @@ def sim_cache(q, f, lag_ns):
     :func:`cache_slots` slots (its KV capacity in blocks, twice over), so its size
     follows the fleet, not the trace; only its keys need filling (a slot's other
     fields are written when a block is stored), the heaps are read only below their
-    sizes: no zero fill.  The
+    sizes, and the slot hints ``hs`` (4 bytes per prefix block of the requests) only where
+    an admission wrote them: no zero fill.  The
     KV index's lag queue holds 4 values per event from ``ev[1]`` (``ev[0]`` values
     held): every store is one block of an admitted request (each request is admitted
     once) and every eviction undoes a store, so 8 values per prefix block bound it;
