@@ -198,12 +198,14 @@ the router's live in-flight count per worker ``rinf``, run statistics ``stats[SS
 workers' DP controllers (round-robin counter ``rr``, last snapshot refresh ``dpc_last``), and
 the ``lpm`` policy's scratch (``lpm_ids``, ``lpm_key``: ``LPM_MAX_QUEUE`` entries each)."""
 
-SimCache = namedtuple("SimCache", ("ck", "cl", "cn", "cu", "hk", "hb", "ev", "idx", "idxr", "lag"),
-                      module=__name__)
+SimCache = namedtuple("SimCache", ("ck", "cl", "cn", "cu", "hs", "hk", "hb", "ev", "idx", "idxr",
+                                   "lag"), module=__name__)
 SimCache.__doc__ = """The ranks' prefix caches: per rank an open-addressing table of block id ->
 slot (linear probing, backward-shift deletion), sized by the rank's KV capacity in blocks, not
 by the trace's blocks: ``ck[r, slot]`` the block held (int32, -1 empty), ``cl`` running
-requests holding it, ``cn`` its cached children, ``cu`` its last use; each rank's LRU
+requests holding it, ``cn`` its cached children, ``cu`` its last use; ``hs``, aligned with the
+requests' ``h_ids``, the slot each full block of an admitted request was found or stored in (a
+hint: valid while ``ck`` still holds the block there, since only evictions move slots); each rank's LRU
 min-heap of evictable leaves ``(hk, hb)[r, :RS_HN]`` (lazy deletion); and the KV index's lag queue
 ``ev`` (``ev[0]`` values held, 4 per event from ``ev[1]``), its events due ``lag`` ns after
 the change, and the router's KV index they feed: per (block, worker) ``idx`` and, for the

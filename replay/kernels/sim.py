@@ -301,6 +301,13 @@ def _find(c, r, b):
 
 
 @inline
+def _slot(c, r, b, h):
+    """The slot of block ``b`` cached on rank ``r``, where ``h`` is the slot it was last found in
+    (``c.hs``): the same unless an eviction moved it."""
+    return h if c.ck[r, h] == b else _find(c, r, b)
+
+
+@inline
 def _remove(c, r, h):
     """Delete slot ``h`` of rank ``r``'s table, shifting later entries of its run back."""
     mask = c.ck.shape[1] - 1
@@ -436,7 +443,7 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
     reserve)``; ``take`` < 0 when not admitted."""
     req_L, req_out, h_off, h_ids, btok = q.input_tokens, q.output_tokens, q.h_off, q.h_ids, q.btok
     st, rq, rs, stats = s.st, s.rq, s.rs, s.stats
-    ev, lag = c.ev, c.lag
+    ev, lag, hs = c.ev, c.lag, c.hs
     lo = h_off[i]
     n = st[i, ST_FULL]
     d = 0
@@ -446,6 +453,7 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
         h = _find(c, r, b)
         if h < 0:
             break
+        hs[lo + d] = h
         _lock(c, r, h, rs, btok[b])
         cached += btok[b]
         d += 1
@@ -476,18 +484,17 @@ def _try_admit(q, c, s, r, i, t, chunking, rem_chunk, rem_input, offset, first):
         h = -1
         for j in range(d):  # (slots may have moved in the evictions)
             b = h_ids[lo + j]
-            h = _find(c, r, b)
+            h = _slot(c, r, b, hs[lo + j])
             _unlock(c, r, h, rs, btok[b])
         if d > 0 and _evictable_leaf(c, r, h):
             _push_leaf(c, s, r, h_ids[lo + d - 1], h)
         return -1, 0
-    hp = -1
-    for j in range(d):
-        hp = _find(c, r, h_ids[lo + j])
-        c.cu[r, hp] = t
+    # the cached blocks stay locked until _release, which stamps their last use: no stamp here
+    hp = _slot(c, r, h_ids[lo + d - 1], hs[lo + d - 1]) if d > 0 else -1
     for j in range(d, n):
         b = h_ids[lo + j]
         h = _probe(c, r, b)
+        hs[lo + j] = h
         c.ck[r, h] = b
         c.cl[r, h] = 1
         c.cn[r, h] = 0
@@ -521,10 +528,11 @@ def _release(q, c, s, r, i, t):
     st, rs = s.st, s.rs
     lo = h_off[i]
     n = st[i, ST_FULL]
+    hs = c.hs
     h = -1
     for j in range(n):
         b = h_ids[lo + j]
-        h = _find(c, r, b)
+        h = _slot(c, r, b, hs[lo + j])
         _unlock(c, r, h, rs, btok[b])
         c.cu[r, h] = t
     if n > 0 and _evictable_leaf(c, r, h):
@@ -912,7 +920,7 @@ def _write_sample(loads, tail, nl, t, r, rs, rinf):
 
 
 @inline
-def _interval_sample(s, v, g, t, r, cur, recs, nr):
+def _interval_sample(s, v, g, t, r, cur, recs, nr, quiet):
     """Interval publishing: rank ``r``'s sample number ``g`` (of the whole run, in
     written order) stamped ``t``.  It is applied to the router's rank table as
     ``kernels.snapshot.advance_dirty_nb`` applies a written sample (every simulated
@@ -920,10 +928,17 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     recorded in ``recs`` only when its values differ from the rank's previous
     sample: the rows are expanded from these records afterwards
     (:func:`expand_interval_nb`), so memory grows with the changes, not with the
-    span.  Returns the new record count."""
+    span.  ``quiet[r]``: the rank's last sample repeated the one before it and
+    nothing touched the rank (or its worker's in-flight count) since: this one
+    repeats it too, and of its application only the stamp changes anything.
+    Returns the new record count."""
     rs, rinf, table, view_inflight, dirty = s.rs, s.rinf, v.table, v.inflight, v.dirty
     w = rs[r, RS_WORKER]
     loc = rs[r, RS_LOCAL]
+    if quiet[r]:
+        table[w, loc, R_AT] = t
+        dirty[w] = True
+        return nr
     busy = rs[r, RS_USED] - rs[r, RS_EVICTABLE]
     running = rs[r, RS_RUN_N]
     waiting = rs[r, RS_QLEN]
@@ -934,11 +949,13 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
     ptok = rs[r, RS_PTOK]
     pbusy = rs[r, RS_PBUSY_NS] // 1000
     inf = rinf[w]
+    quiet[r] = True
     if not (cur[r, LD_TS] >= 0 and cur[r, LD_RUNNING] == running and cur[r, LD_WAITING] == waiting
             and cur[r, LD_TOKENS] == busy and cur[r, LD_MAXTOT] == maxtot and cur[r, LD_WU] == wu
             and cur[r, LD_TOTAL] == total and cur[r, LD_MAXRUN] == maxrun
             and cur[r, LD_PTOK] == ptok and cur[r, LD_PBUSY] == pbusy
             and cur[r, LD_INFLIGHT] == inf):
+        quiet[r] = False
         cur[r, LD_TS] = g
         cur[r, LD_RUNNING] = running
         cur[r, LD_WAITING] = waiting
@@ -989,18 +1006,23 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr):
 
 
 @njit_inner(allocates=False)
-def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
+def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit, quiet):
     """Interval publishing: every sample from number ``g`` stamped before ``limit``
     (:func:`_interval_sample`); returns the new record count and the next sample number."""
     R = order.shape[0]
     cnt = 0
+    j = g % R   # sample g is rank order[j]'s number k (no division per sample)
+    base = t0 + (g // R) * publish_ns
     while True:
-        j = g % R
-        t = t0 + phs[j] + (g // R) * publish_ns
+        t = base + phs[j]
         if t >= limit:
             break
-        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr)
+        nr = _interval_sample(s, v, g, t, order[j], cur, recs, nr, quiet)
         g += 1
+        j += 1
+        if j == R:
+            j = 0
+            base += publish_ns
         cnt += 1
         if cnt == 2 * R:
             g_end = 0  # samples stamped before the limit: sum over ranks
@@ -1010,6 +1032,8 @@ def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit):
                     g_end += (span + publish_ns - 1) // publish_ns
             if g_end - R > g:
                 g = g_end - R
+                j = g % R
+                base = t0 + (g // R) * publish_ns
     return nr, g
 
 
@@ -1040,20 +1064,10 @@ def expand_interval_nb(recs, order, phs, t0, publish_ns, rank_worker, rank_local
     return p
 
 
-@inline
-def _next_heartbeat(rs, R):
-    """The earliest pending heartbeat's stamp (INF: none)."""
-    t = INF
-    for r in range(R):
-        p = rs[r, RS_HB_PENDING]
-        if p >= 0 and p < t:
-            t = p
-    return t
-
-
 @njit_inner(allocates=False)
-def _flush_heartbeats(loads, tail, nl, t, rs, R):
-    """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count.
+def _flush_heartbeats(loads, tail, nl, t, rs, R, due):
+    """Write the pending heartbeats stamped ``<= t`` in (time, rank) order; return the new count
+    and the earliest heartbeat still pending (INF: none).  ``due``: scratch of ``R`` entries.
 
     On-change publishing: a heartbeat repeats the rank's previous sample but
     for its stamp and ``router_inflight``.  It is held back until something
@@ -1062,23 +1076,33 @@ def _flush_heartbeats(loads, tail, nl, t, rs, R):
     decision could see it (the rank table keeps the latest sample per rank, and
     its throughput delta is zero either way).  So idle time costs no rows.
     """
-    while True:
-        best = -1
-        for r in range(R):
-            p = rs[r, RS_HB_PENDING]
-            if p >= 0 and p <= t and (best < 0 or p < rs[best, RS_HB_PENDING]):
-                best = r
-        if best < 0:
-            return nl
-        src = rs[best, RS_LAST_ROW]
+    n = 0
+    later = INF
+    for r in range(R):  # the ranks due, in (time, rank) order: one pass and an insertion sort
+        p = rs[r, RS_HB_PENDING]
+        if p < 0:
+            continue
+        if p > t:
+            later = min(later, p)
+            continue
+        x = n
+        while x > 0 and rs[due[x - 1], RS_HB_PENDING] > p:
+            due[x] = due[x - 1]
+            x -= 1
+        due[x] = r
+        n += 1
+    for x in range(n):
+        r = due[x]
+        src = rs[r, RS_LAST_ROW]
         for c in range(LD_NCOLS):
             loads[c, nl] = loads[c, src]
-        loads[LD_TS, nl] = rs[best, RS_HB_PENDING]
-        loads[LD_INFLIGHT, nl] = rs[best, RS_HB_INF]
+        loads[LD_TS, nl] = rs[r, RS_HB_PENDING]
+        loads[LD_INFLIGHT, nl] = rs[r, RS_HB_INF]
         tail[nl] = True
-        rs[best, RS_LAST_ROW] = nl
-        rs[best, RS_HB_PENDING] = -1
+        rs[r, RS_LAST_ROW] = nl
+        rs[r, RS_HB_PENDING] = -1
         nl += 1
+    return nl, later
 
 
 @njit_inner(allocates=False)
@@ -1153,7 +1177,8 @@ def sim_cache(q, f, lag_ns, slots=None):
     :func:`cache_slots` slots (its KV capacity in blocks, twice over), so its size
     follows the fleet, not the trace; only its keys need filling (a slot's other
     fields are written when a block is stored), the heaps are read only below their
-    sizes: no zero fill.  The
+    sizes, and the slot hints ``hs`` (4 bytes per prefix block of the requests) only where
+    an admission wrote them: no zero fill.  The
     KV index's lag queue holds 4 values per event from ``ev[1]`` (``ev[0]`` values
     held): every store is one block of an admitted request (each request is admitted
     once) and every eviction undoes a store, so 8 values per prefix block bound it;
@@ -1167,6 +1192,7 @@ def sim_cache(q, f, lag_ns, slots=None):
     if B >= 2**31:
         raise ValueError(f"{B} distinct blocks: the cache tables hold block ids below 2**31")
     return SimCache(*cache_tables(R, cache_slots(q, f.capacity) if slots is None else slots),
+                    np.empty(q.h_ids.shape[0], dtype=np.int32),
                     np.empty((R, f.heap_cap), dtype=np.int64), np.empty((R, f.heap_cap), dtype=np.int64),
                     ev, np.zeros((B, f.n_workers), dtype=np.int32),
                     np.zeros((B, R) if f.dispatch == LB_ROUTER else (1, 1), dtype=np.int32), lag_ns)
@@ -1360,14 +1386,17 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     rinf = np.zeros(n_workers, dtype=np.int64)      # the router's live in-flight counts
     stats = np.zeros(SS_NCOLS, dtype=np.int64)
     # --- outputs
-    # sized for the samples up to the last arrival, plus a quarter (it grows if
-    # the drain takes longer): growing by doubling touches far more memory
+    # sized for about 8 change records (interval publishing: _interval_sample's, bounded by
+    # the events) or 16 written rows (on-change) per request (Mooncake's conversation trace on
+    # 16 x dp 2: 6.5 and 12.8); it grows if needed, but a growth copies every row written so
+    # far to fresh pages, while the pages of unused room are never touched
     on_change = pub_delay > 0
-    # (interval publishing: the change records of _interval_sample, bounded by the events)
-    n_samples = 1024 + 2 * R + 6 * N  # about four changes per request; grows if needed
+    n_samples = 1024 + 2 * R + (16 if on_change else 8) * N
     loads = np.empty((LD_NCOLS, n_samples), dtype=np.int64)
     tail = np.ones(n_samples if on_change else 1, dtype=np.bool_)
     cur = np.full((R, LD_NCOLS), -1, dtype=np.int64)  # interval: each rank's latest record
+    quiet = np.zeros(R, dtype=np.bool_)  # interval: see _interval_sample
+    hb_due = np.empty(max(R, 1), dtype=np.int64)  # on-change: _flush_heartbeats' scratch
     nl = 0
     m_off = np.zeros(N + 1, dtype=np.int64)
     m_worker = np.zeros(1024, dtype=np.int64)
@@ -1403,44 +1432,51 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
     # phase), so the ranks sample in one fixed cyclic order (phase, then rank):
     # sample g is rank order[g % R]'s number g // R, and its time needs no scan.
     # Step ends change only when a step starts (after a step end or an
-    # arrival), so their minimum is recomputed only then.
+    # arrival), so their minimum is kept up to date then: a step end's pass
+    # recomputes it, and an arrival only starts its idle rank's step or cuts
+    # its decode run short (its rank's end can only come earlier).
     order = np.argsort(rank_phase[:R], kind="mergesort")
     phs = np.empty(R, dtype=np.int64)
     for j in range(R):
         phs[j] = rank_phase[order[j]]
     t0 = req_ts[0] - publish_ns if N > 0 else 0
     g_next = 0  # interval: samples written so far; sample g is rank order[g % R]'s number g // R
-    steps_changed = True
-    t_step = INF
+    t_interval = t0 + phs[0] if R > 0 else INF  # interval: sample g_next's stamp
+    t_step = INF  # every rank is idle
+    # on-change: the next sample or heartbeat due, kept up to date the same way (only the
+    # ranks a step end, a sample or an arrival touches change theirs)
+    t_pub = INF
+    if on_change:
+        for r in range(R):
+            t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
     hb_next = INF  # on-change: no pending heartbeat is stamped before this (a lower bound)
     while n_done < N:
         stats[SS_EVENTS] += 1
-        if steps_changed:
-            t_step = INF
-            for r in range(R):
-                if rs[r, RS_END] < t_step:
-                    t_step = rs[r, RS_END]
-            steps_changed = False
-        if on_change:
-            t_samp = INF
-            for r in range(R):
-                if rs[r, RS_NEXT_SAMPLE] < t_samp:
-                    t_samp = rs[r, RS_NEXT_SAMPLE]
-        else:
-            t_samp = t0 + phs[g_next % R] + (g_next // R) * publish_ns if R > 0 else INF
+        t_samp = t_pub if on_change else t_interval
         t_arr = req_ts[next_req] if next_req < N else INF
         if t_step <= t_samp and t_step <= t_arr:
-            steps_changed = True
             t = t_step
+            t_step = INF  # the next step end, in the same pass (a step end changes only its rank's)
+            t_pub_new = INF
             for r in range(R):
                 if rs[r, RS_END] == t:
                     n_done += _end_step(q, f, c, s, r, t)
+                    w = rs[r, RS_WORKER]   # the step changed the rank and its worker's in-flight count
+                    quiet[rank_off[w]:rank_off[w + 1]] = False
+                if rs[r, RS_END] < t_step:
+                    t_step = rs[r, RS_END]
+                if on_change and rs[r, RS_NEXT_SAMPLE] < t_pub_new:
+                    t_pub_new = rs[r, RS_NEXT_SAMPLE]
+            if on_change:
+                t_pub = t_pub_new
         elif t_samp <= t_arr and on_change:
             t = t_samp
             loads = _grow2(loads, nl + 2 * R)
             tail = _grow1(tail, nl + 2 * R)
+            t_pub = INF
             for r in range(R):
                 if rs[r, RS_NEXT_SAMPLE] != t:
+                    t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
                     continue
                 if rs[r, RS_DUE_KIND] == DUE_HEARTBEAT and rs[r, RS_PUB_SGL] == 1 and (
                         rs[r, RS_KIND] != 0):
@@ -1452,12 +1488,12 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
                     rs[r, RS_HB_INF] = rinf[rs[r, RS_WORKER]]
                 else:
                     if hb_next <= t:
-                        nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
-                        hb_next = _next_heartbeat(rs, R)
+                        nl, hb_next = _flush_heartbeats(loads, tail, nl, t, rs, R, hb_due)
                     _write_sample(loads, tail, nl, t, r, rs, rinf)
                     nl += 1
                 rs[r, RS_NEXT_SAMPLE] = t + rs[r, RS_PUB_IDLE]
                 rs[r, RS_DUE_KIND] = DUE_HEARTBEAT
+                t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
         elif t_samp <= t_arr:
             # every sample due before the next step end and up to the next arrival, in one go
             # (nothing else happens in between, so the event order is unchanged).  Their
@@ -1466,18 +1502,17 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             # sample): a long run (idle time) skips to its last R samples.
             loads = _grow2(loads, nl + R)
             nl, g_next = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
-                                       min(t_step, t_arr + 1))
+                                       min(t_step, t_arr + 1), quiet)
+            t_interval = t0 + phs[g_next % R] + (g_next // R) * publish_ns
         else:
             t = t_arr
             i = next_req
             next_req += 1
-            steps_changed = True
             if on_change:
                 loads = _grow2(loads, nl + R)
                 tail = _grow1(tail, nl + R)
                 if hb_next <= t:
-                    nl = _flush_heartbeats(loads, tail, nl, t, rs, R)
-                    hb_next = _next_heartbeat(rs, R)
+                    nl, hb_next = _flush_heartbeats(loads, tail, nl, t, rs, R, hb_due)
             # the KV index as the router sees it (events lagged by lag_ns)
             ne = ev[0]
             while ev_head < ne and ev[ev_head + 1] <= t:
@@ -1499,6 +1534,14 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             nm, ptr, failed = _arrive(q, f, c, s, v, knobs, seed, freshness, i, t, m_worker, m_blocks,
                                       nm, m_off, loads, tail, nl, ptr)
             n_done += failed
+            w = rq[i, RQ_WORKER]   # its worker's in-flight count and the rank it queued on changed
+            if w >= 0:
+                quiet[rank_off[w]:rank_off[w + 1]] = False
+                t_step = min(t_step, rs[rq[i, RQ_RANK], RS_END])
+            if on_change:  # (a change may put a rank's next heartbeat later: no shortcut)
+                t_pub = INF
+                for r in range(R):
+                    t_pub = min(t_pub, rs[r, RS_NEXT_SAMPLE])
     if cache_log is not None:
         for x in range(ev_head, ev[0]):
             cache_log.append(ev[x + 1])
