@@ -616,14 +616,14 @@ def recover(out: str | os.PathLike, *, say: Callable[[str], None] | None = None)
 
 _STOPS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 _LIVE: dict[Path, int] = {}
+"""This process's unfinished outputs (partial folders, file temporaries) -> the pid that made them:
+removed at exit whatever ended the command (:func:`_discard_live`)."""
 KEPT: list[Path] = []
 """Work folders this process keeps on a failure or a signal so that a rerun can go on from them
 (a grid's ``.<name>.resume``): the command's last line names them, not "nothing was kept"."""
 PLACED: list[Path] = []
 """This process's outputs swapped into place, in order: a stop signal after the first no longer
 means "nothing of this run was kept", so the command finishes (replay/cli/app.py)."""
-"""This process's unfinished outputs (partial folders, file temporaries) -> the pid that made them:
-removed at exit whatever ended the command (:func:`_discard_live`)."""
 
 
 @contextlib.contextmanager
