@@ -115,8 +115,8 @@ def calibrate_trace(trace_dir: str | os.PathLike, out: str | os.PathLike, *,
     if rec.loads is None:   # the fit reads the load samples: refused as validate refuses such a trace
         parts_or_fail(str(trace_dir), "loads")
     if rec.log.ts_ns.shape[0] == 0:     # nothing to fit the speeds to, nor to validate them against
-        held = Path(trace_dir) / "requests.parquet"
-        raise TraceError(f"{held if held.exists() else Path(trace_dir) / 'requests'}: no requests; calibrate "
+        held = Path(trace_dir) / names.REQUESTS
+        raise TraceError(f"{held if held.exists() else held.with_suffix('')}: no requests; calibrate "
                          "fits decode speed and rank dispatch to the recorded requests and validates by "
                          "replaying them: the load samples alone fit only part of a fleet")
     cal = fit_fleet(rec, decode_model=decode_model)
