@@ -1008,7 +1008,8 @@ def _interval_sample(s, v, g, t, r, cur, recs, nr, quiet):
 @njit_inner(allocates=False)
 def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit, quiet):
     """Interval publishing: every sample from number ``g`` stamped before ``limit``
-    (:func:`_interval_sample`); returns the new record count and the next sample number."""
+    (:func:`_interval_sample`); returns the new record count, the next sample number and
+    that sample's stamp (the first at or after ``limit``)."""
     R = order.shape[0]
     cnt = 0
     j = g % R   # sample g is rank order[j]'s number k (no division per sample)
@@ -1034,7 +1035,7 @@ def _interval_run(s, v, order, phs, t0, publish_ns, cur, recs, nr, g, limit, qui
                 g = g_end - R
                 j = g % R
                 base = t0 + (g // R) * publish_ns
-    return nr, g
+    return nr, g, t
 
 
 @njit
@@ -1501,9 +1502,8 @@ def simulate_nb(q, f, c, knobs, seed, freshness, cache_log=None):
             # only its last one matters (the rank table keeps the latest and the previous
             # sample): a long run (idle time) skips to its last R samples.
             loads = _grow2(loads, nl + R)
-            nl, g_next = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
-                                       min(t_step, t_arr + 1), quiet)
-            t_interval = t0 + phs[g_next % R] + (g_next // R) * publish_ns
+            nl, g_next, t_interval = _interval_run(s, v, order, phs, t0, publish_ns, cur, loads, nl, g_next,
+                                                   min(t_step, t_arr + 1), quiet)
         else:
             t = t_arr
             i = next_req
